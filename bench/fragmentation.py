@@ -1,0 +1,189 @@
+"""`vtoken bench fragmentation`: blocks a request retains under eviction, naive vs vtoken.
+
+Each run generates greedily on natural-text prompts (CPython's language reference, shipped
+with Python) while a policy evicts down to ``keep * sequence length`` tokens every step.
+One model run drives four managers in lock-step (vtoken and naive, block sizes 16 and 32)
+with identical allocations and evictions, so every pair differs only in reclamation.
+Blocks are the mean per request at the end of generation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+PROMPT_TOPICS = ("compound", "specialnames", "types", "typesseq", "execmodel", "import")
+POLICIES = ("h2o", "random", "scissorhands", "tova", "snapkv", "streaming_llm", "page", "none")
+KEEP_RATIOS = (0.2, 0.5)
+BLOCK_SIZES = (16, 32)
+
+
+class Engine(str, Enum):
+    SIM = "sim"
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    policy: str
+    keep: float
+    block_size: int
+    naive_blocks: float
+    vtoken_blocks: float
+    ideal_blocks: float
+    reduction_pct: float
+
+
+def natural_prompts(tokenizer: object, count: int, num_tokens: int) -> list[list[int]]:
+    """``count`` prompts of exactly ``num_tokens`` tokens from the Python language reference."""
+    from pydoc_data.topics import topics
+
+    prompts = []
+    for topic in PROMPT_TOPICS[:count]:
+        ids = tokenizer(topics[topic])["input_ids"]  # type: ignore[operator]
+        if len(ids) < num_tokens:
+            raise ValueError(f"topic {topic!r} has only {len(ids)} tokens")
+        prompts.append(list(ids[:num_tokens]))
+    return prompts
+
+
+def run_sim(
+    model: str,
+    policies: list[str],
+    keeps: list[float],
+    block_sizes: list[int],
+    num_prompts: int,
+    prompt_tokens: int,
+    new_tokens: int,
+    progress: bool = True,
+) -> list[Row]:
+    from tqdm import tqdm
+
+    from policies import make_policy
+    from vtoken import ReclaimMode, StandaloneBlockPool, VTokenManager
+    from vtoken.models import resolve_model
+    from workers.hf_sim import HFSimEngine
+
+    engine = HFSimEngine(str(resolve_model(model)))
+    prompts = natural_prompts(engine.tokenizer, num_prompts, prompt_tokens)
+    cases = [(p, k) for p in policies for k in keeps]
+    totals: dict[tuple[str, float, int, str], float] = {}
+    bar = tqdm(total=len(cases) * len(prompts), desc="fragmentation", disable=not progress)
+    for policy_name, keep in cases:
+        for index, prompt in enumerate(prompts):
+            managers = {}
+            for block_size in block_sizes:
+                num_blocks = math.ceil((prompt_tokens + new_tokens) / block_size) + 2
+                for mode in ReclaimMode:
+                    pool = StandaloneBlockPool(num_blocks)
+                    managers[(block_size, mode)] = VTokenManager(pool, block_size, mode)
+            ordered = sorted(managers.items(), key=lambda item: item[0][1] != ReclaimMode.VTOKEN)
+            engine.generate(
+                prompt,
+                new_tokens,
+                make_policy(policy_name),
+                lambda n, keep=keep: math.ceil(keep * n),
+                [manager for _, manager in ordered],
+                request_id=f"p{index}",
+            )
+            for (block_size, mode), manager in managers.items():
+                report = manager.report(f"p{index}")
+                values = {mode.value: report.allocated_blocks}
+                if mode is ReclaimMode.VTOKEN:
+                    values["ideal"] = report.ideal_blocks
+                for kind, value in values.items():
+                    key = (policy_name, keep, block_size, kind)
+                    totals[key] = totals.get(key, 0.0) + value / len(prompts)
+            bar.update()
+    bar.close()
+    rows = []
+    for policy_name, keep in cases:
+        for block_size in block_sizes:
+            naive, vtoken, ideal = (
+                totals[(policy_name, keep, block_size, kind)] for kind in ("naive", "vtoken", "ideal")
+            )
+            reduction = 100.0 * (1.0 - vtoken / naive) if naive else 0.0
+            rows.append(
+                Row(policy_name, keep, block_size, naive, vtoken, ideal, round(reduction, 2))
+            )
+    return rows
+
+
+def print_table(rows: list[Row], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in ("policy", "keep", "block", "naive blocks", "vtoken blocks", "ideal", "reduction"):
+        table.add_column(column, justify="left" if column == "policy" else "right")
+    for row in rows:
+        table.add_row(
+            row.policy,
+            f"{row.keep:.1f}",
+            str(row.block_size),
+            f"{row.naive_blocks:.2f}",
+            f"{row.vtoken_blocks:.2f}",
+            f"{row.ideal_blocks:.2f}",
+            f"{row.reduction_pct:.1f}%",
+        )
+    Console().print(table)
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r.policy}\nk={r.keep} b={r.block_size}" for r in rows]
+    xs = range(len(rows))
+    figure, axis = plt.subplots(figsize=(max(8, len(rows) * 0.6), 4.5))
+    axis.bar([x - 0.2 for x in xs], [r.naive_blocks for r in rows], 0.4, label="naive")
+    axis.bar([x + 0.2 for x in xs], [r.vtoken_blocks for r in rows], 0.4, label="vtoken")
+    axis.set_xticks(list(xs), labels, rotation=90, fontsize=7)
+    axis.set_ylabel("blocks retained per request")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def _csv(value: str) -> list[str]:
+    return [part.strip() for part in value.split(",") if part.strip()]
+
+
+def cli(
+    engine: Annotated[Engine, typer.Option(help="Which engine runs the requests.")] = Engine.SIM,
+    model: Annotated[str, typer.Option(help="Shipped model name or model folder.")] = "smollm2",
+    quick: Annotated[bool, typer.Option(help="One prompt, 512 + 64 tokens.")] = False,
+    policies: Annotated[str, typer.Option(help="Comma-separated policy names.")] = ",".join(
+        POLICIES
+    ),
+    prompt_tokens: Annotated[int, typer.Option(min=64)] = 512,
+    new_tokens: Annotated[int, typer.Option(min=1)] = 64,
+    prompts: Annotated[int, typer.Option(min=1, max=len(PROMPT_TOPICS))] = 3,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
+    plot_path: Annotated[Path | None, typer.Option("--plot", help="Write a PNG here.")] = None,
+) -> None:
+    """Retained KV blocks per request with and without repack, on identical decisions."""
+    from policies import REGISTRY
+
+    names = _csv(policies)
+    unknown = [name for name in names if name not in REGISTRY]
+    if unknown or not names:
+        raise typer.BadParameter(f"unknown policies {unknown}; known: {sorted(REGISTRY)}")
+    num_prompts = 1 if quick else prompts
+    rows = run_sim(
+        model, names, list(KEEP_RATIOS), list(BLOCK_SIZES), num_prompts, prompt_tokens, new_tokens
+    )
+    print_table(rows, f"Retained KV blocks per request ({engine.value}, {model})")
+    if json_path is not None:
+        document = {"engine": engine.value, "model": model, "results": [asdict(r) for r in rows]}
+        json_path.write_text(json.dumps(document, indent=2) + "\n")
+    if plot_path is not None:
+        plot(rows, plot_path)

@@ -1,0 +1,142 @@
+"""Token repack: copy KV entries from source slots to destination slots in every layer.
+
+A slot is the global index ``block_id * block_size + offset``. ``src_slots`` and
+``dst_slots`` are int64 tensors of equal length; no destination may also be a source
+(the repack planner guarantees it: destinations are holes, sources are live), and no
+destination may appear twice. Every path copies all layers, K and V, in one call.
+
+Backends (``repack(..., backend=...)``; ``None`` picks the first that applies):
+
+    triton   CUDA caches, flash or cpu_attn layout; one launch for all layers
+    cpu      CPU caches, flash or cpu_attn layout; C loop via ctypes (``_repack_cpu``)
+    torch    anything, including cpu_attn_amx: ``reference_repack``
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import Enum
+
+import torch
+
+from kernels.layout import KVLayout
+
+
+class RepackBackend(str, Enum):
+    TRITON = "triton"
+    CPU = "cpu"
+    TORCH = "torch"
+
+
+def reference_repack(
+    kv_caches: Sequence[torch.Tensor],
+    src_slots: torch.Tensor,
+    dst_slots: torch.Tensor,
+    layout: KVLayout,
+) -> None:
+    """Plain-torch reference: ``cache[dst] = cache[src]`` for K and V of every layer, in place.
+
+    Reads every source before writing any destination, so it is exact for any layout
+    (``layout.gather``/``scatter`` address each element through ``element_offsets``).
+    """
+    if src_slots.numel() == 0:
+        return
+    for cache in kv_caches:
+        layout.scatter(cache, dst_slots, layout.gather(cache, src_slots))
+
+
+def check_repack_args(
+    kv_caches: Sequence[torch.Tensor],
+    src_slots: torch.Tensor,
+    dst_slots: torch.Tensor,
+    layout: KVLayout,
+) -> None:
+    """Raise ``ValueError`` unless the caches and slots are a valid repack.
+
+    Caches: non-empty, one shape, dtype and device, contiguous, of ``layout``. Slots: 1-D
+    int64 of equal length on the caches' device, within the cache, no destination repeated
+    or also a source (sources are read while destinations are written).
+    """
+    if not kv_caches:
+        raise ValueError("repack needs at least one layer cache")
+    first = kv_caches[0]
+    for cache in kv_caches:
+        layout.check_cache(cache)
+        if cache.shape != first.shape or cache.dtype != first.dtype:
+            raise ValueError(
+                f"layer caches differ: {tuple(cache.shape)} {cache.dtype} vs "
+                f"{tuple(first.shape)} {first.dtype}"
+            )
+        if cache.device != first.device:
+            raise ValueError(f"layer caches on {cache.device} and {first.device}")
+    for name, slots in (("src_slots", src_slots), ("dst_slots", dst_slots)):
+        if slots.dim() != 1 or slots.dtype != torch.int64:
+            raise ValueError(f"{name} must be 1-D int64, got {slots.dtype} {tuple(slots.shape)}")
+        if slots.device != first.device:
+            raise ValueError(f"{name} on {slots.device}, caches on {first.device}")
+    if src_slots.numel() != dst_slots.numel():
+        raise ValueError(f"{src_slots.numel()} sources but {dst_slots.numel()} destinations")
+    if src_slots.numel() == 0:
+        return
+    num_slots = layout.num_blocks(first) * layout.block_size(first)
+    both = torch.cat([src_slots, dst_slots])
+    if int(both.min()) < 0 or int(both.max()) >= num_slots:
+        raise ValueError(f"slots out of range [0, {num_slots})")
+    if torch.unique(dst_slots).numel() != dst_slots.numel():
+        raise ValueError("a destination slot appears twice")
+    if bool(torch.isin(dst_slots, src_slots).any()):
+        raise ValueError("a destination slot is also a source: moves would race")
+
+
+def pick_backend(cache: torch.Tensor, layout: KVLayout) -> RepackBackend:
+    """The fastest backend for ``cache``'s device and ``layout``."""
+    if layout is KVLayout.CPU_ATTN_AMX:
+        return RepackBackend.TORCH
+    if cache.device.type == "cuda":
+        return RepackBackend.TRITON
+    if cache.device.type == "cpu":
+        from kernels._repack_cpu import load_library
+
+        return RepackBackend.CPU if load_library() is not None else RepackBackend.TORCH
+    return RepackBackend.TORCH
+
+
+def repack(
+    kv_caches: Sequence[torch.Tensor],
+    src_slots: torch.Tensor,
+    dst_slots: torch.Tensor,
+    layout: KVLayout,
+    *,
+    check: bool = True,
+    backend: RepackBackend | None = None,
+) -> None:
+    """Move tokens ``src_slots[i] -> dst_slots[i]`` in every layer, K and V, in place.
+
+    ``kv_caches``: per-layer tensors of ``layout``. ``check=False`` skips the argument
+    checks (they synchronise a CUDA stream; use it inside CUDA-graph capture once the
+    planner is trusted). On CUDA the copy is queued on the current stream.
+    """
+    if check:
+        check_repack_args(kv_caches, src_slots, dst_slots, layout)
+    if src_slots.numel() == 0:
+        return
+    chosen = backend or pick_backend(kv_caches[0], layout)
+    first = kv_caches[0]
+    if chosen is RepackBackend.TORCH:
+        reference_repack(kv_caches, src_slots, dst_slots, layout)
+        return
+    parts = layout.part_strides(first)
+    if parts is None:
+        raise ValueError(f"backend {chosen.value} does not handle layout {layout.value}")
+    sizes = (layout.block_size(first), layout.num_kv_heads(first), layout.head_dim(first))
+    if chosen is RepackBackend.TRITON:
+        from kernels._repack_triton import triton_repack
+
+        triton_repack(kv_caches, src_slots.contiguous(), dst_slots.contiguous(), parts, *sizes)
+        return
+    if first.device.type != "cpu":
+        raise ValueError(f"backend cpu needs CPU caches, got {first.device}")
+    from kernels._repack_cpu import cpu_repack
+
+    if not cpu_repack(kv_caches, src_slots.contiguous(), dst_slots.contiguous(), parts, *sizes):
+        reference_repack(kv_caches, src_slots, dst_slots, layout)

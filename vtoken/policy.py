@@ -1,0 +1,142 @@
+"""The eviction-policy API.
+
+A policy is a small dataclass that scores the live tokens of one request (higher = keep);
+the base class owns protection (attention sinks, a recent window), top-k selection and
+tie-breaking. A policy instance serves exactly one request, so per-request state (a seeded
+generator, a one-shot flag) lives on the instance and per-token state lives in the token
+table's stats arrays, which vToken keeps aligned with the tokens through every repack.
+
+Contract of :meth:`EvictionPolicy.select`: given a :class:`PolicyView` and a budget in
+tokens, return the logical ids to evict (int64, unique, all live, none protected).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreNeeds:
+    """Which attention statistics a policy asks the engine for, each step.
+
+    - ``step_scores``: ``[n_live]`` attention mass each key received from this step's queries
+      (summed over queries; averaged over heads and scored layers, so one query row sums to 1).
+    - ``query_window``: ``w > 0`` asks for ``[min(w, q_len), n_live]`` per-query rows of the
+      last ``w`` queries of the step (same averaging).
+    - ``per_head``: ``[num_layers, num_heads, n_live]`` mass summed over the window rows,
+      per scored layer and query head.
+    """
+
+    step_scores: bool = False
+    query_window: int = 0
+    per_head: bool = False
+
+    def merge(self, other: ScoreNeeds) -> ScoreNeeds:
+        return ScoreNeeds(
+            step_scores=self.step_scores or other.step_scores,
+            query_window=max(self.query_window, other.query_window),
+            per_head=self.per_head or other.per_head,
+        )
+
+    @property
+    def any(self) -> bool:
+        return self.step_scores or self.query_window > 0 or self.per_head
+
+
+@dataclass(slots=True)
+class StepAttention:
+    """Attention statistics of one step, aligned with the view's live tokens (see ScoreNeeds)."""
+
+    step_scores: np.ndarray | None = None
+    window_rows: np.ndarray | None = None
+    head_scores: np.ndarray | None = None
+
+
+@dataclass(slots=True)
+class PolicyView:
+    """What a policy sees of one request at one step. Arrays are in slot order.
+
+    ``stats[name]`` are writable copies aligned with ``logical_ids``; vToken stores them
+    back into the token table after ``select``.
+    """
+
+    logical_ids: np.ndarray  # [n_live] int64; also the RoPE positions
+    num_logical: int  # tokens in the sequence so far (live or not)
+    prompt_len: int
+    step: int  # forward steps completed for this request (1 after the first prefill step)
+    stats: dict[str, np.ndarray] = field(default_factory=dict)
+    attention: StepAttention = field(default_factory=StepAttention)
+
+    @property
+    def num_live(self) -> int:
+        return int(self.logical_ids.size)
+
+    @property
+    def prefill_done_now(self) -> bool:
+        """True at the step whose cache first holds the whole prompt and nothing more."""
+        return self.num_logical == self.prompt_len
+
+    def require(self, name: str) -> np.ndarray:
+        """An attention statistic the policy declared in ``needs``; clear error otherwise."""
+        value = getattr(self.attention, name)
+        if value is None:
+            raise ValueError(f"the engine did not provide '{name}'; declare it in `needs`")
+        return value
+
+
+@dataclass
+class EvictionPolicy:
+    """Base policy: override ``score`` (and optionally ``observe`` / ``num_to_evict``).
+
+    Protected tokens: the first ``sinks`` logical ids and the most recent
+    ``max(recent, recent_fraction * budget)`` ones. Among the others the lowest scores
+    are evicted; ties go to the older token.
+    """
+
+    name: ClassVar[str] = "base"
+    needs: ClassVar[ScoreNeeds] = ScoreNeeds()
+    stat_names: ClassVar[tuple[str, ...]] = ()
+
+    sinks: int = 0
+    recent: int = 0
+    recent_fraction: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.sinks < 0 or self.recent < 0 or not 0.0 <= self.recent_fraction <= 1.0:
+            raise ValueError(
+                f"{self.name}: sinks and recent must be >= 0 and recent_fraction in [0, 1]"
+            )
+
+    def score_needs(self) -> ScoreNeeds:
+        return self.needs
+
+    def observe(self, view: PolicyView) -> None:
+        """Update per-token stats from this step's attention (every step, before selection)."""
+
+    def score(self, view: PolicyView) -> np.ndarray:
+        """``[n_live]`` float: higher = keep."""
+        raise NotImplementedError
+
+    def num_to_evict(self, view: PolicyView, budget: int) -> int:
+        return max(0, view.num_live - budget)
+
+    def protected(self, view: PolicyView, budget: int) -> np.ndarray:
+        """``[n_live]`` bool mask of tokens this policy never evicts at this step."""
+        num_recent = max(self.recent, int(self.recent_fraction * budget))
+        ids = view.logical_ids
+        return (ids < self.sinks) | (ids >= view.num_logical - num_recent)
+
+    def select(self, view: PolicyView, budget: int) -> np.ndarray:
+        if budget < 0:
+            raise ValueError(f"budget must be >= 0, got {budget}")
+        self.observe(view)
+        num_evict = self.num_to_evict(view, budget)
+        if num_evict <= 0:
+            return np.zeros(0, dtype=np.int64)
+        candidates = np.flatnonzero(~self.protected(view, budget))
+        scores = np.asarray(self.score(view), dtype=np.float64)[candidates]
+        order = np.lexsort((view.logical_ids[candidates], scores))[:num_evict]
+        return np.sort(view.logical_ids[candidates[order]])

@@ -1,0 +1,218 @@
+"""The token table: one request's logical tokens mapped onto physical KV slots.
+
+A request owns a list of blocks; its *local slot* ``p`` lives in block
+``block_ids[p // block_size]`` at offset ``p % block_size`` and its *global slot* (what
+kernels index) is ``block_id * block_size + offset``::
+
+    logical ids   0  1  2  3  4  5  6  7  8  9      (RoPE position == logical id, forever)
+    live          x  .  x  x  .  .  x  x  .  x      (. = evicted)
+    local slots  |0  1  2  3 |4  5  6  7 |8  9 . .|  block_size 4, num_slots 10
+
+Invariants (``check_invariants``):
+- slots ``[0, num_slots)`` have been written; each holds one logical id; a live logical id
+  is held by exactly one slot and ``slot_of(logical) `` points back to it;
+- every slot of a released block is dead (naive mode releases blocks in the middle);
+- per-token stats arrays are indexed by local slot, so moving a token moves its stats.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _grow(array: np.ndarray, size: int, fill: float | int | bool) -> np.ndarray:
+    if size <= array.shape[0]:
+        return array
+    grown = np.full(max(size, 2 * array.shape[0]), fill, dtype=array.dtype)
+    grown[: array.shape[0]] = array
+    return grown
+
+
+class TokenTable:
+    """Logical -> physical mapping, liveness and per-token stats of one request."""
+
+    def __init__(self, block_size: int, stat_names: tuple[str, ...] = ()) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.block_ids: list[int] = []
+        self._held = np.zeros(0, dtype=bool)  # [len(block_ids)]: False once released
+        self._logical_at_slot = np.zeros(0, dtype=np.int64)  # [capacity]
+        self._live_at_slot = np.zeros(0, dtype=bool)  # [capacity]
+        self._slot_of_logical = np.zeros(0, dtype=np.int64)  # [num_logical]; valid if alive
+        self._alive = np.zeros(0, dtype=bool)  # [num_logical]
+        self.stats: dict[str, np.ndarray] = {
+            name: np.zeros(0, dtype=np.float32) for name in stat_names
+        }
+        self.num_slots = 0
+        self.num_logical = 0
+        self.num_live = 0
+
+    # ------------------------------------------------------------------ derived counts
+    @property
+    def num_held_blocks(self) -> int:
+        return int(self._held.sum())
+
+    @property
+    def num_ideal_blocks(self) -> int:
+        return -(-self.num_live // self.block_size)
+
+    @property
+    def held_block_ids(self) -> list[int]:
+        return [b for b, held in zip(self.block_ids, self._held, strict=True) if held]
+
+    @property
+    def _next_slot(self) -> int:
+        """Where the next token goes: after the last slot, skipping a released tail block."""
+        if self.num_slots % self.block_size and not self._held[-1]:
+            return len(self.block_ids) * self.block_size
+        return self.num_slots
+
+    def num_blocks_needed(self, num_new_tokens: int) -> int:
+        """Blocks to add before ``append(num_new_tokens)``."""
+        end = self._next_slot + num_new_tokens
+        return max(0, -(-end // self.block_size) - len(self.block_ids))
+
+    # ------------------------------------------------------------------ mutation
+    def append(self, num_new_tokens: int, new_block_ids: list[int]) -> np.ndarray:
+        """Give the next ``num_new_tokens`` logical ids the next slots; returns their local slots.
+
+        ``new_block_ids`` must hold exactly ``num_blocks_needed(num_new_tokens)`` blocks.
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"cannot append {num_new_tokens} tokens")
+        if len(new_block_ids) != self.num_blocks_needed(num_new_tokens):
+            raise ValueError(
+                f"append({num_new_tokens}) needs {self.num_blocks_needed(num_new_tokens)}"
+                f" new blocks, got {len(new_block_ids)}"
+            )
+        first = self._next_slot
+        # Slots skipped over in a released tail block stay dead (they own no logical id).
+        self._mark_written_dead(self.num_slots, first)
+        self.block_ids.extend(new_block_ids)
+        self._held = np.concatenate([self._held, np.ones(len(new_block_ids), dtype=bool)])
+        slots = np.arange(first, first + num_new_tokens, dtype=np.int64)
+        logical = np.arange(self.num_logical, self.num_logical + num_new_tokens, dtype=np.int64)
+        self._ensure_slot_capacity(first + num_new_tokens)
+        self._logical_at_slot[slots] = logical
+        self._live_at_slot[slots] = True
+        for values in self.stats.values():
+            values[slots] = 0.0
+        self._slot_of_logical = np.concatenate([self._slot_of_logical, slots])
+        self._alive = np.concatenate([self._alive, np.ones(num_new_tokens, dtype=bool)])
+        self.num_slots = first + num_new_tokens
+        self.num_logical += num_new_tokens
+        self.num_live += num_new_tokens
+        return slots
+
+    def evict(self, logical_ids: np.ndarray) -> None:
+        """Mark live tokens dead. Unknown, repeated or already evicted ids raise ``ValueError``."""
+        logical_ids = np.asarray(logical_ids, dtype=np.int64)
+        if logical_ids.size == 0:
+            return
+        if logical_ids.min() < 0 or logical_ids.max() >= self.num_logical:
+            raise ValueError(f"logical ids out of range [0, {self.num_logical})")
+        if np.unique(logical_ids).size != logical_ids.size:
+            raise ValueError("logical ids to evict are repeated")
+        if not self._alive[logical_ids].all():
+            raise ValueError("some logical ids to evict are already evicted")
+        self._alive[logical_ids] = False
+        self._live_at_slot[self._slot_of_logical[logical_ids]] = False
+        self.num_live -= logical_ids.size
+
+    def move(self, src_slots: np.ndarray, dst_slots: np.ndarray, num_slots: int) -> None:
+        """Commit a repack: tokens (and stats) at ``src_slots`` now live at ``dst_slots``.
+
+        ``num_slots`` is the new slot count; every slot at or past it must be dead.
+        """
+        assert not self._live_at_slot[dst_slots].any(), "repack destination is live"
+        moved = self._logical_at_slot[src_slots]
+        self._logical_at_slot[dst_slots] = moved
+        self._live_at_slot[dst_slots] = True
+        self._live_at_slot[src_slots] = False
+        self._slot_of_logical[moved] = dst_slots
+        for values in self.stats.values():
+            values[dst_slots] = values[src_slots]
+        assert not self._live_at_slot[num_slots : self.num_slots].any(), "live token cut off"
+        self.num_slots = num_slots
+
+    def drop_blocks(self, block_indices: np.ndarray) -> list[int]:
+        """Release blocks (by index in ``block_ids``) that hold no live token; returns their ids.
+
+        Released tail blocks are removed from ``block_ids``; released middle blocks stay
+        in place, marked, so the slot numbering of later blocks does not change.
+        """
+        block_indices = np.asarray(block_indices, dtype=np.int64)
+        for index in block_indices:
+            start = int(index) * self.block_size
+            assert self._held[index], "block released twice"
+            assert not self._live_at_slot[start : start + self.block_size].any()
+        released = [self.block_ids[int(i)] for i in block_indices]
+        self._held[block_indices] = False
+        while self.block_ids and not self._held[-1]:
+            if self.num_slots > (len(self.block_ids) - 1) * self.block_size:
+                break  # a partly written released tail block keeps its slot numbering
+            self.block_ids.pop()
+            self._held = self._held[:-1]
+        return released
+
+    # ------------------------------------------------------------------ views
+    @property
+    def live_mask(self) -> np.ndarray:
+        """``[num_slots]`` bool: which local slots hold a live token."""
+        return self._live_at_slot[: self.num_slots]
+
+    def live_slots(self) -> np.ndarray:
+        """Local slots of the live tokens, ascending (the order engines store keys in)."""
+        return np.flatnonzero(self.live_mask)
+
+    def live_logical_ids(self) -> np.ndarray:
+        """Logical ids of the live tokens in slot order."""
+        return self._logical_at_slot[self.live_slots()]
+
+    def slot_of(self, logical_ids: np.ndarray) -> np.ndarray:
+        logical_ids = np.asarray(logical_ids, dtype=np.int64)
+        if not self._alive[logical_ids].all():
+            raise ValueError("evicted tokens own no slot")
+        return self._slot_of_logical[logical_ids]
+
+    def is_alive(self, logical_ids: np.ndarray) -> np.ndarray:
+        return self._alive[np.asarray(logical_ids, dtype=np.int64)]
+
+    def global_slots(self, local_slots: np.ndarray) -> np.ndarray:
+        """Kernel-level slot ids ``block_id * block_size + offset`` of local slots."""
+        local_slots = np.asarray(local_slots, dtype=np.int64)
+        blocks = np.asarray(self.block_ids, dtype=np.int64)[local_slots // self.block_size]
+        return blocks * self.block_size + local_slots % self.block_size
+
+    def blocks_without_live_tokens(self) -> np.ndarray:
+        """Indices (into ``block_ids``) of held blocks that hold no live token."""
+        padded = np.zeros(len(self.block_ids) * self.block_size, dtype=bool)
+        padded[: self.num_slots] = self.live_mask
+        any_live = padded.reshape(-1, self.block_size).any(axis=1)
+        return np.flatnonzero(self._held & ~any_live)
+
+    # ------------------------------------------------------------------ internals
+    def _ensure_slot_capacity(self, size: int) -> None:
+        self._logical_at_slot = _grow(self._logical_at_slot, size, 0)
+        self._live_at_slot = _grow(self._live_at_slot, size, False)
+        for name, values in self.stats.items():
+            self.stats[name] = _grow(values, size, 0.0)
+
+    def _mark_written_dead(self, start: int, end: int) -> None:
+        if end > start:
+            self._ensure_slot_capacity(end)
+            self._live_at_slot[start:end] = False
+
+    def check_invariants(self) -> None:
+        live_slots = self.live_slots()
+        assert live_slots.size == self.num_live == int(self._alive.sum())
+        owners = self._logical_at_slot[live_slots]
+        assert np.unique(owners).size == owners.size, "a logical token owns two slots"
+        assert (self._slot_of_logical[owners] == live_slots).all(), "slot map out of sync"
+        assert self._alive[owners].all()
+        assert len(self.block_ids) * self.block_size >= self.num_slots
+        assert self._held.shape[0] == len(self.block_ids)
+        for index in np.flatnonzero(~self._held):
+            start = int(index) * self.block_size
+            assert not self._live_at_slot[start : min(start + self.block_size, self.num_slots)].any()

@@ -1,0 +1,221 @@
+"""Admission: an admitted request reserves its worst-case KV until it finishes.
+
+One Lua script decides and reserves atomically, so concurrent requests from any number of
+ingress processes cannot slip past a budget. A tenant's committed KV is
+`max(reported live blocks, sum of reservations)`: the reservations bound the in-flight
+requests from above, and the controller's reported usage (written with each plan) covers
+KV the reservations do not know about. A request is admitted when
+`committed + worst_case_blocks <= kv_budget_blocks`, the concurrency limit has room and
+the prompt-token bucket holds the prompt.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from opentelemetry import trace
+
+from controlplane import telemetry
+from controlplane.clock import Clock
+from controlplane.keys import KeySpace
+from controlplane.models import TenantQuota
+
+# KEYS: quotas, usage, reservations, deadlines, rate bucket.
+# ARGV: tenant, request id, blocks, now_ms, lease_ms, prompt_tokens, rate burst seconds.
+# Returns {outcome, reason, retry_after_ms}.
+_ADMIT = """
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if not raw then return {'rejected', 'unknown_tenant', 0} end
+local quota = cjson.decode(raw)
+local blocks = tonumber(ARGV[3])
+local now_ms = tonumber(ARGV[4])
+if blocks > quota['kv_budget_blocks'] then return {'rejected', 'exceeds_budget', 0} end
+local expired = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now_ms)
+for _, request_id in ipairs(expired) do redis.call('HDEL', KEYS[3], request_id) end
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now_ms)
+if redis.call('HEXISTS', KEYS[3], ARGV[2]) == 1 then
+  return {'rejected', 'duplicate_request', 0}
+end
+local max_concurrent = quota['max_concurrent_requests']
+if max_concurrent ~= cjson.null and redis.call('HLEN', KEYS[3]) >= max_concurrent then
+  return {'throttled', 'max_concurrent_requests', -1}
+end
+local reserved = 0
+for _, value in ipairs(redis.call('HVALS', KEYS[3])) do reserved = reserved + tonumber(value) end
+local reported = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
+if math.max(reserved, reported) + blocks > quota['kv_budget_blocks'] then
+  return {'throttled', 'kv_budget', -1}
+end
+local rate = quota['prompt_tokens_per_s']
+if rate ~= cjson.null then
+  local prompt = tonumber(ARGV[6])
+  local capacity = math.max(rate * tonumber(ARGV[7]), prompt)
+  local state = redis.call('HMGET', KEYS[5], 'tokens', 'at_ms')
+  local tokens = tonumber(state[1] or capacity)
+  local at_ms = tonumber(state[2] or now_ms)
+  tokens = math.min(capacity, tokens + math.max(0, now_ms - at_ms) * rate / 1000)
+  if tokens < prompt then
+    return {'throttled', 'prompt_token_rate', math.ceil((prompt - tokens) * 1000 / rate)}
+  end
+  redis.call('HSET', KEYS[5], 'tokens', tostring(tokens - prompt), 'at_ms', now_ms)
+  redis.call('PEXPIRE', KEYS[5], math.ceil(capacity * 1000 / rate) + 1000)
+end
+redis.call('HSET', KEYS[3], ARGV[2], blocks)
+redis.call('ZADD', KEYS[4], now_ms + tonumber(ARGV[5]), ARGV[2])
+return {'admitted', 'ok', 0}
+"""
+
+
+class AdmissionOutcome(enum.Enum):
+    ADMITTED = "admitted"
+    THROTTLED = "throttled"  # retry later: HTTP 429 with Retry-After
+    REJECTED = "rejected"  # never fits as asked: HTTP 4xx
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionConfig:
+    """`block_size` converts tokens to blocks; `reservation_ttl_s` bounds how long a
+    reservation outlives a crashed ingress; `throttle_retry_after_s` is the Retry-After
+    for budget and concurrency throttles (KV frees as requests finish, time unknown);
+    `rate_burst_s` sizes the prompt-token bucket in seconds of rate."""
+
+    block_size: int = 16
+    reservation_ttl_s: float = 600.0
+    throttle_retry_after_s: float = 1.0
+    rate_burst_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError("block_size must be positive")
+        if self.reservation_ttl_s <= 0 or self.throttle_retry_after_s <= 0:
+            raise ValueError("reservation_ttl_s and throttle_retry_after_s must be positive")
+        if self.rate_burst_s <= 0:
+            raise ValueError("rate_burst_s must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    tenant_id: str
+    request_id: str
+    blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionDecision:
+    """`reservation` is set iff admitted; `retry_after_s` > 0 iff throttled. `reason`:
+    ok, unknown_tenant, exceeds_budget, duplicate_request, max_concurrent_requests,
+    kv_budget, prompt_token_rate."""
+
+    outcome: AdmissionOutcome
+    reason: str
+    retry_after_s: float
+    reservation: Reservation | None
+
+    @property
+    def admitted(self) -> bool:
+        return self.outcome is AdmissionOutcome.ADMITTED
+
+
+def worst_case_blocks(
+    prompt_tokens: int, max_tokens: int, block_size: int, eviction_budget_tokens: int | None
+) -> int:
+    """Blocks a request may hold at most: prompt + max_tokens, capped by the per-request
+    eviction budget (the policy keeps at most that many tokens), rounded up to blocks."""
+    if prompt_tokens < 0 or max_tokens < 0 or prompt_tokens + max_tokens == 0:
+        raise ValueError(
+            f"need prompt_tokens >= 0, max_tokens >= 0, not both 0 "
+            f"(got {prompt_tokens}, {max_tokens})"
+        )
+    tokens = prompt_tokens + max_tokens
+    if eviction_budget_tokens is not None:
+        tokens = min(tokens, eviction_budget_tokens)
+    return math.ceil(tokens / block_size)
+
+
+class Admission:
+    """Admit or throttle requests against tenant quotas stored in Redis."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        clock: Clock,
+        config: AdmissionConfig | None = None,
+        keys: KeySpace | None = None,
+        tracer: trace.Tracer = telemetry.NOOP_TRACER,
+    ) -> None:
+        self.config = config if config is not None else AdmissionConfig()
+        self.keys = keys if keys is not None else KeySpace()
+        self._redis = redis
+        self._clock = clock
+        self._tracer = tracer
+        self._admit = redis.register_script(_ADMIT)
+
+    async def admit(
+        self, quota: TenantQuota, request_id: str, prompt_tokens: int, max_tokens: int
+    ) -> AdmissionDecision:
+        """Reserve the request's worst-case KV, or say why not.
+
+        `quota` is the caller's (possibly cached) copy; the script re-reads the stored one,
+        so an admin change applies at once and a deleted tenant is rejected.
+        """
+        if not request_id:
+            raise ValueError("request_id must be non-empty")
+        blocks = worst_case_blocks(
+            prompt_tokens, max_tokens, self.config.block_size, quota.eviction_budget_tokens
+        )
+        tenant_id = quota.tenant_id
+        with self._tracer.start_as_current_span(telemetry.SPAN_ADMISSION) as span:
+            span.set_attribute(telemetry.ATTR_TENANT_ID, tenant_id)
+            span.set_attribute(telemetry.ATTR_RESERVED_BLOCKS, blocks)
+            outcome, reason, retry_after_ms = await self._admit(
+                keys=[
+                    self.keys.quotas,
+                    self.keys.usage,
+                    self.keys.reservations(tenant_id),
+                    self.keys.reservation_deadlines(tenant_id),
+                    self.keys.rate_bucket(tenant_id),
+                ],
+                args=[
+                    tenant_id,
+                    request_id,
+                    blocks,
+                    int(self._clock.now() * 1000),
+                    int(self.config.reservation_ttl_s * 1000),
+                    prompt_tokens,
+                    self.config.rate_burst_s,
+                ],
+            )
+            decision = self._decision(
+                tenant_id, request_id, blocks, outcome, reason, retry_after_ms
+            )
+            span.set_attribute(telemetry.ATTR_ADMISSION_OUTCOME, decision.outcome.value)
+            span.set_attribute(telemetry.ATTR_ADMISSION_REASON, decision.reason)
+            return decision
+
+    def _decision(
+        self, tenant_id: str, request_id: str, blocks: int, outcome: str, reason: str, ms: int
+    ) -> AdmissionDecision:
+        kind = AdmissionOutcome(outcome)
+        if kind is AdmissionOutcome.ADMITTED:
+            return AdmissionDecision(kind, reason, 0.0, Reservation(tenant_id, request_id, blocks))
+        if kind is AdmissionOutcome.THROTTLED:
+            retry_after_s = self.config.throttle_retry_after_s if ms < 0 else ms / 1000
+            return AdmissionDecision(kind, reason, retry_after_s, None)
+        return AdmissionDecision(kind, reason, 0.0, None)
+
+    async def release(self, reservation: Reservation) -> bool:
+        """Return a finished request's reservation; idempotent, True if it was held."""
+        tenant_id, request_id = reservation.tenant_id, reservation.request_id
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hdel(self.keys.reservations(tenant_id), request_id)
+            pipe.zrem(self.keys.reservation_deadlines(tenant_id), request_id)
+            removed, _ = await pipe.execute()
+        return bool(removed)
+
+    async def reserved_blocks(self, tenant_id: str) -> int:
+        """Sum of the tenant's live reservations (lapsed ones included until next admit)."""
+        values = await self._redis.hvals(self.keys.reservations(tenant_id))
+        return sum(int(value) for value in values)

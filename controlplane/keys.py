@@ -1,0 +1,71 @@
+"""Redis key names, in one place so every process agrees on them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class KeySpace:
+    """All keys live under `prefix` (default `vtoken`); tests use a unique prefix each."""
+
+    prefix: str = "vtoken"
+
+    def __post_init__(self) -> None:
+        if not self.prefix or any(c in self.prefix for c in " {}"):
+            raise ValueError(f"invalid key prefix {self.prefix!r}")
+
+    @property
+    def quotas(self) -> str:
+        """Hash: tenant id -> TenantQuota JSON."""
+        return f"{self.prefix}:quotas"
+
+    @property
+    def replicas(self) -> str:
+        """Sorted set: replica id -> last heartbeat (s since epoch)."""
+        return f"{self.prefix}:replicas"
+
+    def replica(self, replica_id: str) -> str:
+        """Hash with a TTL: one replica's latest report."""
+        return f"{self.prefix}:replica:{replica_id}"
+
+    @property
+    def plan(self) -> str:
+        """String: the latest RoutingPlan JSON."""
+        return f"{self.prefix}:plan"
+
+    @property
+    def plan_version(self) -> str:
+        return f"{self.prefix}:plan:version"
+
+    @property
+    def plan_fence(self) -> str:
+        """Highest lease fence that wrote a plan; lower fences are rejected."""
+        return f"{self.prefix}:plan:fence"
+
+    @property
+    def usage(self) -> str:
+        """Hash: tenant id -> reported live KV blocks across the cluster (from the plan)."""
+        return f"{self.prefix}:usage"
+
+    @property
+    def lease(self) -> str:
+        """String `owner|fence` with a PX expiry: the controller lease."""
+        return f"{self.prefix}:controller:lease"
+
+    @property
+    def lease_fence(self) -> str:
+        """Counter: the fencing token, incremented on every new lease."""
+        return f"{self.prefix}:controller:fence"
+
+    def reservations(self, tenant_id: str) -> str:
+        """Hash: request id -> reserved worst-case blocks."""
+        return f"{self.prefix}:resv:{tenant_id}"
+
+    def reservation_deadlines(self, tenant_id: str) -> str:
+        """Sorted set: request id -> deadline (ms since epoch) after which it lapses."""
+        return f"{self.prefix}:resv-deadline:{tenant_id}"
+
+    def rate_bucket(self, tenant_id: str) -> str:
+        """Hash `tokens`, `at_ms`: the tenant's prompt-token bucket."""
+        return f"{self.prefix}:rate:{tenant_id}"

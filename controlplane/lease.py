@@ -1,0 +1,140 @@
+"""The controller lease (SET NX PX + a fencing token) and the fenced plan write.
+
+At most one controller holds the lease; each new grant takes the next fencing token from
+a Redis counter. A plan write is one Lua script that checks, atomically with the write,
+that the writer still holds the lease with its fence, that no higher fence has written,
+and that the version grows. So two controllers never interleave plans, and a paused
+controller whose lease lapsed cannot overwrite its successor's plan.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from controlplane.keys import KeySpace
+from controlplane.models import RoutingPlan
+
+# KEYS: lease, fence counter. ARGV: owner, ttl_ms.
+# Returns {1, fence} when held (renewed or newly granted), {0, holder} otherwise.
+_ACQUIRE = """
+local current = redis.call('GET', KEYS[1])
+if current then
+  local owner, fence = string.match(current, '^(.*)|(%d+)$')
+  if owner == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    return {1, tonumber(fence)}
+  end
+  return {0, owner or current}
+end
+local fence = redis.call('INCR', KEYS[2])
+redis.call('SET', KEYS[1], ARGV[1] .. '|' .. fence, 'NX', 'PX', ARGV[2])
+return {1, fence}
+"""
+
+# KEYS: lease. ARGV: owner, fence.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] .. '|' .. ARGV[2] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+# KEYS: lease, plan, plan version, plan fence, usage.
+# ARGV: owner, fence, version, plan JSON, usage JSON (tenant -> blocks).
+_WRITE_PLAN = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] .. '|' .. ARGV[2] then
+  return 'lease_lost'
+end
+local fence = tonumber(ARGV[2])
+if fence < tonumber(redis.call('GET', KEYS[4]) or '0') then
+  return 'stale_fence'
+end
+if tonumber(ARGV[3]) <= tonumber(redis.call('GET', KEYS[3]) or '-1') then
+  return 'stale_version'
+end
+redis.call('SET', KEYS[2], ARGV[4])
+redis.call('SET', KEYS[3], ARGV[3])
+redis.call('SET', KEYS[4], ARGV[2])
+redis.call('DEL', KEYS[5])
+for tenant, blocks in pairs(cjson.decode(ARGV[5])) do
+  redis.call('HSET', KEYS[5], tenant, blocks)
+end
+return 'written'
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseHeld:
+    fence: int
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseNotHeld:
+    holder: str
+
+
+LeaseState = LeaseHeld | LeaseNotHeld
+
+
+class PlanWrite(enum.Enum):
+    """Outcome of a fenced plan write."""
+
+    WRITTEN = "written"
+    LEASE_LOST = "lease_lost"
+    STALE_FENCE = "stale_fence"
+    STALE_VERSION = "stale_version"
+
+
+class ControllerLease:
+    """One controller's handle on the lease. `owner` must be unique per controller."""
+
+    def __init__(
+        self, redis: aioredis.Redis, owner: str, ttl_s: float, keys: KeySpace | None = None
+    ) -> None:
+        if not owner or "|" in owner:
+            raise ValueError(f"lease owner must be non-empty and contain no '|': {owner!r}")
+        if ttl_s <= 0:
+            raise ValueError(f"lease ttl_s must be positive, got {ttl_s}")
+        self.owner = owner
+        self.ttl_ms = max(1, int(ttl_s * 1000))
+        self.keys = keys if keys is not None else KeySpace()
+        self._redis = redis
+        self._acquire = redis.register_script(_ACQUIRE)
+        self._release = redis.register_script(_RELEASE)
+        self._write_plan = redis.register_script(_WRITE_PLAN)
+
+    async def acquire_or_renew(self) -> LeaseState:
+        """Take the lease if free, extend it if ours; report the holder otherwise."""
+        held, value = await self._acquire(
+            keys=[self.keys.lease, self.keys.lease_fence], args=[self.owner, self.ttl_ms]
+        )
+        return LeaseHeld(int(value)) if int(held) == 1 else LeaseNotHeld(str(value))
+
+    async def release(self, fence: int) -> bool:
+        """Give the lease up (on clean shutdown) so a standby takes over at once."""
+        return bool(await self._release(keys=[self.keys.lease], args=[self.owner, fence]))
+
+    async def write_plan(self, plan: RoutingPlan, usage_blocks: Mapping[str, int]) -> PlanWrite:
+        """Write `plan` and the per-tenant usage admission reads, iff still entitled to."""
+        outcome = await self._write_plan(
+            keys=[
+                self.keys.lease,
+                self.keys.plan,
+                self.keys.plan_version,
+                self.keys.plan_fence,
+                self.keys.usage,
+            ],
+            args=[
+                self.owner,
+                plan.fence,
+                plan.version,
+                plan.model_dump_json(),
+                json.dumps(dict(usage_blocks), separators=(",", ":")),
+            ],
+        )
+        return PlanWrite(outcome)

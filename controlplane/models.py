@@ -1,0 +1,144 @@
+"""Pydantic models for everything that crosses a process or network boundary.
+
+Quotas are written by the admin API / CLI, reports by replicas, plans by the controller;
+all of them travel through Redis. Bad values raise `pydantic.ValidationError` (a
+`ValueError`) naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+TenantId = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
+"""1-128 characters: letters, digits, '.', '_', '-'; starts with a letter or digit."""
+
+ReplicaId = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:#-]{0,255}$")]
+"""1-256 characters; also allows ':' and '#' so Ray Serve replica ids fit."""
+
+NonNegativeInt = Annotated[int, Field(ge=0)]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class TenantQuota(_Frozen):
+    """A tenant's limits; the controller and admission enforce them.
+
+    `kv_budget_blocks` bounds the tenant's active KV across the whole cluster (live blocks
+    reported by replicas plus worst-case reservations of admitted requests).
+    `eviction_budget_tokens`, when set, is the per-request keep budget the eviction policy
+    enforces; it caps a request's worst-case KV at admission.
+    """
+
+    tenant_id: TenantId
+    kv_budget_blocks: int = Field(gt=0)
+    weight: float = Field(default=1.0, gt=0, le=1000)
+    max_concurrent_requests: int | None = Field(default=None, gt=0)
+    prompt_tokens_per_s: float | None = Field(default=None, gt=0)
+    eviction_budget_tokens: int | None = Field(default=None, gt=0)
+
+
+class TenantUsage(_Frozen):
+    """One tenant's footprint on one replica."""
+
+    live_tokens: NonNegativeInt = 0
+    blocks: NonNegativeInt = 0
+    requests: NonNegativeInt = 0
+
+
+class EngineCounters(_Frozen):
+    """What an engine knows about its KV cache; the publisher's callable returns this.
+
+    Invariants (validated): `free_blocks + used_blocks == total_blocks`;
+    `reclaimable_blocks <= used_blocks` (held minus ideal); the tenants' blocks sum to at
+    most `used_blocks`.
+    """
+
+    block_size: int = Field(gt=0)
+    total_blocks: int = Field(gt=0)
+    free_blocks: NonNegativeInt
+    used_blocks: NonNegativeInt
+    live_tokens: NonNegativeInt = 0
+    reclaimable_blocks: NonNegativeInt = 0
+    queue_depth: NonNegativeInt = 0
+    running_requests: NonNegativeInt = 0
+    draining: bool = False
+    tenants: dict[TenantId, TenantUsage] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check_block_accounting(self) -> EngineCounters:
+        if self.free_blocks + self.used_blocks != self.total_blocks:
+            raise ValueError(
+                f"free_blocks ({self.free_blocks}) + used_blocks ({self.used_blocks}) "
+                f"must equal total_blocks ({self.total_blocks})"
+            )
+        if self.reclaimable_blocks > self.used_blocks:
+            raise ValueError(
+                f"reclaimable_blocks ({self.reclaimable_blocks}) exceeds "
+                f"used_blocks ({self.used_blocks})"
+            )
+        tenant_blocks = sum(usage.blocks for usage in self.tenants.values())
+        if tenant_blocks > self.used_blocks:
+            raise ValueError(
+                f"tenants hold {tenant_blocks} blocks, more than used_blocks ({self.used_blocks})"
+            )
+        return self
+
+    @property
+    def available_blocks(self) -> int:
+        """Blocks a new request could get: free now plus reclaimable by a repack."""
+        return self.free_blocks + self.reclaimable_blocks
+
+
+class ReplicaReport(EngineCounters):
+    """A replica's periodic report (Redis hash `vtoken:replica:<id>`, TTL a few periods)."""
+
+    replica_id: ReplicaId
+    engine_id: str = Field(default="", max_length=256)
+    model_id: str = Field(default="", max_length=256)
+    heartbeat_s: float = Field(ge=0)
+
+
+class ReplicaWeight(_Frozen):
+    replica_id: ReplicaId
+    weight: float = Field(gt=0, le=1)
+
+
+class TenantRoute(_Frozen):
+    """A tenant's warm set, best first; weights sum to 1."""
+
+    replicas: tuple[ReplicaWeight, ...] = Field(min_length=1)
+    usage_blocks: NonNegativeInt = 0
+    over_budget: bool = False
+
+
+class EvictionPressure(_Frozen):
+    """A tighter keep budget for an over-budget tenant on one replica.
+
+    The replica should shrink the tenant's KV there to about `target_blocks`
+    (`keep_fraction` of what it reported), evicting by its policy.
+    """
+
+    keep_fraction: float = Field(gt=0, le=1)
+    target_blocks: NonNegativeInt
+
+
+class RoutingPlan(_Frozen):
+    """The controller's output, versioned; written under the controller lease.
+
+    `version` grows by one per write; `fence` is the lease fencing token of the writer.
+    `replica_ids` are the routable replicas; `drained_replica_ids` went stale or asked to
+    drain and get no new requests. `pressure[replica_id][tenant_id]` is published for
+    replicas to apply.
+    """
+
+    version: NonNegativeInt
+    fence: NonNegativeInt
+    created_s: float = Field(ge=0)
+    replica_ids: tuple[ReplicaId, ...] = ()
+    drained_replica_ids: tuple[ReplicaId, ...] = ()
+    tenants: dict[TenantId, TenantRoute] = Field(default_factory=dict)
+    pressure: dict[ReplicaId, dict[TenantId, EvictionPressure]] = Field(default_factory=dict)

@@ -1,0 +1,45 @@
+"""Per-tenant usage across the cluster and eviction pressure for over-budget tenants."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from controlplane.models import EvictionPressure, ReplicaReport, TenantQuota
+
+
+def tenant_usage_blocks(reports: Mapping[str, ReplicaReport]) -> dict[str, int]:
+    """Live KV blocks per tenant summed over the given reports (tenants with 0 omitted)."""
+    usage: dict[str, int] = {}
+    for report in reports.values():
+        for tenant_id, tenant in report.tenants.items():
+            if tenant.blocks:
+                usage[tenant_id] = usage.get(tenant_id, 0) + tenant.blocks
+    return usage
+
+
+def eviction_pressure(
+    reports: Mapping[str, ReplicaReport],
+    quotas: Mapping[str, TenantQuota],
+    usage: Mapping[str, int],
+) -> dict[str, dict[str, EvictionPressure]]:
+    """`pressure[replica_id][tenant_id]` for every tenant whose cluster-wide usage exceeds
+    its `kv_budget_blocks`: each replica should keep `budget / usage` of the tenant's
+    blocks there, so the tenant's total shrinks back to its budget. Tenants without a
+    quota (deleted) get no pressure; their requests drain on their own."""
+    keep: dict[str, float] = {}
+    for tenant_id, blocks in usage.items():
+        quota = quotas.get(tenant_id)
+        if quota is not None and blocks > quota.kv_budget_blocks:
+            keep[tenant_id] = quota.kv_budget_blocks / blocks
+    pressure: dict[str, dict[str, EvictionPressure]] = {}
+    if not keep:
+        return pressure
+    for replica_id, report in reports.items():
+        for tenant_id, tenant in report.tenants.items():
+            fraction = keep.get(tenant_id)
+            if fraction is None or tenant.blocks == 0:
+                continue
+            pressure.setdefault(replica_id, {})[tenant_id] = EvictionPressure(
+                keep_fraction=fraction, target_blocks=int(tenant.blocks * fraction)
+            )
+    return pressure

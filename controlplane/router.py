@@ -1,0 +1,208 @@
+"""The router core: rank replicas for a tenant from the current plan and latest reports.
+
+`rank` is synchronous and allocation-light (it runs once per request, target p99 <= 50
+us at 1000 replicas): the plan is turned into per-tenant tuples once per plan version
+and the reports into one load-ordered tuple once per refresh. `refresh` (async) polls
+Redis; the Ray Serve `RequestRouter` wrapper calls `rank` from `choose_replicas`.
+
+Fallback to least-loaded routing happens when there is no plan, when the plan version
+has not advanced for `max_plan_age_s` (measured on this process's clock, so clock skew
+between hosts does not matter), when the last refresh could not reach Redis, or when
+none of the tenant's warm replicas is among the candidates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections.abc import Mapping, Set
+from dataclasses import dataclass
+
+from controlplane.clock import Clock
+from controlplane.models import ReplicaReport, RoutingPlan
+from controlplane.redis_conn import REDIS_ERRORS, Backoff
+from controlplane.store import RedisStore
+
+logger = logging.getLogger(__name__)
+
+
+class RouteSource(enum.Enum):
+    PLAN = "plan"  # first rank is the tenant's warm set
+    NO_PLAN = "no_plan"  # no plan yet, or the plan went stale
+    REDIS_UNREACHABLE = "redis_unreachable"
+    NOT_IN_PLAN = "not_in_plan"  # tenant unknown, or none of its replicas is a candidate
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRanking:
+    """Candidate replica ids in ranks, most preferred first (Ray Serve's shape). Every
+    rank is non-empty; the ranks are empty only when there were no candidates."""
+
+    ranks: tuple[tuple[str, ...], ...]
+    source: RouteSource
+    plan_version: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """`fallback_width`: how many least-loaded replicas the fallback rank holds;
+    `small_candidate_set`: below this many candidates they are sorted directly instead
+    of scanning the cluster-wide load order."""
+
+    max_plan_age_s: float = 5.0
+    refresh_period_s: float = 0.1
+    report_refresh_s: float = 1.0
+    report_max_age_s: float = 1.0
+    fallback_width: int = 4
+    small_candidate_set: int = 32
+
+    def __post_init__(self) -> None:
+        if min(self.max_plan_age_s, self.refresh_period_s, self.report_refresh_s) <= 0:
+            raise ValueError("router periods and ages must be positive")
+        if self.fallback_width < 1 or self.small_candidate_set < 1:
+            raise ValueError("fallback_width and small_candidate_set must be >= 1")
+
+
+class RouterCore:
+    def __init__(self, store: RedisStore, clock: Clock, config: RouterConfig | None = None):
+        self.config = config if config is not None else RouterConfig()
+        self._store = store
+        self._clock = clock
+        self._plan: RoutingPlan | None = None
+        self._plan_seen_s = 0.0
+        self._warm: dict[str, tuple[str, ...]] = {}
+        self._drained: frozenset[str] = frozenset()
+        self._load: dict[str, float] = {}
+        self._by_load: tuple[str, ...] = ()
+        self._reports_read_s: float | None = None
+        self._redis_ok = True
+
+    @property
+    def plan(self) -> RoutingPlan | None:
+        return self._plan
+
+    @property
+    def redis_ok(self) -> bool:
+        """False after a refresh failed to reach Redis, until one succeeds."""
+        return self._redis_ok
+
+    def apply_plan(self, plan: RoutingPlan) -> None:
+        """Adopt `plan` (from Redis or in-process) and precompute its rankings."""
+        self._plan = plan
+        self._plan_seen_s = self._clock.now()
+        self._warm = {
+            tenant_id: tuple(w.replica_id for w in route.replicas)
+            for tenant_id, route in plan.tenants.items()
+        }
+        self._drained = frozenset(plan.drained_replica_ids)
+
+    def apply_reports(self, reports: Mapping[str, ReplicaReport]) -> None:
+        """Adopt fresh reports: load = queued + running requests + KV use (0-1)."""
+        self._load = {
+            r: rep.queue_depth
+            + rep.running_requests
+            + 1.0
+            - rep.available_blocks / rep.total_blocks
+            for r, rep in reports.items()
+        }
+        self._by_load = tuple(sorted(self._load, key=self._load.__getitem__))
+
+    async def refresh(self) -> bool:
+        """Poll Redis: new plan version -> read the plan; reports every
+        `report_refresh_s`. Returns False (and keeps everything) when Redis is away."""
+        try:
+            version = await self._store.read_plan_version()
+            if version is not None and (self._plan is None or version != self._plan.version):
+                plan = await self._store.read_plan()
+                if plan is not None:
+                    self.apply_plan(plan)
+            now_s = self._clock.now()
+            if (
+                self._reports_read_s is None
+                or now_s - self._reports_read_s >= self.config.report_refresh_s
+            ):
+                snapshot = await self._store.read_reports(
+                    now_s, self.config.report_max_age_s, forget_after_s=float("inf")
+                )
+                self.apply_reports(snapshot.fresh)
+                self._reports_read_s = now_s
+        except REDIS_ERRORS as error:
+            if self._redis_ok:
+                logger.warning("router: Redis unreachable (%s); routing by load", error)
+            self._redis_ok = False
+            return False
+        self._redis_ok = True
+        return True
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Refresh every `refresh_period_s` until `stop` is set, backing off on errors."""
+        backoff = Backoff(self.config.refresh_period_s, max(2.0, self.config.refresh_period_s))
+        while not stop.is_set():
+            ok = await self.refresh()
+            if ok:
+                backoff.reset()
+            delay = self.config.refresh_period_s if ok else backoff.next_delay_s()
+            await self._clock.sleep(delay)
+
+    def rank(
+        self,
+        tenant_id: str,
+        candidate_ids: Set[str],
+        queue_lengths: Mapping[str, int] | None = None,
+    ) -> RouteRanking:
+        """Rank `candidate_ids` (the replicas the caller can reach now) for `tenant_id`.
+
+        With a usable plan the first rank is the tenant's warm set among the candidates,
+        least queued first (`queue_lengths` from the caller, else the latest reports),
+        and the second rank the least-loaded others. Otherwise one least-loaded rank.
+        """
+        if not candidate_ids:
+            return RouteRanking((), self._fallback_source(), self._plan_version)
+        source = self._fallback_source()
+        warm: tuple[str, ...] = ()
+        if source is RouteSource.PLAN:
+            warm = tuple(r for r in self._warm.get(tenant_id, ()) if r in candidate_ids)
+            if not warm:
+                source = RouteSource.NOT_IN_PLAN
+        loads = queue_lengths if queue_lengths is not None else self._load
+        if len(warm) > 1:
+            warm = tuple(sorted(warm, key=lambda r: loads.get(r, 0)))
+        others = self._least_loaded(candidate_ids, warm, loads)
+        ranks = (warm, others) if warm and others else ((warm,) if warm else (others,))
+        return RouteRanking(ranks, source, self._plan_version)
+
+    @property
+    def _plan_version(self) -> int | None:
+        return self._plan.version if self._plan is not None else None
+
+    def _fallback_source(self) -> RouteSource:
+        if not self._redis_ok:
+            return RouteSource.REDIS_UNREACHABLE
+        if self._plan is None or self._clock.now() - self._plan_seen_s > self.config.max_plan_age_s:
+            return RouteSource.NO_PLAN
+        return RouteSource.PLAN
+
+    def _least_loaded(
+        self, candidate_ids: Set[str], exclude: tuple[str, ...], loads: Mapping[str, float]
+    ) -> tuple[str, ...]:
+        width = self.config.fallback_width
+        if len(candidate_ids) <= self.config.small_candidate_set or loads is not self._load:
+            ordered = sorted(candidate_ids, key=lambda r: (r in self._drained, loads.get(r, 0), r))
+            return tuple(r for r in ordered if r not in exclude)[:width]
+        chosen: list[str] = []
+        for replica_id in self._by_load:
+            if (
+                replica_id in candidate_ids
+                and replica_id not in exclude
+                and replica_id not in self._drained
+            ):
+                chosen.append(replica_id)
+                if len(chosen) == width:
+                    return tuple(chosen)
+        # Few reported candidates: add unreported (new) replicas, drained ones last.
+        rest = sorted(
+            (r for r in candidate_ids if r not in exclude and r not in chosen),
+            key=lambda r: (r in self._drained, r),
+        )
+        return tuple(chosen + rest[: width - len(chosen)])

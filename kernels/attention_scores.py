@@ -1,0 +1,176 @@
+"""Attention mass per key slot: what eviction policies read and vLLM's kernels do not return.
+
+For one request: queries ``[q_len, num_q_heads, head_dim]`` of the current step, the
+request's keys in a paged cache (``block_table`` + ``seq_len``). Output float32
+``[num_kv_heads, seq_len]``: ``out[h, j] = sum over queries i and over the q heads g of KV
+group h of softmax_j(scale * q[i, g] . k[j, h])``, with vLLM's causal rule (query ``i``
+sees key ``j`` iff ``j <= seq_len - q_len + i``) and q head ``g`` reading KV head
+``g // (num_q_heads // num_kv_heads)``. Each row of ``out`` sums to
+``q_len * num_q_heads / num_kv_heads``.
+
+Backends: ``triton`` (CUDA; logits kernel, then softmax and sum in torch), ``torch``
+(CPU: block-wise gather and one batched matmul per query chunk), and the reference.
+"""
+
+from __future__ import annotations
+
+import math
+from enum import Enum
+
+import torch
+
+from kernels.layout import KVLayout
+
+# Queries per chunk are capped so the float32 logits of a chunk stay under this many
+# elements (64 MiB): exact, because each query row is normalised on its own.
+_MAX_LOGITS = 16 * 1024 * 1024
+
+
+class ScoresBackend(str, Enum):
+    TRITON = "triton"
+    TORCH = "torch"
+    REFERENCE = "reference"
+
+
+def _slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    positions = torch.arange(seq_len, device=block_table.device)
+    return block_table.long()[positions // block_size] * block_size + positions % block_size
+
+
+def reference_attention_scores(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    layout: KVLayout,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Plain-torch reference of the module contract; float32 ``[num_kv_heads, seq_len]``."""
+    q_len, num_q_heads, head_dim = query.shape
+    num_kv_heads = layout.num_kv_heads(kv_cache)
+    group = num_q_heads // num_kv_heads
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    slots = _slots(block_table, seq_len, layout.block_size(kv_cache))
+    keys = layout.gather(kv_cache, slots)[:, 0].float()  # [seq_len, kv_heads, head_dim]
+    keys = keys.repeat_interleave(group, dim=1)  # [seq_len, q_heads, head_dim]
+    logits = torch.einsum("qhd,shd->hqs", query.float(), keys) * scale
+    visible = torch.arange(seq_len).view(1, -1) <= (
+        seq_len - q_len + torch.arange(q_len).view(-1, 1)
+    )
+    logits = logits.masked_fill(~visible.to(logits.device), float("-inf"))
+    mass = logits.softmax(dim=-1).sum(dim=1)  # [q_heads, seq_len]
+    return mass.view(num_kv_heads, group, seq_len).sum(dim=1)
+
+
+def check_scores_args(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    layout: KVLayout,
+) -> None:
+    """Raise ``ValueError`` unless the arguments describe one request's scoring step."""
+    layout.check_cache(kv_cache)
+    if query.dim() != 3:
+        raise ValueError(f"query must be [q_len, num_q_heads, head_dim], got {tuple(query.shape)}")
+    q_len, num_q_heads, head_dim = query.shape
+    num_kv_heads = layout.num_kv_heads(kv_cache)
+    if head_dim != layout.head_dim(kv_cache):
+        raise ValueError(f"query head_dim {head_dim} != cache head_dim {layout.head_dim(kv_cache)}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads not a multiple of {num_kv_heads} KV heads")
+    if not 1 <= q_len <= seq_len:
+        raise ValueError(f"need 1 <= q_len ({q_len}) <= seq_len ({seq_len})")
+    if block_table.dim() != 1 or block_table.dtype not in (torch.int32, torch.int64):
+        raise ValueError("block_table must be a 1-D int32/int64 tensor")
+    if block_table.numel() * layout.block_size(kv_cache) < seq_len:
+        raise ValueError(f"block_table of {block_table.numel()} blocks cannot hold {seq_len}")
+    if query.device != kv_cache.device or block_table.device != kv_cache.device:
+        raise ValueError("query, kv_cache and block_table must share a device")
+
+
+def _keys_transposed(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, layout: KVLayout
+) -> torch.Tensor:
+    """Keys of the request as float32 ``[num_kv_heads, head_dim, seq_len]`` (one copy).
+
+    Whole blocks are gathered (one contiguous chunk per block and head in cpu_attn, whose K
+    is already ``[head_dim, block_size]``), so there is no per-token indexing.
+    """
+    block_size = layout.block_size(kv_cache)
+    num_blocks = -(-seq_len // block_size)
+    blocks = block_table[:num_blocks].long()
+    if layout is KVLayout.CPU_ATTN_AMX:
+        keys = layout.gather(kv_cache, _slots(block_table, seq_len, block_size))[:, 0]
+        return keys.permute(1, 2, 0).float()
+    keys = layout.keys_values(kv_cache)[0][blocks]  # [num_blocks, block_size, kv_heads, dim]
+    keys = keys.permute(2, 3, 0, 1).float().reshape(keys.shape[2], keys.shape[3], -1)
+    return keys[:, :, :seq_len]
+
+
+def torch_attention_scores(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    layout: KVLayout,
+    scale: float,
+) -> torch.Tensor:
+    """Vectorised torch path (the CPU backend); arguments as ``attention_scores``."""
+    q_len, num_q_heads, head_dim = query.shape
+    num_kv_heads = layout.num_kv_heads(kv_cache)
+    group = num_q_heads // num_kv_heads
+    keys_t = _keys_transposed(kv_cache, block_table, seq_len, layout)
+    # [kv_heads, group, q_len, head_dim]: the rows that share one KV head, scaled once.
+    queries = query.float().permute(1, 0, 2).reshape(num_kv_heads, group, q_len, head_dim) * scale
+    out = torch.zeros(num_kv_heads, seq_len, dtype=torch.float32, device=query.device)
+    chunk = max(1, _MAX_LOGITS // (num_q_heads * seq_len))
+    keys_index = torch.arange(seq_len, device=query.device)
+    for start in range(0, q_len, chunk):
+        stop = min(q_len, start + chunk)
+        rows = queries[:, :, start:stop].reshape(num_kv_heads, -1, head_dim)
+        logits = torch.bmm(rows, keys_t)  # [kv_heads, group * rows, seq_len]
+        first_hidden = seq_len - q_len + torch.arange(start, stop, device=query.device) + 1
+        if int(first_hidden[0]) < seq_len:  # the last queries of a step see every key
+            hidden = keys_index.view(1, -1) >= first_hidden.view(-1, 1)  # [rows, seq_len]
+            logits = logits.view(num_kv_heads, group, stop - start, seq_len)
+            logits.masked_fill_(hidden, float("-inf"))
+            logits = logits.view(num_kv_heads, -1, seq_len)
+        out += logits.softmax(dim=-1).sum(dim=1)
+    return out
+
+
+def attention_scores(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    layout: KVLayout,
+    *,
+    scale: float | None = None,
+    backend: ScoresBackend | None = None,
+    check: bool = True,
+) -> torch.Tensor:
+    """Attention mass per key slot of one request: float32 ``[num_kv_heads, seq_len]``.
+
+    ``query``: ``[q_len, num_q_heads, head_dim]``, ``kv_cache``: one layer of ``layout``,
+    ``block_table``: the request's block ids (int32/int64, at least ``ceil(seq_len /
+    block_size)`` of them), ``scale``: vLLM's softmax scale (default ``head_dim ** -0.5``).
+    Bad shapes raise ``ValueError`` (unless ``check=False``).
+    """
+    if check:
+        check_scores_args(query, kv_cache, block_table, seq_len, layout)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    if backend is None:
+        use_triton = kv_cache.device.type == "cuda" and layout is not KVLayout.CPU_ATTN_AMX
+        backend = ScoresBackend.TRITON if use_triton else ScoresBackend.TORCH
+    if backend is ScoresBackend.REFERENCE:
+        return reference_attention_scores(
+            query, kv_cache, block_table, seq_len, layout, scale=scale
+        )
+    if backend is ScoresBackend.TORCH:
+        return torch_attention_scores(query, kv_cache, block_table, seq_len, layout, scale)
+    from kernels._scores_triton import triton_attention_scores
+
+    return triton_attention_scores(query, kv_cache, block_table, seq_len, layout, scale)

@@ -1,0 +1,78 @@
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from controlplane.models import EngineCounters, RoutingPlan, TenantQuota, TenantUsage
+from controlplane.store import decode_report, encode_report
+from tests.controlplane.builders import quota, report
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"tenant_id": "", "kv_budget_blocks": 1}, "tenant_id"),
+        ({"tenant_id": "has space", "kv_budget_blocks": 1}, "tenant_id"),
+        ({"tenant_id": "a", "kv_budget_blocks": 0}, "kv_budget_blocks"),
+        ({"tenant_id": "a", "kv_budget_blocks": 1, "weight": 0}, "weight"),
+        ({"tenant_id": "a", "kv_budget_blocks": 1, "max_concurrent_requests": 0}, "max_concurrent"),
+        ({"tenant_id": "a", "kv_budget_blocks": 1, "prompt_tokens_per_s": -1}, "prompt_tokens"),
+        ({"tenant_id": "a", "kv_budget_blocks": 1, "color": "red"}, "color"),
+    ],
+)
+def test_bad_quota_names_the_field(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        TenantQuota.model_validate(fields)
+
+
+def test_quota_is_immutable() -> None:
+    with pytest.raises(ValidationError):
+        quota("a").kv_budget_blocks = 5  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"total_blocks": 10, "free_blocks": 4, "used_blocks": 5}, "must equal total_blocks"),
+        ({"total_blocks": 10, "free_blocks": 4, "used_blocks": 6, "reclaimable_blocks": 7}, "exceeds"),
+        (
+            {"total_blocks": 10, "free_blocks": 8, "used_blocks": 2, "tenants": {"a": {"blocks": 3}}},
+            "tenants hold 3",
+        ),
+        ({"total_blocks": 0, "free_blocks": 0, "used_blocks": 0}, "total_blocks"),
+    ],
+)
+def test_inconsistent_counters_are_rejected(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        EngineCounters.model_validate({"block_size": 16, **fields})
+
+
+def test_report_hash_round_trip() -> None:
+    original = report("replica-1", 12.5, {"a": 3, "b": 4}, reclaimable=2, draining=True)
+    fields = encode_report(original)
+    assert all(isinstance(value, str) for value in fields.values())
+    assert decode_report(fields) == original
+    assert original.available_blocks == original.free_blocks + 2
+
+
+def test_plan_json_round_trip_and_bad_weight() -> None:
+    plan = RoutingPlan.model_validate(
+        {
+            "version": 3,
+            "fence": 1,
+            "created_s": 1.0,
+            "tenants": {"a": {"replicas": [{"replica_id": "r1", "weight": 1.0}]}},
+            "pressure": {"r1": {"a": {"keep_fraction": 0.5, "target_blocks": 4}}},
+        }
+    )
+    assert RoutingPlan.model_validate_json(plan.model_dump_json()) == plan
+    with pytest.raises(ValidationError, match="weight"):
+        RoutingPlan.model_validate(
+            {
+                "version": 1,
+                "fence": 1,
+                "created_s": 1.0,
+                "tenants": {"a": {"replicas": [{"replica_id": "r1", "weight": 1.5}]}},
+            }
+        )
+    assert TenantUsage().blocks == 0

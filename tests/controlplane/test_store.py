@@ -1,0 +1,90 @@
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+from redis.exceptions import AuthenticationError
+
+from controlplane.models import TenantQuota
+from controlplane.redis_conn import RedisConfig, connect
+from controlplane.store import RedisStore
+from tests.controlplane.builders import quota, report
+from tests.redis_server import RedisServer, unique_keys
+
+
+async def test_quota_create_read_update_delete(store: RedisStore) -> None:
+    assert await store.get_quota("acme") is None
+    await store.put_quota(quota("acme", 100, weight=2.0))
+    assert await store.get_quota("acme") == quota("acme", 100, weight=2.0)
+    await store.put_quota(quota("acme", 50, max_concurrent_requests=3))
+    updated = await store.get_quota("acme")
+    assert updated is not None and updated.kv_budget_blocks == 50
+    assert updated.max_concurrent_requests == 3 and updated.weight == 1.0
+    await store.put_quota(quota("beta", 10))
+    assert sorted(await store.list_quotas()) == ["acme", "beta"]
+    assert await store.delete_quota("acme") is True
+    assert await store.delete_quota("acme") is False
+    assert list(await store.list_quotas()) == ["beta"]
+
+
+async def test_invalid_quota_never_reaches_redis(store: RedisStore) -> None:
+    with pytest.raises(ValidationError, match="kv_budget_blocks"):
+        await store.put_quota(TenantQuota(tenant_id="acme", kv_budget_blocks=-1))
+    assert await store.list_quotas() == {}
+
+
+async def test_reports_fresh_stale_and_expired(store: RedisStore) -> None:
+    now = 1000.0
+    await store.publish_reports(
+        [report("r1", now, {"a": 2}), report("r2", now - 5.0), report("r3", now - 0.2)], ttl_s=60
+    )
+    await store.publish_report(report("gone", now), ttl_s=0.01)
+    await asyncio.sleep(0.03)  # its hash expires; the registry still lists it
+    await store.redis.hset(store.keys.replica("junk"), mapping={"total_blocks": "oops"})
+    await store.redis.zadd(store.keys.replicas, {"junk": now})
+    snapshot = await store.read_reports(now, max_age_s=1.0, forget_after_s=60.0)
+    assert sorted(snapshot.fresh) == ["r1", "r3"]
+    assert snapshot.fresh["r1"] == report("r1", now, {"a": 2})
+    assert snapshot.stale_ids == {"r2", "gone", "junk"}
+    assert snapshot.invalid_ids == {"junk"}
+    forgotten = await store.read_reports(now + 30, max_age_s=1.0, forget_after_s=10.0)
+    assert forgotten.fresh == {} and forgotten.stale_ids == set()
+
+
+async def test_report_hash_has_a_ttl(store: RedisStore) -> None:
+    await store.publish_report(report("r1", 1.0), ttl_s=0.3)
+    ttl_ms = await store.redis.pttl(store.keys.replica("r1"))
+    assert 0 < ttl_ms <= 300
+    with pytest.raises(ValueError, match="ttl_s"):
+        await store.publish_report(report("r1", 1.0), ttl_s=0)
+
+
+@pytest.mark.parametrize("url", ["http://localhost:6379", "localhost:6379", "tcp://x"])
+def test_bad_redis_url_is_rejected(url: str) -> None:
+    with pytest.raises(ValueError, match="scheme"):
+        RedisConfig(url=url)
+
+
+def test_tls_url_is_accepted() -> None:
+    client = connect(RedisConfig(url="rediss://:secret@redis.example:6380/0"))
+    kwargs = client.connection_pool.connection_kwargs
+    assert kwargs["password"] == "secret" and kwargs["port"] == 6380
+    assert "SSL" in client.connection_pool.connection_class.__name__
+
+
+async def test_password_from_url_or_config(tmp_path: Path) -> None:
+    with RedisServer(tmp_path, password="s3cret", persistent=False) as server:
+        keys = unique_keys()
+        for config in (
+            RedisConfig(url=server.url),
+            RedisConfig(url=f"redis://127.0.0.1:{server.port}/0", password="s3cret"),
+        ):
+            client = connect(config)
+            await RedisStore(client, keys).put_quota(quota("a"))
+            await client.aclose()
+        wrong = connect(RedisConfig(url=f"redis://127.0.0.1:{server.port}/0", password="no"))
+        with pytest.raises(AuthenticationError):
+            await RedisStore(wrong, keys).get_quota("a")
+        await wrong.aclose()

@@ -1,0 +1,137 @@
+"""The replica report publisher: engine counters -> Redis every ~100 ms.
+
+Engine-agnostic: it takes a callable that returns the engine's `EngineCounters` (read
+a few integers the engine already keeps; it must not block or take locks the engine
+holds for long). Publishing never blocks the engine loop: the Redis write is async with
+a timeout below one period, a failed or slow write is dropped (the next report replaces
+it anyway) and the publisher backs off while Redis is away. Ticks are scheduled on a
+fixed grid, so a slow tick does not make later reports drift.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from opentelemetry import trace
+
+from controlplane import telemetry
+from controlplane.clock import Clock
+from controlplane.models import EngineCounters, ReplicaReport
+from controlplane.redis_conn import REDIS_ERRORS, Backoff
+from controlplane.store import RedisStore
+
+logger = logging.getLogger(__name__)
+
+# A report that cannot be written is dropped; the next period's report replaces it.
+_PUBLISH_ERRORS: tuple[type[Exception], ...] = (*REDIS_ERRORS, TimeoutError, ValueError)
+
+
+@dataclass(frozen=True, slots=True)
+class PublisherConfig:
+    """`ttl_periods`: the report hash expires after this many periods without a write, so
+    a dead replica vanishes from Redis on its own (ARCHITECTURE: TTL ~3 periods)."""
+
+    replica_id: str
+    engine_id: str = ""
+    model_id: str = ""
+    period_s: float = 0.1
+    ttl_periods: float = 3.0
+    backoff_cap_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.replica_id:
+            raise ValueError("replica_id must be non-empty")
+        if self.period_s <= 0 or self.ttl_periods < 1:
+            raise ValueError("need period_s > 0 and ttl_periods >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class PublishStats:
+    published: int
+    failed: int
+    last_error: str | None
+
+
+class ReportPublisher:
+    def __init__(
+        self,
+        store: RedisStore,
+        read_counters: Callable[[], EngineCounters],
+        clock: Clock,
+        config: PublisherConfig,
+        tracer: trace.Tracer = telemetry.NOOP_TRACER,
+    ) -> None:
+        self.config = config
+        self._store = store
+        self._read_counters = read_counters
+        self._clock = clock
+        self._tracer = tracer
+        self._published = 0
+        self._failed = 0
+        self._last_error: str | None = None
+
+    @property
+    def stats(self) -> PublishStats:
+        return PublishStats(self._published, self._failed, self._last_error)
+
+    def build_report(self) -> ReplicaReport:
+        """The report for now; raises `ValueError` if the counters are inconsistent."""
+        counters = self._read_counters()
+        return ReplicaReport(
+            **counters.model_dump(exclude={"tenants"}),
+            tenants=counters.tenants,
+            replica_id=self.config.replica_id,
+            engine_id=self.config.engine_id,
+            model_id=self.config.model_id,
+            heartbeat_s=self._clock.now(),
+        )
+
+    async def publish_once(self) -> bool:
+        """Build and write one report; False (and counted) if anything failed."""
+        with self._tracer.start_as_current_span(telemetry.SPAN_REPORT_PUBLISH) as span:
+            span.set_attribute(telemetry.ATTR_REPLICA_ID, self.config.replica_id)
+            try:
+                report = self.build_report()
+                await asyncio.wait_for(
+                    self._store.publish_report(
+                        report, ttl_s=self.config.period_s * self.config.ttl_periods
+                    ),
+                    timeout=self.config.period_s,
+                )
+            except _PUBLISH_ERRORS as error:
+                self._failed += 1
+                self._last_error = f"{type(error).__name__}: {error}"
+                span.set_attribute(telemetry.ATTR_ERROR_KIND, type(error).__name__)
+                return False
+        self._published += 1
+        return True
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Publish every `period_s` until `stop` is set; never raises for Redis errors."""
+        backoff = Backoff(
+            self.config.period_s, max(self.config.period_s, self.config.backoff_cap_s)
+        )
+        next_tick = self._clock.now()
+        while not stop.is_set():
+            if await self.publish_once():
+                backoff.reset()
+                next_tick += self.config.period_s
+                delay = next_tick - self._clock.now()
+                if delay < 0:  # fell behind: skip missed ticks rather than burst
+                    next_tick = self._clock.now()
+                    delay = 0.0
+            else:
+                if backoff.failures == 0:
+                    logger.warning("report publisher: %s", self._last_error)
+                delay = backoff.next_delay_s()
+                next_tick = self._clock.now() + delay
+            await self._clock.sleep(delay)
+
+    def start(self, stop: asyncio.Event) -> asyncio.Task[None]:
+        """Run in the current event loop as a background task (the engine's loop)."""
+        return asyncio.get_running_loop().create_task(
+            self.run(stop), name=f"vtoken-report-publisher-{self.config.replica_id}"
+        )

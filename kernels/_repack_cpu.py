@@ -140,7 +140,16 @@ def load_library() -> ctypes.CDLL | None:
                 source = Path(tmp) / "repack.c"
                 source.write_text(_SOURCE)
                 built = Path(tmp) / "repack.so"
-                command = [compiler, "-O3", "-shared", "-fPIC", "-pthread", "-o", built, source]
+                command = [
+                    compiler,
+                    "-O3",
+                    "-shared",
+                    "-fPIC",
+                    "-pthread",
+                    "-o",
+                    str(built),
+                    str(source),
+                ]
                 subprocess.run(command, check=True, capture_output=True, timeout=120)
                 os.replace(built, library)  # atomic: concurrent workers may race to build
         handle = ctypes.CDLL(str(library))

@@ -58,8 +58,12 @@ def _repack_kernel(
     src = tl.load(src_slots_ptr + moves, mask=move_mask, other=0)
     dst = tl.load(dst_slots_ptr + moves, mask=move_mask, other=0)
     layer_offset = tl.load(layer_offsets_ptr + layer) + base + head * head_stride
-    src_rows = layer_offset + (src // block_size) * block_stride + (src % block_size) * offset_stride
-    dst_rows = layer_offset + (dst // block_size) * block_stride + (dst % block_size) * offset_stride
+    src_rows = (
+        layer_offset + (src // block_size) * block_stride + (src % block_size) * offset_stride
+    )
+    dst_rows = (
+        layer_offset + (dst // block_size) * block_stride + (dst % block_size) * offset_stride
+    )
     dims = tl.arange(0, BLOCK_D)
     mask = move_mask[:, None] & (dims < HEAD_DIM)[None, :]
     columns = (dims * dim_stride)[None, :]

@@ -15,7 +15,7 @@ Backends: ``triton`` (CUDA; logits kernel, then softmax and sum in torch), ``tor
 from __future__ import annotations
 
 import math
-from enum import Enum
+from enum import StrEnum
 
 import torch
 
@@ -26,7 +26,7 @@ from kernels.layout import KVLayout
 _MAX_LOGITS = 16 * 1024 * 1024
 
 
-class ScoresBackend(str, Enum):
+class ScoresBackend(StrEnum):
     TRITON = "triton"
     TORCH = "torch"
     REFERENCE = "reference"

@@ -5,11 +5,12 @@ for every ISA and locating them (``tests/kernels/test_layout.py`` repeats the pr
 Inside one ``(block, head)`` row of ``2 * head_dim * block_size`` elements, token ``t`` and
 channel ``d`` sit at:
 
-    isa vec / vec16 (all dtypes)   K: d * block_size + t                  ([head_dim, block_size])
-                                   V: K_SIZE + t * head_dim + d           ([block_size, head_dim])
-    isa amx (bf16, AMX hardware)   K: ((t // 16) * (head_dim // 2) + d // 2) * 32 + (t % 16) * 2 + d % 2
-                                   V: K_SIZE + (d // 16) * block_size * 16 + (t // 2) * 32
-                                      + (d % 16) * 2 + t % 2
+    isa vec / vec16 (all dtypes)  K: d * block_size + t          ([head_dim, block_size])
+                                  V: K_SIZE + t * head_dim + d   ([block_size, head_dim])
+    isa amx (bf16, AMX hardware)  K: ((t // 16) * (head_dim // 2) + d // 2) * 32
+                                     + (t % 16) * 2 + d % 2
+                                  V: K_SIZE + (d // 16) * block_size * 16 + (t // 2) * 32
+                                     + (d % 16) * 2 + t % 2
 
 with ``K_SIZE = head_dim * block_size``. vLLM picks ``amx`` only for bf16 on a CPU with AMX
 tiles; ``vec16`` when ``head_dim % 32 != 0`` (and ``% 16 == 0``) or ``block_size % 32 != 0``;
@@ -19,7 +20,7 @@ tiles; ``vec16`` when ``head_dim % 32 != 0`` (and ``% 16 == 0``) or ``block_size
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 import torch
 
@@ -37,10 +38,11 @@ class PartStrides:
     dim_stride: int
 
 
-class KVLayout(str, Enum):
+class KVLayout(StrEnum):
     """How one layer's KV cache tensor is laid out.
 
-    - ``flash``: vLLM's GPU FlashAttention layout ``[2, num_blocks, block_size, kv_heads, head_dim]``.
+    - ``flash``: vLLM's GPU FlashAttention layout
+      ``[2, num_blocks, block_size, kv_heads, head_dim]``.
     - ``cpu_attn``: vLLM's CPU_ATTN layout for isa ``vec``/``vec16``: a tensor
       ``[num_blocks, kv_heads, block_size, 2 * head_dim]`` where each (block, head) row holds
       K transposed (``[head_dim, block_size]``) followed by V (``[block_size, head_dim]``).
@@ -102,8 +104,12 @@ class KVLayout(str, Enum):
         num_blocks, kv_heads, block_size, two_head_dim = cache.shape
         head_dim = two_head_dim // 2
         rows = cache.view(num_blocks, kv_heads, 2 * head_dim * block_size)
-        keys_t = rows[:, :, : head_dim * block_size].view(num_blocks, kv_heads, head_dim, block_size)
-        values = rows[:, :, head_dim * block_size :].view(num_blocks, kv_heads, block_size, head_dim)
+        keys_t = rows[:, :, : head_dim * block_size].view(
+            num_blocks, kv_heads, head_dim, block_size
+        )
+        values = rows[:, :, head_dim * block_size :].view(
+            num_blocks, kv_heads, block_size, head_dim
+        )
         return keys_t.permute(0, 3, 1, 2), values.permute(0, 2, 1, 3)
 
     # ------------------------------------------------------------------ addressing

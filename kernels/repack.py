@@ -15,14 +15,14 @@ Backends (``repack(..., backend=...)``; ``None`` picks the first that applies):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from enum import Enum
+from enum import StrEnum
 
 import torch
 
 from kernels.layout import KVLayout
 
 
-class RepackBackend(str, Enum):
+class RepackBackend(StrEnum):
     TRITON = "triton"
     CPU = "cpu"
     TORCH = "torch"

@@ -6,7 +6,9 @@ from controlplane.models import ReplicaReport, TenantQuota, TenantUsage
 
 
 def quota(tenant_id: str, budget: int = 100, **fields: object) -> TenantQuota:
-    return TenantQuota.model_validate({"tenant_id": tenant_id, "kv_budget_blocks": budget, **fields})
+    return TenantQuota.model_validate(
+        {"tenant_id": tenant_id, "kv_budget_blocks": budget, **fields}
+    )
 
 
 def report(
@@ -20,7 +22,9 @@ def report(
     draining: bool = False,
 ) -> ReplicaReport:
     """A consistent report: used = the tenants' blocks + `extra_used`."""
-    usage = {t: TenantUsage(blocks=b, live_tokens=b * 16, requests=1) for t, b in (tenants or {}).items()}
+    usage = {
+        t: TenantUsage(blocks=b, live_tokens=b * 16, requests=1) for t, b in (tenants or {}).items()
+    }
     used = sum(u.blocks for u in usage.values()) + extra_used
     return ReplicaReport(
         replica_id=replica_id,

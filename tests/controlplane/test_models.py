@@ -34,9 +34,17 @@ def test_quota_is_immutable() -> None:
     ("fields", "message"),
     [
         ({"total_blocks": 10, "free_blocks": 4, "used_blocks": 5}, "must equal total_blocks"),
-        ({"total_blocks": 10, "free_blocks": 4, "used_blocks": 6, "reclaimable_blocks": 7}, "exceeds"),
         (
-            {"total_blocks": 10, "free_blocks": 8, "used_blocks": 2, "tenants": {"a": {"blocks": 3}}},
+            {"total_blocks": 10, "free_blocks": 4, "used_blocks": 6, "reclaimable_blocks": 7},
+            "exceeds",
+        ),
+        (
+            {
+                "total_blocks": 10,
+                "free_blocks": 8,
+                "used_blocks": 2,
+                "tenants": {"a": {"blocks": 3}},
+            },
             "tenants hold 3",
         ),
         ({"total_blocks": 0, "free_blocks": 0, "used_blocks": 0}, "total_blocks"),

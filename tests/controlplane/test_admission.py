@@ -1,0 +1,123 @@
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio as aioredis
+
+from controlplane.admission import (
+    Admission,
+    AdmissionConfig,
+    AdmissionOutcome,
+    worst_case_blocks,
+)
+from controlplane.keys import KeySpace
+from controlplane.store import RedisStore
+from tests.controlplane.builders import quota
+from tests.controlplane.fakes import FakeClock
+
+
+@pytest.fixture
+def admission(redis: aioredis.Redis, keys: KeySpace, clock: FakeClock) -> Admission:
+    return Admission(redis, clock, AdmissionConfig(block_size=16, reservation_ttl_s=60), keys)
+
+
+def test_worst_case_blocks() -> None:
+    assert worst_case_blocks(10, 6, 16, None) == 1
+    assert worst_case_blocks(10, 7, 16, None) == 2
+    assert worst_case_blocks(1000, 1000, 16, 64) == 4  # the eviction budget caps it
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        worst_case_blocks(-1, 5, 16, None)
+    with pytest.raises(ValueError, match="not both 0"):
+        worst_case_blocks(0, 0, 16, None)
+
+
+async def test_exactly_at_budget_then_one_block_over(
+    admission: Admission, store: RedisStore
+) -> None:
+    tenant = quota("acme", budget=4)
+    await store.put_quota(tenant)
+    first = await admission.admit(tenant, "r1", prompt_tokens=32, max_tokens=16)  # 3 blocks
+    assert first.admitted and first.reservation is not None and first.reservation.blocks == 3
+    at_edge = await admission.admit(tenant, "r2", prompt_tokens=10, max_tokens=6)  # 1 block: 4/4
+    assert at_edge.admitted
+    over = await admission.admit(tenant, "r3", prompt_tokens=1, max_tokens=1)  # 5/4
+    assert over.outcome is AdmissionOutcome.THROTTLED and over.reason == "kv_budget"
+    assert over.retry_after_s == admission.config.throttle_retry_after_s
+    assert await admission.reserved_blocks("acme") == 4
+    assert first.reservation is not None
+    assert await admission.release(first.reservation) is True
+    assert await admission.release(first.reservation) is False  # idempotent
+    assert (await admission.admit(tenant, "r3", prompt_tokens=1, max_tokens=1)).admitted
+
+
+async def test_reported_usage_counts_against_the_budget(
+    admission: Admission, store: RedisStore, redis: aioredis.Redis, keys: KeySpace
+) -> None:
+    tenant = quota("acme", budget=10)
+    await store.put_quota(tenant)
+    await redis.hset(keys.usage, "acme", 9)  # what the controller last measured
+    assert (await admission.admit(tenant, "r1", 16, 0)).admitted  # 9 + 1 = 10
+    over = await admission.admit(tenant, "r2", 32, 0)
+    assert over.reason == "kv_budget"
+
+
+async def test_rejections(admission: Admission, store: RedisStore) -> None:
+    unknown = await admission.admit(quota("ghost"), "r1", 10, 10)
+    assert (unknown.outcome, unknown.reason) == (AdmissionOutcome.REJECTED, "unknown_tenant")
+    tenant = quota("acme", budget=2)
+    await store.put_quota(tenant)
+    too_big = await admission.admit(tenant, "r1", 48, 0)  # 3 blocks > budget 2: never fits
+    assert (too_big.outcome, too_big.reason) == (AdmissionOutcome.REJECTED, "exceeds_budget")
+    assert (await admission.admit(tenant, "r1", 16, 0)).admitted
+    duplicate = await admission.admit(tenant, "r1", 16, 0)
+    assert duplicate.reason == "duplicate_request"
+    with pytest.raises(ValueError, match="request_id"):
+        await admission.admit(tenant, "", 1, 1)
+
+
+async def test_fifty_concurrent_admissions_respect_the_budget(
+    admission: Admission, store: RedisStore
+) -> None:
+    tenant = quota("acme", budget=37)
+    await store.put_quota(tenant)
+    decisions = await asyncio.gather(
+        *(admission.admit(tenant, f"req-{i}", prompt_tokens=20, max_tokens=0) for i in range(50))
+    )  # 2 blocks each: at most 18 fit in 37
+    admitted = [d for d in decisions if d.admitted]
+    assert len(admitted) == 18
+    assert all(d.reason == "kv_budget" for d in decisions if not d.admitted)
+    assert await admission.reserved_blocks("acme") == 36
+
+
+async def test_concurrency_limit_and_lapsed_reservations(
+    admission: Admission, store: RedisStore, clock: FakeClock
+) -> None:
+    tenant = quota("acme", budget=100, max_concurrent_requests=2)
+    await store.put_quota(tenant)
+    assert (await admission.admit(tenant, "a", 1, 1)).admitted
+    assert (await admission.admit(tenant, "b", 1, 1)).admitted
+    assert (await admission.admit(tenant, "c", 1, 1)).reason == "max_concurrent_requests"
+    clock.advance(61)  # the ingress that held a and b died: their reservations lapse
+    assert (await admission.admit(tenant, "c", 1, 1)).admitted
+    assert await admission.reserved_blocks("acme") == 1
+
+
+async def test_prompt_token_rate(admission: Admission, store: RedisStore, clock: FakeClock) -> None:
+    tenant = quota("acme", budget=1000, prompt_tokens_per_s=100)
+    await store.put_quota(tenant)
+    assert (await admission.admit(tenant, "a", 80, 1)).admitted  # bucket 100 -> 20
+    throttled = await admission.admit(tenant, "b", 50, 1)
+    assert throttled.reason == "prompt_token_rate"
+    assert throttled.retry_after_s == pytest.approx(0.3)
+    clock.advance(0.3)
+    assert (await admission.admit(tenant, "b", 50, 1)).admitted
+
+
+async def test_quota_change_applies_at_once(admission: Admission, store: RedisStore) -> None:
+    await store.put_quota(quota("acme", budget=1))
+    stale_copy = quota("acme", budget=1)
+    await store.put_quota(quota("acme", budget=8))
+    assert (await admission.admit(stale_copy, "a", 100, 0)).admitted  # 7 blocks fit in 8
+    await store.delete_quota("acme")
+    assert (await admission.admit(stale_copy, "b", 1, 0)).reason == "unknown_tenant"

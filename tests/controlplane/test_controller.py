@@ -1,0 +1,160 @@
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import redis.asyncio as aioredis
+
+from controlplane.clock import SystemClock
+from controlplane.controller import Controller, ControllerConfig
+from controlplane.keys import KeySpace
+from controlplane.lease import ControllerLease, PlanWrite
+from controlplane.redis_conn import REDIS_ERRORS, RedisConfig, connect
+from controlplane.router import RouterConfig, RouterCore, RouteSource
+from controlplane.store import RedisStore
+from tests.controlplane.builders import quota, report
+from tests.controlplane.fakes import FakeClock
+from tests.redis_server import RedisServer, unique_keys
+
+CONFIG = ControllerConfig(period_s=0.5, lease_ttl_s=5.0, report_max_age_s=0.5)
+
+
+def make_controller(store: RedisStore, clock: FakeClock | SystemClock, owner: str) -> Controller:
+    lease = ControllerLease(store.redis, owner, CONFIG.lease_ttl_s, store.keys)
+    return Controller(store, lease, clock, CONFIG)
+
+
+async def test_quotas_and_plan_survive_a_controller_restart(
+    store: RedisStore, clock: FakeClock
+) -> None:
+    for tenant in ("a", "b", "c"):
+        await store.put_quota(quota(tenant, 50))
+    await store.publish_reports([report("r1", clock.now()), report("r2", clock.now())], ttl_s=60)
+    first = make_controller(store, clock, "ctl-1")
+    result = await first.step()
+    assert result.leader and result.write is PlanWrite.WRITTEN and result.plan is not None
+    placement = {t: route.replicas for t, route in result.plan.tenants.items()}
+    await first.shutdown()
+
+    restarted = make_controller(store, clock, "ctl-2")  # a fresh process: nothing in memory
+    again = await restarted.step()
+    assert again.leader and again.plan is not None
+    assert again.plan.version == result.plan.version + 1
+    assert again.plan.fence > result.plan.fence
+    assert sorted(await store.list_quotas()) == ["a", "b", "c"]
+    assert {t: route.replicas for t, route in again.plan.tenants.items()} == placement
+    assert again.num_moves == 0
+
+
+async def test_only_the_leader_writes(store: RedisStore, clock: FakeClock) -> None:
+    await store.put_quota(quota("a"))
+    await store.publish_report(report("r1", clock.now()), ttl_s=60)
+    leader, standby = make_controller(store, clock, "ctl-a"), make_controller(store, clock, "ctl-b")
+    versions = []
+    for _ in range(3):
+        led = await leader.step()
+        followed = await standby.step()
+        assert led.leader and not followed.leader and followed.write is None
+        assert followed.plan == led.plan  # the standby serves the leader's plan
+        assert led.plan is not None
+        versions.append(led.plan.version)
+    assert versions == [0, 1, 2] and leader.is_leader and not standby.is_leader
+
+
+async def test_stale_replica_leaves_within_two_periods_and_returns(
+    store: RedisStore, clock: FakeClock
+) -> None:
+    await store.put_quota(quota("a"))
+    await store.put_quota(quota("b"))
+    controller = make_controller(store, clock, "ctl")
+
+    async def cycle(reporting: list[str]) -> tuple[str, ...]:
+        reports = [report(r, clock.now()) for r in reporting]
+        await store.publish_reports(reports, ttl_s=60)
+        result = await controller.step()
+        assert result.plan is not None
+        clock.advance(CONFIG.period_s)
+        return result.plan.replica_ids
+
+    assert await cycle(["r1", "r2", "r3"]) == ("r1", "r2", "r3")
+    assert await cycle(["r1", "r2"]) == ("r1", "r2", "r3")  # r3 last reported 1 period ago
+    assert await cycle(["r1", "r2"]) == ("r1", "r2")  # gone by the second period
+    plan = controller.current_plan
+    assert plan is not None and plan.drained_replica_ids == ("r3",)
+    assert all(w.replica_id != "r3" for route in plan.tenants.values() for w in route.replicas)
+    assert await cycle(["r1", "r2", "r3"]) == ("r1", "r2", "r3")  # back when it reports
+
+
+async def _wait_for(condition: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+async def test_redis_restart_mid_loop(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path)
+    server.start()
+    keys: KeySpace = unique_keys()
+    client: aioredis.Redis = connect(RedisConfig(url=server.url, socket_timeout_s=0.5))
+    store = RedisStore(client, keys)
+    clock = SystemClock()
+    config = ControllerConfig(period_s=0.05, lease_ttl_s=1.0, report_max_age_s=1.0)
+    lease = ControllerLease(client, "ctl", config.lease_ttl_s, keys)
+    controller = Controller(store, lease, clock, config)
+    router = RouterCore(store, clock, RouterConfig(refresh_period_s=0.05, max_plan_age_s=2))
+    quotas = {t: quota(t, 40) for t in ("a", "b", "c")}
+    for tenant in quotas.values():
+        await store.put_quota(tenant)
+    stop = asyncio.Event()
+
+    async def publish_forever() -> None:
+        while not stop.is_set():
+            try:
+                reports = [report(r, clock.now(), {"a": 3}) for r in ("r1", "r2")]
+                await store.publish_reports(reports, ttl_s=1.0)
+            except REDIS_ERRORS:
+                pass  # Redis is down: the next period tries again
+            await asyncio.sleep(0.05)
+
+    tasks = [
+        asyncio.create_task(controller.run(stop)),
+        asyncio.create_task(router.run(stop)),
+        asyncio.create_task(publish_forever()),
+    ]
+    try:
+
+        async def has_plan() -> bool:
+            plan = controller.current_plan
+            return plan is not None and router.plan is not None and len(router.plan.tenants) == 3
+
+        await _wait_for(has_plan)
+        assert router.rank("a", {"r1", "r2"}).source is RouteSource.PLAN
+        server.stop()
+        last = controller.current_plan
+        await asyncio.sleep(0.5)  # the loops keep running against a dead Redis
+        assert not any(task.done() for task in tasks)
+        assert controller.current_plan == last  # the last plan is still served
+        ranking = router.rank("a", {"r1", "r2"})
+        assert ranking.source is RouteSource.REDIS_UNREACHABLE and ranking.ranks[0]
+        server.start()  # same port, same directory
+
+        async def resumed() -> bool:
+            plan = controller.current_plan
+            return plan is not None and last is not None and plan.version > last.version + 2
+
+        await _wait_for(resumed)
+        await _wait_for(lambda: _router_back(router))
+        assert await store.list_quotas() == quotas
+        assert await store.read_usage() == {"a": 6}
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)
+        await client.aclose()
+        server.stop()
+
+
+async def _router_back(router: RouterCore) -> bool:
+    return router.rank("a", {"r1", "r2"}).source is RouteSource.PLAN

@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass
-from enum import Enum
+from enum import StrEnum
+from functools import partial
 from pathlib import Path
 from typing import Annotated
 
@@ -24,7 +25,7 @@ KEEP_RATIOS = (0.2, 0.5)
 BLOCK_SIZES = (16, 32)
 
 
-class Engine(str, Enum):
+class Engine(StrEnum):
     SIM = "sim"
 
 
@@ -50,6 +51,11 @@ def natural_prompts(tokenizer: object, count: int, num_tokens: int) -> list[list
             raise ValueError(f"topic {topic!r} has only {len(ids)} tokens")
         prompts.append(list(ids[:num_tokens]))
     return prompts
+
+
+def keep_budget(keep: float, num_tokens: int) -> int:
+    """Live-token budget after a step: ``ceil(keep * sequence length)``."""
+    return math.ceil(keep * num_tokens)
 
 
 def run_sim(
@@ -87,7 +93,7 @@ def run_sim(
                 prompt,
                 new_tokens,
                 make_policy(policy_name),
-                lambda n, keep=keep: math.ceil(keep * n),
+                partial(keep_budget, keep),
                 [manager for _, manager in ordered],
                 request_id=f"p{index}",
             )
@@ -105,7 +111,8 @@ def run_sim(
     for policy_name, keep in cases:
         for block_size in block_sizes:
             naive, vtoken, ideal = (
-                totals[(policy_name, keep, block_size, kind)] for kind in ("naive", "vtoken", "ideal")
+                totals[(policy_name, keep, block_size, kind)]
+                for kind in ("naive", "vtoken", "ideal")
             )
             reduction = 100.0 * (1.0 - vtoken / naive) if naive else 0.0
             rows.append(
@@ -119,7 +126,15 @@ def print_table(rows: list[Row], title: str) -> None:
     from rich.table import Table
 
     table = Table(title=title)
-    for column in ("policy", "keep", "block", "naive blocks", "vtoken blocks", "ideal", "reduction"):
+    for column in (
+        "policy",
+        "keep",
+        "block",
+        "naive blocks",
+        "vtoken blocks",
+        "ideal",
+        "reduction",
+    ):
         table.add_column(column, justify="left" if column == "policy" else "right")
     for row in rows:
         table.add_row(

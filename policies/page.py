@@ -52,4 +52,5 @@ class PAGE(EvictionPolicy):
             self.enabled = bool(drop > self.threshold)
         if not self.enabled:
             return np.zeros(0, dtype=np.int64)
-        return self.inner.select(view, budget)
+        evicted = self.inner.select(view, budget)
+        return evicted[~np.isin(evicted, view.logical_ids[self.protected(view, budget)])]

@@ -35,7 +35,8 @@ class SnapKV(EvictionPolicy):
         return max(0, view.num_live - budget) if view.prefill_done_now else 0
 
     def protected(self, view: PolicyView, budget: int) -> np.ndarray:
-        return view.logical_ids >= view.num_logical - self.window
+        window = view.logical_ids >= view.num_logical - self.window
+        return super().protected(view, budget) | window
 
     def score(self, view: PolicyView) -> np.ndarray:
         votes = view.require("window_rows").sum(axis=0)

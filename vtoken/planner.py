@@ -15,14 +15,14 @@ moves and frees only blocks that hold no live token.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 import numpy as np
 
 from vtoken.token_table import TokenTable
 
 
-class ReclaimMode(str, Enum):
+class ReclaimMode(StrEnum):
     VTOKEN = "vtoken"  # repack live tokens into the fewest blocks
     NAIVE = "naive"  # block-granular: free a block only when none of its tokens is live
 

@@ -10,7 +10,7 @@ from vtoken.token_table import TokenTable
 
 @dataclass(frozen=True, slots=True)
 class BlockReport:
-    """``reclaimable_blocks = allocated_blocks - ideal_blocks`` (ideal = ceil(live / block_size))."""
+    """Blocks held vs needed; ``reclaimable = allocated - ideal``, ideal = ceil(live / block)."""
 
     num_requests: int
     allocated_blocks: int

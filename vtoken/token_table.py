@@ -215,4 +215,6 @@ class TokenTable:
         assert self._held.shape[0] == len(self.block_ids)
         for index in np.flatnonzero(~self._held):
             start = int(index) * self.block_size
-            assert not self._live_at_slot[start : min(start + self.block_size, self.num_slots)].any()
+            assert not self._live_at_slot[
+                start : min(start + self.block_size, self.num_slots)
+            ].any()

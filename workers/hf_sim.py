@@ -72,45 +72,89 @@ class HFSimEngine:
         managers: Sequence[VTokenManager],
         request_id: str = "r0",
     ) -> SimResult:
-        """Run greedy decoding; the first manager's slot order drives the cache, every manager
+        """Greedy decoding; the first manager's slot order drives the cache, every manager
         gets the same allocations and evictions (paired comparisons on identical decisions)."""
-        from transformers import DynamicCache
-
-        primary, *shadows = managers
-        primary.add_request(request_id, len(prompt_ids), policy=policy)
-        for shadow in shadows:
-            shadow.add_request(request_id, len(prompt_ids))
-        needs = policy.score_needs() if policy is not None else ScoreNeeds()
-        cache = DynamicCache()
-        cache_ids = np.zeros(0, dtype=np.int64)  # logical ids in the model cache's order
+        session = _Session(self, len(prompt_ids), policy, budget, managers, request_id)
         result = SimResult(token_ids=[])
         next_ids = list(prompt_ids)
         for _ in range(max_new_tokens):
-            start = primary.requests[request_id].table.num_logical
-            for manager in managers:
-                if manager.allocate(request_id, len(next_ids)) is None:
-                    raise RuntimeError("the block pool is too small for this run")
-            output = self.model(
-                input_ids=torch.tensor([next_ids]),
-                position_ids=torch.arange(start, start + len(next_ids)).unsqueeze(0),
-                past_key_values=cache,
-                use_cache=True,
-                output_attentions=needs.any,
-            )
-            cache_ids = np.concatenate([cache_ids, np.arange(start, start + len(next_ids))])
-            attention = step_attention(output.attentions or (), needs, self.score_layers)
-            table = primary.requests[request_id].table
-            evicted = primary.evict(request_id, budget(table.num_logical), attention)
-            primary.reclaim([request_id])
-            for shadow in shadows:
-                shadow.evict_ids(request_id, evicted)
-                shadow.reclaim([request_id])
-            cache_ids = _reorder(cache, cache_ids, table.live_logical_ids())
-            result.evicted.append(evicted)
-            next_token = int(output.logits[0, -1].argmax())
-            result.token_ids.append(next_token)
-            next_ids = [next_token]
+            logits = session.step(next_ids)
+            result.evicted.append(session.last_evicted)
+            next_ids = [int(logits[-1].argmax())]
+            result.token_ids.append(next_ids[0])
         return result
+
+    @torch.inference_mode()
+    def teacher_forced_nll(
+        self,
+        context_ids: Sequence[int],
+        target_ids: Sequence[int],
+        policy: EvictionPolicy | None,
+        budget: BudgetFn,
+        manager: VTokenManager,
+    ) -> float:
+        """Mean negative log-likelihood of ``target_ids`` fed one token per step after
+        ``context_ids``, evicting to the budget after every step (a perplexity probe)."""
+        session = _Session(self, len(context_ids), policy, budget, [manager], "nll")
+        logits = session.step(list(context_ids))
+        total = 0.0
+        for index, token in enumerate(target_ids):
+            total -= float(torch.log_softmax(logits[-1].float(), dim=-1)[token])
+            if index + 1 < len(target_ids):
+                logits = session.step([token])
+        return total / len(target_ids)
+
+
+class _Session:
+    """One request's model cache, kept equal to the primary manager's live tokens."""
+
+    def __init__(
+        self,
+        engine: HFSimEngine,
+        prompt_len: int,
+        policy: EvictionPolicy | None,
+        budget: BudgetFn,
+        managers: Sequence[VTokenManager],
+        request_id: str,
+    ) -> None:
+        from transformers import DynamicCache
+
+        self.engine, self.policy, self.budget = engine, policy, budget
+        self.primary, *self.shadows = managers
+        self.request_id = request_id
+        self.primary.add_request(request_id, prompt_len, policy=policy)
+        for shadow in self.shadows:
+            shadow.add_request(request_id, prompt_len)
+        self.needs = policy.score_needs() if policy is not None else ScoreNeeds()
+        self.cache = DynamicCache()
+        self.cache_ids = np.zeros(0, dtype=np.int64)  # logical ids in the cache's order
+        self.last_evicted = np.zeros(0, dtype=np.int64)
+
+    def step(self, input_ids: list[int]) -> torch.Tensor:
+        """Forward ``input_ids``, evict and reclaim; returns ``[len(input_ids), vocab]`` logits."""
+        table = self.primary.requests[self.request_id].table
+        start = table.num_logical
+        for manager in (self.primary, *self.shadows):
+            if manager.allocate(self.request_id, len(input_ids)) is None:
+                raise RuntimeError("the block pool is too small for this run")
+        output = self.engine.model(
+            input_ids=torch.tensor([input_ids]),
+            position_ids=torch.arange(start, start + len(input_ids)).unsqueeze(0),
+            past_key_values=self.cache,
+            use_cache=True,
+            output_attentions=self.needs.any,
+        )
+        new_ids = np.arange(start, start + len(input_ids))
+        self.cache_ids = np.concatenate([self.cache_ids, new_ids])
+        attention = step_attention(output.attentions or (), self.needs, self.engine.score_layers)
+        evicted = self.primary.evict(self.request_id, self.budget(table.num_logical), attention)
+        self.primary.reclaim([self.request_id])
+        for shadow in self.shadows:
+            shadow.evict_ids(self.request_id, evicted)
+            shadow.reclaim([self.request_id])
+        self.cache_ids = _reorder(self.cache, self.cache_ids, table.live_logical_ids())
+        self.last_evicted = evicted
+        return output.logits[0]
 
 
 def _reorder(cache: object, cache_ids: np.ndarray, target_ids: np.ndarray) -> np.ndarray:

@@ -1,0 +1,195 @@
+"""Each policy's published rule on small hand-made attention, and protection guarantees."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import policies
+from policies import REGISTRY, make_policy
+from policies.page import head_agreement
+from vtoken.policy import PolicyView, StepAttention
+
+
+def view(n, attention=None, prompt_len=None, num_logical=None, ids=None, stats=None):
+    ids = np.arange(n, dtype=np.int64) if ids is None else np.asarray(ids, dtype=np.int64)
+    num_logical = int(ids.max()) + 1 if num_logical is None else num_logical
+    return PolicyView(
+        logical_ids=ids,
+        num_logical=num_logical,
+        prompt_len=num_logical if prompt_len is None else prompt_len,
+        step=1,
+        stats=stats or {},
+        attention=attention or StepAttention(),
+    )
+
+
+def kept(n, evicted):
+    return sorted(set(range(n)) - set(evicted.tolist()))
+
+
+def test_none_never_evicts():
+    assert make_policy("none").select(view(10), budget=0).size == 0
+
+
+def test_streaming_llm_keeps_sinks_and_recent_window():
+    evicted = make_policy("streaming_llm", sinks=4, recent=6).select(view(20), budget=100)
+    assert kept(20, evicted) == [0, 1, 2, 3, 14, 15, 16, 17, 18, 19]
+    evicted = make_policy("streaming_llm", sinks=2).select(view(12), budget=5)
+    assert kept(12, evicted) == [0, 1, 9, 10, 11]
+
+
+def test_h2o_keeps_heavy_hitters_plus_recent_and_accumulates():
+    policy = make_policy("h2o", recent=2)
+    stats = {"h2o_score": np.zeros(8, dtype=np.float32)}
+    scores = np.array([0.9, 0.1, 0.5, 0.05, 0.3, 0.2, 0.0, 0.0], dtype=np.float32)
+    evicted = policy.select(view(8, StepAttention(step_scores=scores), stats=stats), budget=4)
+    assert kept(8, evicted) == [0, 2, 6, 7]  # top-2 heavy {0, 2} + recent {6, 7}
+    assert np.allclose(stats["h2o_score"], scores)  # accumulated in place
+
+
+def test_h2o_default_splits_budget_between_heavy_and_recent():
+    scores = np.array([5, 0, 4, 0, 0, 0, 0, 0, 1, 1], dtype=np.float32)
+    stats = {"h2o_score": np.zeros(10, dtype=np.float32)}
+    evicted = make_policy("h2o").select(view(10, StepAttention(step_scores=scores), stats=stats), 4)
+    assert kept(10, evicted) == [0, 2, 8, 9]
+
+
+def test_tova_drops_lowest_attention_of_the_last_query():
+    rows = np.array([[0.0, 0.9, 0.1, 0.0, 0.0], [0.3, 0.05, 0.4, 0.2, 0.05]])
+    evicted = make_policy("tova").select(view(5, StepAttention(window_rows=rows)), budget=3)
+    assert kept(5, evicted) == [0, 2, 3]
+
+
+def test_scissorhands_counts_hits_above_uniform_and_drops_least_important():
+    policy = make_policy("scissorhands", recent=2, drop_fraction=0.25)
+    # 3 queries over 8 keys; uniform threshold per row is 1 / visible keys
+    rows = np.array(
+        [
+            [0.5, 0.0, 0.3, 0.0, 0.2, 0.0, 0.0, 0.0],  # 3 visible -> threshold 1/3
+            [0.1, 0.1, 0.2, 0.1, 0.2, 0.1, 0.2, 0.0],  # 7 visible -> 1/7
+            [0.2, 0.0, 0.1, 0.1, 0.1, 0.1, 0.2, 0.2],  # 7 visible -> 1/7
+        ]
+    )
+    stats = {"hits": np.zeros(8, np.float32), "seen": np.zeros(8, np.float32)}
+    evicted = policy.select(view(8, StepAttention(window_rows=rows), stats=stats), budget=6)
+    assert stats["hits"].tolist() == [2, 0, 1, 0, 1, 0, 2, 1]
+    assert stats["seen"].tolist() == [3, 1, 3, 2, 3, 2, 2, 1]
+    # overflow 2 + drop 0.25 * 6 = 1 -> 3 evicted among ids 0..5 (6, 7 are recent)
+    assert evicted.tolist() == [1, 3, 5]
+
+
+def test_snapkv_pools_window_votes_and_protects_the_window():
+    policy = make_policy("snapkv", window=2, kernel_size=3, pooling="max")
+    rows = np.zeros((2, 10))
+    rows[:, 3] = 1.0  # a spike at 3 also protects 2 and 4 through max pooling
+    rows[:, 7] = 0.5
+    evicted = policy.select(view(10, StepAttention(window_rows=rows)), budget=7)
+    assert kept(10, evicted) == [2, 3, 4, 6, 7, 8, 9]
+    decode = view(11, StepAttention(window_rows=np.ones((1, 11))), prompt_len=10)
+    assert policy.select(decode, budget=3).size == 0  # compresses once, at the end of prefill
+
+
+def test_random_is_seeded_order_independent_and_respects_protection():
+    first = make_policy("random", seed=7, sinks=2, recent=3).select(view(30), budget=10)
+    again = make_policy("random", seed=7, sinks=2, recent=3).select(view(30), budget=10)
+    other = make_policy("random", seed=8, sinks=2, recent=3).select(view(30), budget=10)
+    shuffled = make_policy("random", seed=7, sinks=2, recent=3).select(
+        view(30, ids=np.random.default_rng(0).permutation(30)), budget=10
+    )
+    assert first.tolist() == again.tolist() == shuffled.tolist()
+    assert first.tolist() != other.tolist()
+    assert not set(first.tolist()) & {0, 1, 27, 28, 29}
+
+
+def test_page_gates_on_the_drop_in_head_agreement():
+    agree = np.tile(np.arange(20.0), (6, 4, 1))  # every head of every layer agrees
+    diverge = agree.copy()
+    rng = np.random.default_rng(0)
+    for layer in range(3, 6):  # late layers: each head reads different tokens
+        for head in range(4):
+            diverge[layer, head] = rng.permutation(20)
+    assert head_agreement(agree, 5).tolist() == [1.0] * 6
+    rows = np.zeros((1, 20))
+    kept_all = make_policy("page", top_fraction=0.25, inner=make_policy("snapkv", window=2)).select(
+        view(20, StepAttention(window_rows=rows, head_scores=agree)), budget=8
+    )
+    assert kept_all.size == 0
+    gated = make_policy("page", top_fraction=0.25, inner=make_policy("snapkv", window=2)).select(
+        view(20, StepAttention(window_rows=rows, head_scores=diverge)), budget=8
+    )
+    assert gated.size == 12
+
+
+def test_registry_rejects_unknown_names_and_arguments():
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("lru")
+    with pytest.raises(ValueError, match="no argument"):
+        make_policy("h2o", heavy_ratio=0.1)
+    with pytest.raises(ValueError):
+        make_policy("snapkv", pooling="median")
+    with pytest.raises(ValueError):
+        make_policy("h2o", recent_fraction=2.0)
+
+
+def full_attention(n, rng):
+    rows = rng.random((4, n))
+    return StepAttention(
+        step_scores=rows.sum(0),
+        window_rows=rows / rows.sum(1, keepdims=True),
+        head_scores=rng.random((3, 2, n)),
+    )
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    name=st.sampled_from(sorted(REGISTRY)),
+    n=st.integers(1, 60),
+    budget=st.integers(0, 60),
+    sinks=st.integers(0, 5),
+    recent=st.integers(0, 10),
+    seed=st.integers(0, 1000),
+)
+def test_no_policy_evicts_a_protected_token_or_evicts_twice(name, n, budget, sinks, recent, seed):
+    rng = np.random.default_rng(seed)
+    policy = make_policy(name, sinks=sinks, recent=recent)
+    stats = {key: np.zeros(n, np.float32) for key in policy.stat_names}
+    current = view(n, full_attention(n, rng), stats=stats)
+    evicted = policy.select(current, budget)
+    assert np.unique(evicted).size == evicted.size
+    assert set(evicted.tolist()) <= set(range(n))
+    protected = {i for i in range(n) if i < sinks or i >= n - recent}
+    assert not protected & set(evicted.tolist())
+    if name not in ("none", "page", "snapkv", "scissorhands", "streaming_llm"):
+        num_protected = int(policy.protected(current, budget).sum())
+        assert n - evicted.size == (n if n <= budget else max(budget, num_protected))
+
+
+def code_lines(path: Path) -> int:
+    """Lines of code: no blank lines, comments or docstrings."""
+    import ast
+
+    source = path.read_text()
+    tree = ast.parse(source)
+    doc_lines = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        first = body[0] if isinstance(body, list) and body else None
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+            doc_lines.update(range(first.lineno, (first.end_lineno or first.lineno) + 1))
+    return sum(
+        1
+        for number, line in enumerate(source.splitlines(), start=1)
+        if line.strip() and not line.strip().startswith("#") and number not in doc_lines
+    )
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_every_policy_file_is_small(name):
+    module = REGISTRY[name].__module__.split(".")[-1]
+    path = Path(policies.__file__).parent / f"{module}.py"
+    assert code_lines(path) <= 50

@@ -74,12 +74,37 @@ static void copy_token(const job_t *j, char *cache, const int64_t *p, int64_t sr
     }
 }
 
+/* Issue loads for one token's K or V lines ahead of use: the strided K column of a
+   transposed block misses on every line, and a scalar loop alone keeps few misses in flight. */
+static void prefetch_token(const job_t *j, const char *cache, const int64_t *p, int64_t slot,
+                           int write) {
+    const int64_t es = j->elem_size, bs = j->block_size;
+    const int64_t start = p[0] + (slot / bs) * p[1] + (slot % bs) * p[2];
+    const int64_t step = p[4] * es >= 64 ? p[4] : (64 / es > 0 ? 64 / es : 1);
+    const int64_t span = (j->head_dim - 1) * p[4] + 1;
+    for (int64_t h = 0; h < j->kv_heads; ++h) {
+        const char *base = cache + (start + h * p[3]) * es;
+        for (int64_t e = 0; e < span; e += step) {
+            if (write) __builtin_prefetch(base + e * es, 1, 3);
+            else __builtin_prefetch(base + e * es, 0, 3);
+        }
+    }
+}
+
 /* Moves outer, heads and K/V inner: in cpu_attn the K and V of one (block, head) are one
    contiguous row, so a move touches a few rows of its source and destination blocks, and
    the planner's ascending order keeps those blocks in L1 across consecutive moves. */
+#define PREFETCH_DISTANCE 4
 static void copy_item(const job_t *j, int64_t layer) {
     char *cache = j->layers[layer];
     for (int64_t m = 0; m < j->num_moves; ++m) {
+        if (m + PREFETCH_DISTANCE < j->num_moves) {
+            const int64_t ahead = m + PREFETCH_DISTANCE;
+            for (int part = 0; part < 2; ++part) {
+                prefetch_token(j, cache, j->parts + 5 * part, j->src[ahead], 0);
+                prefetch_token(j, cache, j->parts + 5 * part, j->dst[ahead], 1);
+            }
+        }
         copy_token(j, cache, j->parts, j->src[m], j->dst[m]);
         copy_token(j, cache, j->parts + 5, j->src[m], j->dst[m]);
     }

@@ -9,6 +9,8 @@ import typer
 
 from bench import controller as bench_controller
 from bench import fragmentation as bench_fragmentation
+from bench import repack as bench_repack
+from bench import scores as bench_scores
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 model_app = typer.Typer(no_args_is_help=True, help="Prepare models for the engines.")
@@ -20,6 +22,8 @@ app.add_typer(bench_app, name="bench")
 # heavy imports happen inside the function, so `vtoken --help` stays fast.
 bench_app.command("fragmentation")(bench_fragmentation.cli)
 bench_app.command("controller")(bench_controller.cli)
+bench_app.command("repack")(bench_repack.cli)
+bench_app.command("scores")(bench_scores.cli)
 
 
 @model_app.command("prepare")

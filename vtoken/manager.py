@@ -109,6 +109,18 @@ class VTokenManager:
         self.evict_ids(request_id, evicted)
         return evicted
 
+    def observe(self, request_id: str, attention: StepAttention | None = None) -> None:
+        """Feed a step's attention to the request's policy without evicting (e.g. a prefill
+        chunk that does not yet complete the prompt); stats are stored back, no step counted."""
+        request = self.requests[request_id]
+        if request.policy is None:
+            return
+        view = self.view(request_id, attention)
+        request.policy.observe(view)
+        live_slots = request.table.live_slots()
+        for name, values in view.stats.items():
+            request.table.stats[name][live_slots] = values
+
     def evict_ids(self, request_id: str, logical_ids: np.ndarray) -> None:
         """Evict explicit logical ids (for engines or tests that decide elsewhere)."""
         request = self.requests[request_id]

@@ -1,0 +1,104 @@
+"""The plugin's configuration: ``additional_config={"vtoken": {...}}``, validated by pydantic.
+
+It crosses process boundaries (front end -> engine core -> workers) inside vLLM's config,
+so it is a pydantic model; a bad value raises ``ValueError`` naming the field, which
+fails engine start. Without a ``"vtoken"`` key the plugin stays inert.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from vtoken.planner import ReclaimMode
+
+CONFIG_KEY = "vtoken"
+
+
+class VTokenConfig(BaseModel):
+    """One engine's vToken settings.
+
+    - ``policy``/``policy_args``: a name of ``policies.REGISTRY`` and its dataclass fields
+      (one policy instance per request).
+    - ``budget_tokens`` or ``keep_ratio`` (at most one; required except for ``none`` and for
+      ``streaming_llm`` with ``recent``): the live-token budget after each step, absolute or
+      ``ceil(keep_ratio * sequence length)``.
+    - ``mode``: ``vtoken`` repacks and frees every emptied block; ``naive`` keeps every block
+      a block-granular manager would still hold (see ``workers/scheduler_side.py``).
+    - ``score_layers``: which layers feed the attention statistics of scored policies.
+    - ``record_evictions``: keep every step's evicted logical ids per request (tests).
+    - ``check_invariants``: run ``check_invariants()`` after every scheduler step (tests).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    policy: str = "none"
+    policy_args: dict[str, Any] = Field(default_factory=dict)
+    budget_tokens: int | None = Field(default=None, ge=1)
+    keep_ratio: float | None = Field(default=None, gt=0.0, le=1.0)
+    mode: ReclaimMode = ReclaimMode.VTOKEN
+    score_layers: Literal["all"] | list[int] = "all"
+    record_evictions: bool = False
+    check_invariants: bool = False
+
+    @field_validator("score_layers")
+    @classmethod
+    def _layers_non_negative(cls, value: Literal["all"] | list[int]) -> Literal["all"] | list[int]:
+        if value != "all" and (not value or min(value) < 0 or len(set(value)) != len(value)):
+            raise ValueError("score_layers must be 'all' or a non-empty list of distinct ids >= 0")
+        return value
+
+    @model_validator(mode="after")
+    def _policy_and_budget(self) -> VTokenConfig:
+        from policies import make_policy
+
+        make_policy(self.policy, **self.policy_args)  # unknown names/arguments raise ValueError
+        if self.budget_tokens is not None and self.keep_ratio is not None:
+            raise ValueError("give budget_tokens or keep_ratio, not both")
+        self_limited = self.policy == "streaming_llm" and self.policy_args.get("recent")
+        unbudgeted = self.budget_tokens is None and self.keep_ratio is None
+        if self.policy != "none" and not self_limited and unbudgeted:
+            raise ValueError(f"policy {self.policy!r} needs budget_tokens or keep_ratio")
+        return self
+
+    def make_policy(self):  # noqa: ANN201 - EvictionPolicy; imported lazily
+        from policies import make_policy
+
+        return make_policy(self.policy, **self.policy_args)
+
+    def budget(self, num_logical: int) -> int:
+        """Live tokens a request may keep once ``num_logical`` tokens have been computed."""
+        if self.budget_tokens is not None:
+            return self.budget_tokens
+        if self.keep_ratio is not None:
+            return math.ceil(self.keep_ratio * num_logical)
+        return num_logical
+
+    def layer_ids(self, num_layers: int) -> list[int]:
+        if self.score_layers == "all":
+            return list(range(num_layers))
+        bad = [i for i in self.score_layers if i >= num_layers]
+        if bad:
+            raise ValueError(f"score_layers {bad} out of range: the model has {num_layers}")
+        return list(self.score_layers)
+
+
+def parse_config(additional_config: dict[str, Any] | None) -> VTokenConfig | None:
+    """The vToken config inside vLLM's ``additional_config``, or ``None`` (plugin inert).
+
+    Raises ``ValueError`` with every pydantic error spelled out when the section is bad.
+    """
+    if not additional_config or CONFIG_KEY not in additional_config:
+        return None
+    section = additional_config[CONFIG_KEY]
+    if isinstance(section, VTokenConfig):
+        return section
+    if not isinstance(section, dict):
+        kind = type(section).__name__
+        raise ValueError(f"additional_config['vtoken'] must be a dict, got {kind}")
+    try:
+        return VTokenConfig.model_validate(section)
+    except ValidationError as error:
+        raise ValueError(f"invalid additional_config['vtoken']: {error}") from None

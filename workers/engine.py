@@ -1,0 +1,74 @@
+"""Building vLLM CPU engines with (or without) vToken, and reading their vToken state.
+
+``make_llm`` sets the environment vLLM needs on CPU and the engine arguments vToken needs
+(synchronous scheduling, prefix caching off, eager mode). The read helpers work when the
+engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); a replica with a
+separate engine-core process calls ``EngineCore.vtoken_counters`` as a utility instead
+(see ``workers/api.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from workers.scheduler_side import VTokenScheduler
+
+CPU_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+}
+
+
+def make_llm(
+    model: str,
+    vtoken: dict[str, Any] | None = None,
+    *,
+    block_size: int = 32,
+    num_blocks: int | None = None,
+    max_model_len: int = 2048,
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int = 2048,
+    dtype: str = "float32",
+    **engine_args: Any,
+) -> Any:
+    """An in-process ``vllm.LLM`` on CPU; ``num_blocks`` fixes the KV pool size."""
+    for name, value in CPU_ENV.items():
+        os.environ.setdefault(name, value)
+    from vllm import LLM
+
+    if num_blocks is not None:
+        engine_args["num_gpu_blocks_override"] = num_blocks
+    return LLM(
+        model=model,
+        dtype=dtype,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_prefix_caching=False,
+        async_scheduling=False,
+        enforce_eager=True,
+        gpu_memory_utilization=0.3,
+        seed=0,
+        additional_config={"vtoken": vtoken} if vtoken is not None else {},
+        **engine_args,
+    )
+
+
+def engine_scheduler(llm: Any) -> Any:
+    """vLLM's ``Scheduler`` of an in-process engine."""
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def engine_state(llm: Any) -> VTokenScheduler | None:
+    """The scheduler-side vToken state of an in-process engine (``None`` when off)."""
+    from workers.vllm_patches import scheduler_state
+
+    return scheduler_state(engine_scheduler(llm))
+
+
+def block_pool(llm: Any) -> Any:
+    return engine_scheduler(llm).kv_cache_manager.block_pool

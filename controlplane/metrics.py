@@ -1,0 +1,35 @@
+"""Prometheus metrics of the ingress (exposed at ``GET /metrics``)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from controlplane import telemetry
+
+
+class IngressMetrics:
+    """One registry per ingress process, so repeated construction in tests never clashes."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._admissions = Counter(
+            telemetry.METRIC_ADMISSIONS.replace(".", "_"),
+            "Admission decisions by tenant and outcome.",
+            ["tenant", "outcome"],
+            registry=self.registry,
+        )
+        self._latency = Histogram(
+            "vtoken_request_seconds",
+            "Time from arrival to the last token, by tenant.",
+            ["tenant"],
+            registry=self.registry,
+        )
+
+    def admission(self, tenant_id: str, outcome: str) -> None:
+        self._admissions.labels(tenant=tenant_id, outcome=outcome).inc()
+
+    def latency(self, tenant_id: str, seconds: float) -> None:
+        self._latency.labels(tenant=tenant_id).observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,151 @@
+"""Serving commands of the `vtoken` CLI: serve, tenant, status, demo.
+
+``tenant`` and ``status`` talk to a running server's admin API (``--url``, default
+``$VTOKEN_URL`` or http://127.0.0.1:8000; ``--admin-token`` or ``$VTOKEN_ADMIN_TOKEN``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+Url = Annotated[str, typer.Option(envvar="VTOKEN_URL", help="Server base URL.")]
+Token = Annotated[str, typer.Option(envvar="VTOKEN_ADMIN_TOKEN", help="Admin token.")]
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+tenant_app = typer.Typer(no_args_is_help=True, help="Manage tenants and their KV quotas.")
+
+
+def _admin(method: str, url: str, token: str, path: str, body: dict | None = None) -> Any:
+    import httpx
+
+    try:
+        response = httpx.request(
+            method,
+            url.rstrip("/") + path,
+            json=body,
+            timeout=30,
+            headers={"Authorization": f"Bearer {token}"},
+        )
+    except httpx.HTTPError as error:
+        typer.echo(f"error: cannot reach {url}: {error}", err=True)
+        raise typer.Exit(2) from error
+    if response.status_code >= 400:
+        try:
+            message = response.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = response.text
+        typer.echo(f"error: {response.status_code}: {message}", err=True)
+        raise typer.Exit(1)
+    return response.json()
+
+
+@tenant_app.command("set")
+def tenant_set(
+    tenant_id: str,
+    kv_budget_blocks: Annotated[int, typer.Option(min=1, help="Active-KV budget in blocks.")],
+    weight: Annotated[float, typer.Option(min=0.001)] = 1.0,
+    max_concurrent_requests: Annotated[int | None, typer.Option(min=1)] = None,
+    eviction_budget_tokens: Annotated[int | None, typer.Option(min=1)] = None,
+    api_key: Annotated[
+        str | None, typer.Option(help="Set this key (else one is generated).")
+    ] = None,
+    url: Url = DEFAULT_URL,
+    admin_token: Token = "",
+) -> None:
+    """Create or update a tenant; prints the quota (and a new key, once)."""
+    body: dict[str, Any] = {
+        "kv_budget_blocks": kv_budget_blocks,
+        "weight": weight,
+        "max_concurrent_requests": max_concurrent_requests,
+        "eviction_budget_tokens": eviction_budget_tokens,
+    }
+    if api_key is not None:
+        body["api_key"] = api_key
+    typer.echo(
+        json.dumps(_admin("PUT", url, admin_token, f"/admin/tenants/{tenant_id}", body), indent=2)
+    )
+
+
+@tenant_app.command("get")
+def tenant_get(tenant_id: str, url: Url = DEFAULT_URL, admin_token: Token = "") -> None:
+    typer.echo(json.dumps(_admin("GET", url, admin_token, f"/admin/tenants/{tenant_id}"), indent=2))
+
+
+@tenant_app.command("list")
+def tenant_list(url: Url = DEFAULT_URL, admin_token: Token = "") -> None:
+    typer.echo(json.dumps(_admin("GET", url, admin_token, "/admin/tenants"), indent=2))
+
+
+@tenant_app.command("delete")
+def tenant_delete(tenant_id: str, url: Url = DEFAULT_URL, admin_token: Token = "") -> None:
+    typer.echo(json.dumps(_admin("DELETE", url, admin_token, f"/admin/tenants/{tenant_id}")))
+
+
+def status(url: Url = DEFAULT_URL, admin_token: Token = "") -> None:
+    """Replicas and tenants: KV held vs quota, blocks reclaimed."""
+    from rich.console import Console
+    from rich.table import Table
+
+    snapshot = _admin("GET", url, admin_token, "/admin/status")
+    console = Console()
+    replicas = Table(title=f"replicas (plan version {snapshot['plan_version']})")
+    for column in ("replica", "fresh", "used/total", "reclaimable", "reclaimed", "running"):
+        replicas.add_column(column)
+    for r in snapshot["replicas"]:
+        fresh = r.get("fresh", False)
+        replicas.add_row(
+            r["id"],
+            str(fresh),
+            f"{r['blocks_used']}/{r['blocks_total']}" if fresh else "-",
+            str(r.get("reclaimable_blocks", "-")),
+            str(r.get("blocks_reclaimed", "-")),
+            str(r.get("running_requests", "-")),
+        )
+    tenants = Table(title="tenants")
+    for column in ("tenant", "KV blocks", "quota", "running", "over budget"):
+        tenants.add_column(column)
+    for t in snapshot["tenants"]:
+        tenants.add_row(
+            t["id"],
+            str(t["kv_blocks"]),
+            str(t["quota_blocks"]),
+            str(t["running_requests"]),
+            str(t["over_budget"]),
+        )
+    console.print(replicas, tenants)
+
+
+def serve_command(
+    config: Annotated[
+        Path, typer.Option(exists=True, dir_okay=False, help="Serve config YAML.")
+    ] = Path("deploy/serve-local.yaml"),
+) -> None:
+    """Run the applications of a Ray Serve config file until interrupted."""
+    from workers.serve_config import run_serve_config
+
+    try:
+        run_serve_config(config)
+    except ValueError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2) from error
+
+
+def demo(
+    report: Annotated[Path | None, typer.Option(help="Write the report as JSON here.")] = None,
+    replicas: Annotated[int, typer.Option(min=1, max=4)] = 2,
+) -> None:
+    """Redis + Ray + vLLM replicas on this machine, three tenants, a final report."""
+    from workers.demo import run_demo
+
+    run_demo(report, replicas)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(tenant_app, name="tenant")
+    app.command("status")(status)
+    app.command("serve")(serve_command)
+    app.command("demo")(demo)

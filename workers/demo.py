@@ -1,0 +1,241 @@
+"""``vtoken demo``: the whole system on one machine, end to end, with a readable report.
+
+Starts its own ``redis-server`` (own folder, free port), local Ray, and the Serve app with
+CPU replicas of SmolLM2 running vToken + H2O; creates three tenants with different KV
+quotas; drives a mixed workload in which one tenant asks for more KV than its quota
+allows; shows a live status table; prints (and optionally writes) the final report; shuts
+everything down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ADMIN_TOKEN = "demo-admin-token"
+
+
+@dataclass(frozen=True, slots=True)
+class DemoTenant:
+    tenant_id: str
+    kv_budget_blocks: int
+    concurrency: int  # requests in flight at once
+    num_requests: int
+
+
+DEMO_TENANTS = (
+    DemoTenant("alpha", kv_budget_blocks=96, concurrency=3, num_requests=6),
+    DemoTenant("beta", kv_budget_blocks=48, concurrency=2, num_requests=4),
+    DemoTenant("gamma", kv_budget_blocks=16, concurrency=6, num_requests=12),  # over quota
+)
+
+
+@dataclass
+class Tally:
+    ok: int = 0
+    throttled: int = 0
+    failed: int = 0
+    peak_kv_blocks: int = 0
+
+
+@dataclass
+class DemoState:
+    tallies: dict[str, Tally] = field(default_factory=dict)
+    peak_used: dict[str, int] = field(default_factory=dict)
+    last_status: dict[str, Any] = field(default_factory=dict)
+
+    def observe(self, status: dict[str, Any]) -> None:
+        self.last_status = status
+        for replica in status["replicas"]:
+            if replica.get("fresh"):
+                used = replica["blocks_used"]
+                self.peak_used[replica["id"]] = max(self.peak_used.get(replica["id"], 0), used)
+        for tenant in status["tenants"]:
+            tally = self.tallies.setdefault(tenant["id"], Tally())
+            tally.peak_kv_blocks = max(tally.peak_kv_blocks, tenant["kv_blocks"])
+
+
+def prompts() -> list[str]:
+    from pydoc_data.topics import topics
+
+    texts = [topics[name] for name in ("for", "while", "if", "try", "with", "class")]
+    return [f"Summarize this passage.\n\n{text[:1400]}" for text in texts]
+
+
+async def drive_tenant(
+    client: httpx.AsyncClient, tenant: DemoTenant, api_key: str, model: str, state: DemoState
+) -> None:
+    tally = state.tallies.setdefault(tenant.tenant_id, Tally())
+    texts = prompts()
+    semaphore = asyncio.Semaphore(tenant.concurrency)
+
+    async def one(index: int) -> None:
+        async with semaphore:
+            body = {
+                "model": model,
+                "prompt": texts[index % len(texts)],
+                "max_tokens": 48,
+                "temperature": 0.0,
+                "stream": index % 2 == 1,
+            }
+            headers = {"Authorization": f"Bearer {api_key}"}
+            response = await client.post("/v1/completions", json=body, headers=headers)
+            if response.status_code == 200:
+                tally.ok += 1
+            elif response.status_code == 429:
+                tally.throttled += 1
+                await asyncio.sleep(float(response.headers.get("Retry-After", "1")))
+            else:
+                tally.failed += 1
+
+    await asyncio.gather(*(one(i) for i in range(tenant.num_requests)))
+
+
+def status_table(state: DemoState):  # type: ignore[no-untyped-def]
+    from rich.table import Table
+
+    table = Table(title="vtoken demo: live status")
+    for column in ("tenant", "quota blocks", "KV blocks now", "peak", "ok", "429"):
+        table.add_column(column, justify="right")
+    for tenant in state.last_status.get("tenants", []):
+        tally = state.tallies.get(tenant["id"], Tally())
+        table.add_row(
+            tenant["id"],
+            str(tenant["quota_blocks"]),
+            str(tenant["kv_blocks"]),
+            str(tally.peak_kv_blocks),
+            str(tally.ok),
+            str(tally.throttled),
+        )
+    for replica in state.last_status.get("replicas", []):
+        if replica.get("fresh"):
+            table.add_row(
+                f"replica {replica['id'][:8]}",
+                str(replica["blocks_total"]),
+                str(replica["blocks_used"]),
+                str(state.peak_used.get(replica["id"], 0)),
+                f"reclaimed {replica['blocks_reclaimed']}",
+                "",
+            )
+    return table
+
+
+async def run_workload(base_url: str, model: str, state: DemoState) -> None:
+    from rich.live import Live
+
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
+        keys = {}
+        for tenant in DEMO_TENANTS:
+            body = {"kv_budget_blocks": tenant.kv_budget_blocks}
+            response = await client.put(
+                f"/admin/tenants/{tenant.tenant_id}", json=body, headers=admin
+            )
+            response.raise_for_status()
+            keys[tenant.tenant_id] = response.json()["api_key"]
+        work = asyncio.gather(
+            *(drive_tenant(client, t, keys[t.tenant_id], model, state) for t in DEMO_TENANTS)
+        )
+        with Live(status_table(state), refresh_per_second=2) as live:
+            while not work.done():
+                status = (await client.get("/admin/status", headers=admin)).json()
+                state.observe(status)
+                live.update(status_table(state))
+                await asyncio.wait([work], timeout=0.25)
+            await work
+            await asyncio.sleep(0.5)  # one more report after the last request
+            state.observe((await client.get("/admin/status", headers=admin)).json())
+            live.update(status_table(state))
+
+
+def final_report(state: DemoState) -> dict[str, Any]:
+    quotas = {t.tenant_id: t.kv_budget_blocks for t in DEMO_TENANTS}
+    tenants = [
+        {
+            "id": tenant_id,
+            "quota_blocks": quotas[tenant_id],
+            "peak_kv_blocks": state.tallies[tenant_id].peak_kv_blocks,
+            "requests_ok": state.tallies[tenant_id].ok,
+            "requests_throttled": state.tallies[tenant_id].throttled,
+            "requests_failed": state.tallies[tenant_id].failed,
+        }
+        for tenant_id in quotas
+    ]
+    replicas = [
+        {
+            "id": r["id"],
+            "blocks_total": r["blocks_total"],
+            "peak_blocks_used": state.peak_used.get(r["id"], 0),
+            "blocks_reclaimed": r["blocks_reclaimed"],
+            "naive_equivalent_blocks": r["naive_equivalent_blocks"],
+        }
+        for r in state.last_status.get("replicas", [])
+        if r.get("fresh")
+    ]
+    return {"tenants": tenants, "replicas": replicas}
+
+
+@contextlib.contextmanager
+def local_cluster(num_replicas: int, vtoken: dict[str, Any]) -> Iterator[str]:
+    """Redis + Ray + the Serve app on this machine; yields the HTTP base URL."""
+    import ray
+    from ray import serve
+
+    from controlplane.local_redis import LocalRedis, free_port
+    from workers.serve_app import build_app
+
+    with (
+        tempfile.TemporaryDirectory(prefix="vtoken-demo-") as folder,
+        LocalRedis(Path(folder)) as redis,
+    ):
+        ray.init(include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
+        try:
+            port = free_port()
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            args = {
+                "redis_url": redis.url,
+                "admin_token": ADMIN_TOKEN,
+                "num_replicas": num_replicas,
+                "replica_num_cpus": 0.5,
+                "engine": {
+                    "model": "smollm2",
+                    "vtoken": vtoken,
+                    "max_model_len": 1024,
+                    "dtype": "float32",
+                },
+            }
+            serve.run(build_app(args), name="vtoken", route_prefix="/")
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            with contextlib.suppress(Exception):
+                serve.shutdown()
+            ray.shutdown()
+
+
+def run_demo(report_path: Path | None, num_replicas: int = 2) -> dict[str, Any]:
+    from rich.console import Console
+
+    console = Console()
+    started = time.monotonic()
+    vtoken = {"policy": "h2o", "keep_ratio": 0.5}
+    console.print(f"Starting Redis, Ray and {num_replicas} SmolLM2 replicas (vToken + h2o)...")
+    state = DemoState()
+    with local_cluster(num_replicas, vtoken) as base_url:
+        console.print(f"Serving at {base_url}; driving the workload")
+        asyncio.run(run_workload(base_url, "smollm2", state))
+    report = final_report(state)
+    console.print_json(json.dumps(report))
+    console.print(f"Done in {time.monotonic() - started:.0f} s.")
+    if report_path is not None:
+        report_path.write_text(json.dumps(report, indent=2) + "\n")
+    return report

@@ -1,0 +1,171 @@
+"""A serving replica: vLLM ``AsyncLLM`` with the vToken plugin, its report publisher, and
+the Ray Serve deployment around them.
+
+The replica streams :class:`GenerateChunk` dicts for the ingress, salts the prefix cache
+with the tenant (tenants never share cached blocks), tags each request with its tenant for
+vToken's per-tenant counters, and publishes its counters to Redis every ~100 ms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from opentelemetry import trace
+from pydantic import BaseModel, ConfigDict, Field
+
+from controlplane import telemetry
+from controlplane.clock import SystemClock
+from controlplane.keys import KeySpace
+from controlplane.models import EngineCounters
+from controlplane.openai_models import GenerateChunk, GenerateRequest
+from controlplane.redis_conn import RedisConfig, connect
+from controlplane.store import RedisStore
+from controlplane.tracing import extract_context
+from workers.publisher import PublisherConfig, ReportPublisher
+
+logger = logging.getLogger(__name__)
+tracer = trace.get_tracer("vtoken.replica")
+
+
+class ReplicaSettings(BaseModel):
+    """One replica's engine and reporting settings (from the Serve config)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = "smollm2"
+    block_size: int = Field(default=32, gt=0)
+    max_model_len: int = Field(default=2048, gt=0)
+    max_num_seqs: int = Field(default=16, gt=0)
+    num_blocks: int | None = Field(default=None, gt=0)
+    dtype: str = "auto"
+    kv_cache_space_gib: int = Field(default=1, gt=0)
+    vtoken: dict[str, Any] | None = None
+    redis_url: str | None = None
+    key_prefix: str = "vtoken"
+    report_period_s: float = Field(default=0.1, gt=0)
+
+
+def cache_salt(tenant_id: str) -> str:
+    return hashlib.sha256(f"vtoken-tenant:{tenant_id}".encode()).hexdigest()[:32]
+
+
+class EngineHost:
+    """Owns one ``AsyncLLM``; usable without Ray Serve (tests, benchmarks)."""
+
+    def __init__(self, settings: ReplicaSettings, replica_id: str) -> None:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_space_gib))
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from vtoken.models import resolve_model
+
+        self.settings = settings
+        self.replica_id = replica_id
+        engine_args = AsyncEngineArgs(
+            model=str(resolve_model(settings.model)),
+            served_model_name=settings.model,
+            dtype=settings.dtype,  # type: ignore[arg-type]
+            block_size=settings.block_size,
+            max_model_len=settings.max_model_len,
+            max_num_seqs=settings.max_num_seqs,
+            num_gpu_blocks_override=settings.num_blocks,
+            enable_prefix_caching=False if settings.vtoken is not None else None,
+            async_scheduling=False if settings.vtoken is not None else None,
+            enforce_eager=True,
+            gpu_memory_utilization=0.3,
+            additional_config={"vtoken": settings.vtoken} if settings.vtoken is not None else {},
+            disable_log_stats=True,
+        )
+        self.llm = AsyncLLM.from_engine_args(engine_args)
+        self.counters = EngineCounters(
+            block_size=settings.block_size, total_blocks=1, free_blocks=1, used_blocks=0
+        )
+        self.running = 0
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            max_tokens=request.max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            seed=request.seed,
+            stop=request.stop,
+            output_kind=RequestOutputKind.DELTA,
+            extra_args={"tenant": request.tenant_id},
+        )
+        prompt = TokensPrompt(
+            prompt_token_ids=request.prompt_token_ids, cache_salt=cache_salt(request.tenant_id)
+        )
+        context = extract_context(request.trace_context)
+        with tracer.start_as_current_span("vtoken.replica.generate", context=context) as span:
+            span.set_attribute(telemetry.ATTR_TENANT_ID, request.tenant_id)
+            span.set_attribute(telemetry.ATTR_REPLICA_ID, self.replica_id)
+            span.set_attribute(telemetry.ATTR_REQUEST_ID, request.request_id)
+            completion_tokens = 0
+            self.running += 1
+            try:
+                async for output in self.llm.generate(prompt, params, request.request_id):
+                    piece = output.outputs[0]
+                    completion_tokens += len(piece.token_ids)
+                    yield GenerateChunk(
+                        text=piece.text,
+                        finish_reason=piece.finish_reason if output.finished else None,
+                        prompt_tokens=len(request.prompt_token_ids),
+                        completion_tokens=completion_tokens,
+                        replica_id=self.replica_id,
+                    )
+            except ValueError as error:  # vLLM refuses the request itself (e.g. too long)
+                yield GenerateChunk(error=str(error), replica_id=self.replica_id)
+            finally:
+                self.running -= 1
+            span.add_event("vtoken.request.finished", {"completion_tokens": completion_tokens})
+
+    async def refresh_counters(self) -> EngineCounters:
+        """Ask the engine core for its block and vToken counters (a utility call)."""
+        raw = await self.llm.engine_core.call_utility_async("vtoken_counters")
+        raw["running_requests"] = self.running
+        self.counters = EngineCounters.model_validate(raw)
+        return self.counters
+
+    async def check_health(self) -> None:
+        if self.llm.errored:
+            raise RuntimeError(f"engine is dead: {self.llm.dead_error!r}")
+        await self.llm.check_health()
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+
+
+class ReplicaReporter:
+    """Polls the engine's counters and publishes them, both every ``report_period_s``."""
+
+    def __init__(self, host: EngineHost, redis_url: str, key_prefix: str) -> None:
+        self.host = host
+        store = RedisStore(connect(RedisConfig(url=redis_url)), KeySpace(key_prefix))
+        config = PublisherConfig(
+            replica_id=host.replica_id,
+            model_id=host.settings.model,
+            period_s=host.settings.report_period_s,
+        )
+        self.publisher = ReportPublisher(store, lambda: host.counters, SystemClock(), config)
+        self.stop = asyncio.Event()
+
+    async def run(self) -> None:
+        async def poll() -> None:
+            while not self.stop.is_set():
+                try:
+                    await self.host.refresh_counters()
+                except Exception:  # noqa: BLE001 - a failed poll keeps the last counters
+                    logger.exception("replica %s: reading counters failed", self.host.replica_id)
+                await asyncio.sleep(self.host.settings.report_period_s)
+
+        await asyncio.gather(poll(), self.publisher.run(self.stop))

@@ -3,13 +3,15 @@
 One controller leads at a time (`ControllerLease`); standbys loop too and take over when
 the lease lapses, resuming from the plan stored in Redis. When Redis is away the loop
 keeps its last plan (`current_plan`), backs off and reconnects; quotas live in Redis
-and are never cached as the source of truth, so nothing is lost across an outage.
+(the controller only caches them per version), so nothing is lost across an outage.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
+import time
 from dataclasses import dataclass
 
 from opentelemetry import trace
@@ -17,7 +19,7 @@ from opentelemetry import trace
 from controlplane import telemetry
 from controlplane.clock import Clock
 from controlplane.lease import ControllerLease, LeaseHeld, PlanWrite
-from controlplane.models import RoutingPlan
+from controlplane.models import RoutingPlan, TenantQuota
 from controlplane.planner import PlanInputs, PlannerConfig, compute_plan
 from controlplane.redis_conn import REDIS_ERRORS, Backoff
 from controlplane.store import RedisStore
@@ -38,6 +40,8 @@ class ControllerConfig:
     forget_after_s: float = 60.0
     backoff_base_s: float = 0.05
     backoff_cap_s: float = 2.0
+    freeze_gc_after_cycle: bool = True
+    quota_full_read_cycles: int = 20
 
     def __post_init__(self) -> None:
         if self.period_s <= 0 or self.report_max_age_s <= 0:
@@ -46,6 +50,8 @@ class ControllerConfig:
             raise ValueError(f"lease_ttl_s ({self.lease_ttl_s}) must exceed period_s")
         if self.forget_after_s < self.report_max_age_s:
             raise ValueError("forget_after_s must be >= report_max_age_s")
+        if self.quota_full_read_cycles < 1:
+            raise ValueError("quota_full_read_cycles must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +64,9 @@ class CycleResult:
     plan: RoutingPlan | None
     write: PlanWrite | None
     num_moves: int = 0
+    read_s: float = 0.0  # quotas + reports from Redis
+    plan_s: float = 0.0  # compute_plan
+    write_s: float = 0.0  # fenced plan write
 
 
 class Controller:
@@ -79,6 +88,9 @@ class Controller:
         self._plan: RoutingPlan | None = None
         self._fence: int | None = None
         self._next_version = 0
+        self._quotas: dict[str, TenantQuota] = {}
+        self._quotas_version: int | None = None
+        self._cycles_since_quota_read = 0
 
     @property
     def current_plan(self) -> RoutingPlan | None:
@@ -114,11 +126,13 @@ class Controller:
         logger.info("controller %s leads with fence %d", self._lease.owner, fence)
 
     async def _plan_and_write(self, fence: int, span: trace.Span) -> CycleResult:
+        started = time.perf_counter()
         now_s = self._clock.now()
-        quotas = await self._store.list_quotas()
+        quotas = await self._read_quotas()
         snapshot = await self._store.read_reports(
             now_s, self.config.report_max_age_s, self.config.forget_after_s
         )
+        read_done = time.perf_counter()
         inputs = PlanInputs(
             version=self._next_version,
             fence=fence,
@@ -131,24 +145,47 @@ class Controller:
         with self._tracer.start_as_current_span(telemetry.SPAN_PLAN_COMPUTE):
             # ~0.1 s of CPU at 1000 replicas x 10000 tenants: off the event loop.
             result = await asyncio.to_thread(compute_plan, inputs, self.planner_config)
+        plan_done = time.perf_counter()
         with self._tracer.start_as_current_span(telemetry.SPAN_PLAN_WRITE):
             write = await self._lease.write_plan(result.plan, result.usage_blocks)
+        timings = {
+            "read_s": read_done - started,
+            "plan_s": plan_done - read_done,
+            "write_s": time.perf_counter() - plan_done,
+        }
         span.set_attribute(telemetry.ATTR_PLAN_VERSION, result.plan.version)
         span.set_attribute(telemetry.ATTR_NUM_REPLICAS, len(result.plan.replica_ids))
         span.set_attribute(telemetry.ATTR_NUM_TENANTS, len(result.plan.tenants))
         span.set_attribute(telemetry.ATTR_NUM_MOVES, result.num_moves)
         span.set_attribute(telemetry.ATTR_NUM_DRAINED, len(result.plan.drained_replica_ids))
+        num_moves = result.num_moves
         if write is PlanWrite.WRITTEN:
             self._plan = result.plan
             self._next_version = result.plan.version + 1
-            return CycleResult(True, self._plan, write, result.num_moves)
+            if self.config.freeze_gc_after_cycle:
+                gc.freeze()
+            return CycleResult(True, self._plan, write, num_moves, **timings)
         if write is PlanWrite.STALE_VERSION:
             stored = await self._store.read_plan_version()
             self._next_version = max(self._next_version, (stored or 0) + 1)
         else:
             self._fence = None  # lost the lease between renew and write
         logger.warning("controller %s plan write refused: %s", self._lease.owner, write.value)
-        return CycleResult(write is PlanWrite.STALE_VERSION, self._plan, write)
+        return CycleResult(write is PlanWrite.STALE_VERSION, self._plan, write, 0, **timings)
+
+    async def _read_quotas(self) -> dict[str, TenantQuota]:
+        """The quotas, re-read only when they changed (or every N cycles, in case Redis
+        lost its data and the version counter restarted)."""
+        version = await self._store.read_quotas_version()
+        self._cycles_since_quota_read += 1
+        if (
+            version != self._quotas_version
+            or self._cycles_since_quota_read >= self.config.quota_full_read_cycles
+        ):
+            self._quotas = await self._store.list_quotas()
+            self._quotas_version = version
+            self._cycles_since_quota_read = 0
+        return self._quotas
 
     async def run(self, stop: asyncio.Event) -> None:
         """Loop every `period_s` until `stop` is set; Redis errors back off and retry."""

@@ -21,6 +21,11 @@ class KeySpace:
         return f"{self.prefix}:quotas"
 
     @property
+    def quotas_version(self) -> str:
+        """Counter: incremented with every quota change, so readers re-read only then."""
+        return f"{self.prefix}:quotas:version"
+
+    @property
     def replicas(self) -> str:
         """Sorted set: replica id -> last heartbeat (s since epoch)."""
         return f"{self.prefix}:replicas"

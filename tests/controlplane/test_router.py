@@ -85,17 +85,17 @@ def test_drained_replicas_go_last_in_fallback(router: RouterCore) -> None:
     assert router.rank("nobody", frozenset({"r4"})).ranks == (("r4",),)
 
 
-def test_large_candidate_sets_use_the_precomputed_order(
-    store: RedisStore, clock: FakeClock
-) -> None:
-    core = RouterCore(store, clock, RouterConfig(fallback_width=3, small_candidate_set=4))
+def test_load_order_is_cached_per_candidate_set(store: RedisStore, clock: FakeClock) -> None:
+    core = RouterCore(store, clock, RouterConfig(fallback_width=3))
     reports = {f"r{i}": report(f"r{i}", clock.now(), queue_depth=100 - i) for i in range(50)}
     core.apply_reports(reports)
-    everyone = frozenset(reports) | {"new"}
-    assert core.rank("x", everyone).ranks == (("r49", "r48", "r47"),)
-    assert core.rank("x", frozenset({"new", *(f"r{i}" for i in range(5))})).ranks == (
-        ("r4", "r3", "r2"),
-    )
+    everyone = frozenset(reports) | {"new"}  # "new" has no report yet: load 0
+    assert core.rank("x", everyone).ranks == (("new", "r49", "r48"),)
+    assert core.rank("x", everyone).ranks == (("new", "r49", "r48"),)  # from the cache
+    core.apply_reports({**reports, "new": report("new", clock.now(), queue_depth=500)})
+    assert core.rank("x", everyone).ranks == (("r49", "r48", "r47"),)  # reports reset it
+    live = {**{r: 5 for r in everyone}, "r7": 1}
+    assert core.rank("x", everyone, live).ranks[0][0] == "r7"  # caller's queue lengths
 
 
 async def test_refresh_reads_plan_and_reports_and_survives_errors(

@@ -42,7 +42,7 @@ async def test_reports_fresh_stale_and_expired(store: RedisStore) -> None:
     )
     await store.publish_report(report("gone", now), ttl_s=0.01)
     await asyncio.sleep(0.03)  # its hash expires; the registry still lists it
-    await store.redis.hset(store.keys.replica("junk"), mapping={"total_blocks": "oops"})
+    await store.redis.hset(store.keys.replica("junk"), mapping={"report": "{not json"})
     await store.redis.zadd(store.keys.replicas, {"junk": now})
     snapshot = await store.read_reports(now, max_age_s=1.0, forget_after_s=60.0)
     assert sorted(snapshot.fresh) == ["r1", "r3"]

@@ -8,9 +8,11 @@ unless `--redis-url` is given), `Controller.step` and `compute_plan` for the pla
 Figures:
 - route_p50_us / route_p99_us: one `rank` call for a random known tenant.
 - plan_ms: median `compute_plan` time inside `Controller.step` in steady state.
-- ingest_reports_per_s: every replica's report written (JSON encode + the publish
-  script) and read back by the controller (one script call + validation), run one after
-  the other, per second of their summed time.
+- ingest_reports_per_s: reports per second through the publish -> Redis -> controller
+  pipeline = its slower stage: publish (JSON encode + the publish script, batched here
+  for all replicas) or the controller's read (`read_s` of `Controller.step`: quota
+  version check + one script call + validation). Both stages run back to back in one
+  process: ingest_one_process_reports_per_s.
 """
 
 from __future__ import annotations
@@ -172,6 +174,9 @@ async def _cycles(
     count = len(reports)
     publish = statistics.median(publish_s[1:])
     read = statistics.median(r.read_s for r in steady)
+    # Replicas publish from their own processes while the controller reads, so the
+    # pipeline's throughput is its slower stage; both stages in one process, one after
+    # the other, is reported too.
     return {
         "plan_ms": round(statistics.median(r.plan_s for r in steady) * 1e3, 1),
         "plan_cold_ms": round(results[0].plan_s * 1e3, 1),
@@ -180,9 +185,10 @@ async def _cycles(
         ),
         "plan_moves_steady": max(r.num_moves for r in steady),
         "plan_json_bytes": len(results[-1].plan.model_dump_json()),
-        "ingest_reports_per_s": round(count / (publish + read)),
+        "ingest_reports_per_s": round(count / max(publish, read)),
         "publish_reports_per_s": round(count / publish),
         "read_reports_per_s": round(count / read),
+        "ingest_one_process_reports_per_s": round(count / (publish + read)),
         "publish_one_p50_us": round(statistics.median(one) * 1e6, 1),
     }
 

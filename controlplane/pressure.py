@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from controlplane.models import EvictionPressure, ReplicaReport, TenantQuota
+from controlplane.models import ReplicaReport, TenantQuota
 
 
 def tenant_usage_blocks(reports: Mapping[str, ReplicaReport]) -> dict[str, int]:
@@ -21,17 +21,18 @@ def eviction_pressure(
     reports: Mapping[str, ReplicaReport],
     quotas: Mapping[str, TenantQuota],
     usage: Mapping[str, int],
-) -> dict[str, dict[str, EvictionPressure]]:
-    """`pressure[replica_id][tenant_id]` for every tenant whose cluster-wide usage exceeds
-    its `kv_budget_blocks`: each replica should keep `budget / usage` of the tenant's
-    blocks there, so the tenant's total shrinks back to its budget. Tenants without a
-    quota (deleted) get no pressure; their requests drain on their own."""
+) -> dict[str, dict[str, dict[str, float | int]]]:
+    """`pressure[replica_id][tenant_id]` (plain `EvictionPressure` data) for every tenant
+    whose cluster-wide usage exceeds its `kv_budget_blocks`: each replica should keep
+    `budget / usage` of the tenant's blocks there, so the tenant's total shrinks back to
+    its budget. Tenants without a quota (deleted) get no pressure; their requests drain
+    on their own."""
     keep: dict[str, float] = {}
     for tenant_id, blocks in usage.items():
         quota = quotas.get(tenant_id)
         if quota is not None and blocks > quota.kv_budget_blocks:
             keep[tenant_id] = quota.kv_budget_blocks / blocks
-    pressure: dict[str, dict[str, EvictionPressure]] = {}
+    pressure: dict[str, dict[str, dict[str, float | int]]] = {}
     if not keep:
         return pressure
     for replica_id, report in reports.items():
@@ -39,7 +40,8 @@ def eviction_pressure(
             fraction = keep.get(tenant_id)
             if fraction is None or tenant.blocks == 0:
                 continue
-            pressure.setdefault(replica_id, {})[tenant_id] = EvictionPressure(
-                keep_fraction=fraction, target_blocks=int(tenant.blocks * fraction)
-            )
+            pressure.setdefault(replica_id, {})[tenant_id] = {
+                "keep_fraction": fraction,
+                "target_blocks": int(tenant.blocks * fraction),
+            }
     return pressure

@@ -41,6 +41,7 @@ class ControllerConfig:
     backoff_base_s: float = 0.05
     backoff_cap_s: float = 2.0
     freeze_gc_after_cycle: bool = True
+    gc_full_collect_cycles: int = 120
     quota_full_read_cycles: int = 20
 
     def __post_init__(self) -> None:
@@ -50,8 +51,8 @@ class ControllerConfig:
             raise ValueError(f"lease_ttl_s ({self.lease_ttl_s}) must exceed period_s")
         if self.forget_after_s < self.report_max_age_s:
             raise ValueError("forget_after_s must be >= report_max_age_s")
-        if self.quota_full_read_cycles < 1:
-            raise ValueError("quota_full_read_cycles must be >= 1")
+        if self.quota_full_read_cycles < 1 or self.gc_full_collect_cycles < 1:
+            raise ValueError("quota_full_read_cycles and gc_full_collect_cycles must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +92,7 @@ class Controller:
         self._quotas: dict[str, TenantQuota] = {}
         self._quotas_version: int | None = None
         self._cycles_since_quota_read = 0
+        self._cycles_since_full_gc = 0
 
     @property
     def current_plan(self) -> RoutingPlan | None:
@@ -162,8 +164,7 @@ class Controller:
         if write is PlanWrite.WRITTEN:
             self._plan = result.plan
             self._next_version = result.plan.version + 1
-            if self.config.freeze_gc_after_cycle:
-                gc.freeze()
+            self._tune_gc()
             return CycleResult(True, self._plan, write, num_moves, **timings)
         if write is PlanWrite.STALE_VERSION:
             stored = await self._store.read_plan_version()
@@ -172,6 +173,16 @@ class Controller:
             self._fence = None  # lost the lease between renew and write
         logger.warning("controller %s plan write refused: %s", self._lease.owner, write.value)
         return CycleResult(write is PlanWrite.STALE_VERSION, self._plan, write, 0, **timings)
+
+    def _tune_gc(self) -> None:
+        if not self.config.freeze_gc_after_cycle:
+            return
+        self._cycles_since_full_gc += 1
+        if self._cycles_since_full_gc >= self.config.gc_full_collect_cycles:
+            gc.unfreeze()
+            gc.collect()
+            self._cycles_since_full_gc = 0
+        gc.freeze()
 
     async def _read_quotas(self) -> dict[str, TenantQuota]:
         """The quotas, re-read only when they changed (or every N cycles, in case Redis

@@ -5,12 +5,14 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import pytest
 import redis.asyncio as aioredis
 
 from controlplane.clock import SystemClock
 from controlplane.controller import Controller, ControllerConfig
 from controlplane.keys import KeySpace
 from controlplane.lease import ControllerLease, PlanWrite
+from controlplane.planner import PlannerConfig
 from controlplane.redis_conn import REDIS_ERRORS, RedisConfig, connect
 from controlplane.router import RouterConfig, RouterCore, RouteSource
 from controlplane.store import RedisStore
@@ -158,3 +160,37 @@ async def test_redis_restart_mid_loop(tmp_path: Path) -> None:
 
 async def _router_back(router: RouterCore) -> bool:
     return router.rank("a", {"r1", "r2"}).source is RouteSource.PLAN
+
+
+async def test_rebalancing_through_redis_moves_once_and_stays(
+    store: RedisStore, clock: FakeClock
+) -> None:
+    for tenant in ("a", "b", "c"):
+        await store.put_quota(quota(tenant, 1000))
+    lease = ControllerLease(store.redis, "ctl", CONFIG.lease_ttl_s, store.keys)
+    never_hot = PlannerConfig(hot_tenant_fraction=1.0)
+    controller = Controller(store, lease, clock, CONFIG, never_hot)
+
+    async def cycle(held: dict[str, dict[str, int]]) -> dict[str, list[str]]:
+        await store.publish_reports([report(r, clock.now(), t) for r, t in held.items()], 60)
+        result = await controller.step()
+        clock.advance(CONFIG.period_s)
+        assert result.plan is not None
+        return {t: [w.replica_id for w in r.replicas] for t, r in result.plan.tenants.items()}
+
+    first = await cycle({"r1": {}, "r2": {}})
+    assert first == {"a": ["r1"], "b": ["r2"], "c": ["r1"]}
+    overloaded = {"r1": {"a": 60, "c": 35}, "r2": {"b": 5}}  # r1 at 95% > 90%
+    moved = await cycle(overloaded)
+    assert moved == {"a": ["r2"], "b": ["r2"], "c": ["r1"]}  # the largest tenant moves
+    for _ in range(3):  # a's old KV is still reported on r1: nothing moves back
+        assert await cycle(overloaded) == moved
+    for _ in range(3):  # settled on r2, r1 nearly empty: a stays (hysteresis)
+        assert await cycle({"r1": {"c": 35}, "r2": {"a": 60, "b": 5}}) == moved
+
+
+def test_bad_controller_config() -> None:
+    with pytest.raises(ValueError, match="lease_ttl_s"):
+        ControllerConfig(period_s=1.0, lease_ttl_s=1.0)
+    with pytest.raises(ValueError, match="positive"):
+        ControllerConfig(period_s=0)

@@ -70,7 +70,7 @@ async def test_publishes_every_period_with_a_ttl(store: RedisStore) -> None:
     stop.set()
     await asyncio.wait_for(task, 1)
     assert 8 <= publisher.stats.published <= 20 and publisher.stats.failed == 0
-    assert lag_s < 0.05
+    assert lag_s < 0.2  # a synchronous client would stall it on connects and retry sleeps
     snapshot = await store.read_reports(time.time(), max_age_s=1.0, forget_after_s=60)
     published = snapshot.fresh["replica-1"]
     assert published.model_id == "smollm2" and published.used_blocks == 30
@@ -94,7 +94,7 @@ async def test_never_blocks_or_raises_while_redis_is_away() -> None:
     stats = publisher.stats
     assert stats.published == 0 and 2 <= stats.failed <= 20  # backed off, not spinning
     assert stats.last_error is not None and "Connection" in stats.last_error
-    assert lag_s < 0.05
+    assert lag_s < 0.2  # a synchronous client would stall it on connects and retry sleeps
     await dead.aclose()
 
 

@@ -195,8 +195,11 @@ def _size_warm_sets(
     mean_capacity = sum(loads.capacity.values()) / len(loads.capacity)
     per_replica = config.hot_tenant_fraction * mean_capacity
     limit = min(config.max_replicas_per_tenant, len(loads.capacity))
-    order = sorted(quotas, key=lambda t: (-quotas[t].weight, -usage.get(t, 0), t))
-    for tenant_id in order:
+    # Most tenants have one replica and fit on it: nothing to do (keeps 10000 tenants
+    # cheap). The rest are placed heaviest-weight, then largest, first.
+    pending = [t for t in quotas if len(routes.get(t, ())) != 1 or usage.get(t, 0) > per_replica]
+    pending.sort(key=lambda t: (-quotas[t].weight, -usage.get(t, 0), t))
+    for tenant_id in pending:
         demand = max(usage.get(tenant_id, 0), config.min_demand_blocks)
         route = routes.setdefault(tenant_id, [])
         grow_to = min(limit, max(1, math.ceil(demand / per_replica)))

@@ -72,3 +72,12 @@ def engine_state(llm: Any) -> VTokenScheduler | None:
 
 def block_pool(llm: Any) -> Any:
     return engine_scheduler(llm).kv_cache_manager.block_pool
+
+
+def internal_request_id(state: VTokenScheduler, request_id: str) -> str:
+    """The engine-core id of ``LLM`` request ``request_id`` (vLLM appends ``-<random>``)."""
+    known = [*state.manager.requests, *state.finished]
+    matches = [r for r in known if r == request_id or r.startswith(f"{request_id}-")]
+    if len(matches) != 1:
+        raise KeyError(f"request {request_id!r}: found {matches}")
+    return matches[0]

@@ -29,7 +29,7 @@ exactly as many blocks as a block-granular manager would: one per logical block
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -127,6 +127,7 @@ class VTokenScheduler:
         self.evictions: dict[str, list[np.ndarray]] = {}
         self.finished: OrderedDict[str, RequestCounters] = OrderedDict()
         self.finished_evictions: OrderedDict[str, list[np.ndarray]] = OrderedDict()
+        self.num_preemptions = 0
 
     @property
     def naive(self) -> bool:
@@ -263,14 +264,17 @@ class VTokenScheduler:
         return ops
 
     # ------------------------------------------------------------------ lifecycle
-    def free(self, request_id: str) -> None:
+    def free(self, request_id: str, preempted: bool = False) -> None:
         """Finish, abort or preemption: every block goes back, the table is dropped.
 
         A preempted request starts over with a fresh table (and policy) when it resumes:
         vLLM recomputes its whole sequence.
         """
         counters = self.request_counters(request_id)
-        self.finished[request_id] = _finished(counters)
+        if preempted:
+            self.num_preemptions += 1
+        else:
+            self.finished[request_id] = _finished(counters)
         if request_id in self.evictions:
             self.finished_evictions[request_id] = self.evictions.pop(request_id)
         while len(self.finished) > MAX_FINISHED_RECORDS:
@@ -297,6 +301,19 @@ class VTokenScheduler:
             evicted_tokens=entry.num_evicted,
             repack_moves=entry.num_moves,
         )
+
+    def snapshot(self) -> dict[str, Any]:
+        """Plain-data counters of the engine (crosses processes as a utility result)."""
+        return {
+            "mode": self.config.mode.value,
+            "policy": self.config.policy,
+            "block_size": self.block_size,
+            "total_blocks": self.pool.num_blocks,
+            "free_blocks": self.pool.num_free_blocks,
+            "num_preemptions": self.num_preemptions,
+            "requests": [_as_dict(c) for c in self.all_request_counters()],
+            "tenants": {t: _as_dict(c) for t, c in self.tenant_counters().items()},
+        }
 
     def all_request_counters(self) -> list[RequestCounters]:
         return [self.request_counters(request_id) for request_id in self.manager.requests]
@@ -328,6 +345,12 @@ class VTokenScheduler:
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)
+
+
+def _as_dict(counters: RequestCounters | TenantCounters) -> dict[str, Any]:
+    values = asdict(counters)
+    values["reclaimable_blocks"] = counters.reclaimable_blocks
+    return values
 
 
 def _finished(counters: RequestCounters) -> RequestCounters:

@@ -16,6 +16,8 @@ worker side (every worker process; V1 runner, CPU)
   ``GPUModelRunner._prepare_inputs``  physical ``seq_lens`` and slot mapping
   ``GPUModelRunner.sample_tokens``    attach ``StepScores`` to the ``ModelRunnerOutput``
   ``CPUAttentionBackendImpl.forward`` hand queries of scored layers to the worker state
+engine core
+  ``EngineCore.vtoken_counters``      (added) a utility returning the counters
 
 Prefix caching rule: an engine with vToken runs with prefix caching off (it is switched
 off, with a warning), because its blocks are hashed by logical index and repacks move
@@ -87,6 +89,9 @@ def install() -> None:
     _wrap(GPUModelRunner, "_prepare_inputs", _prepare_inputs)
     _wrap(GPUModelRunner, "sample_tokens", _sample_tokens)
     _wrap(CPUAttentionBackendImpl, "forward", _attention_forward)
+    from vllm.v1.engine.core import EngineCore
+
+    EngineCore.vtoken_counters = _engine_core_counters  # type: ignore[attr-defined]
     setattr(Scheduler, _INSTALLED_FLAG, True)
 
 
@@ -217,11 +222,21 @@ def _free(original: Callable[..., Any]) -> Callable[..., Any]:
     def free(self: Any, request: Any) -> None:
         state: VTokenScheduler | None = getattr(self, "vtoken", None)
         if state is not None and state.manages(request.request_id):
-            state.free(request.request_id)
+            # vLLM frees a preempted request while it is still RUNNING, a finished one after.
+            state.free(request.request_id, preempted=not request.is_finished())
             return
         original(self, request)
 
     return free
+
+
+def _engine_core_counters(self: Any) -> dict[str, Any] | None:
+    """``EngineCore`` utility: the vToken counters as plain data (``None`` when off).
+
+    From a client: ``engine_core.call_utility("vtoken_counters")`` (or ``_async``).
+    """
+    state = scheduler_state(self.scheduler)
+    return None if state is None else state.snapshot()
 
 
 # ---------------------------------------------------------------------- worker side

@@ -1,0 +1,39 @@
+"""Fixtures for the real-engine tests: CPU environment, a tiny random Llama, helpers."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from workers.engine import CPU_ENV
+
+for _name, _value in CPU_ENV.items():
+    os.environ.setdefault(_name, _value)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tmp_path_factory) -> str:
+    """A 2-layer random Llama (4 query / 2 KV heads, head_dim 32, vocab 512) on disk."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=512,
+        max_position_embeddings=4096,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+def token_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    """Deterministic token-id prompts of the given lengths (ids in [1, 500))."""
+    return [[(seed + 7 * i + 13 * j) % 499 + 1 for j in range(n)] for i, n in enumerate(lengths)]

@@ -1,0 +1,93 @@
+"""The plugin's configuration, version check and step messages (no engine)."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+
+from vtoken.planner import ReclaimMode
+from vtoken.policy import StepAttention
+from workers.config import VTokenConfig, parse_config
+from workers.messages import StepOps, StepScores
+from workers.vllm_patches import UnsupportedVLLMError, _version_guard, check_version
+
+
+def test_absent_section_means_inert():
+    assert parse_config(None) is None
+    assert parse_config({}) is None
+    assert parse_config({"other_plugin": {"x": 1}}) is None
+
+
+def test_valid_section():
+    config = parse_config({"vtoken": {"policy": "h2o", "keep_ratio": 0.2, "mode": "naive"}})
+    assert config == VTokenConfig(policy="h2o", keep_ratio=0.2, mode=ReclaimMode.NAIVE)
+    assert config.budget(100) == 20
+    assert parse_config({"vtoken": {"policy": "h2o", "budget_tokens": 64}}).budget(1000) == 64
+    streaming = {"policy": "streaming_llm", "policy_args": {"sinks": 4, "recent": 60}}
+    assert parse_config({"vtoken": streaming}).make_policy().recent == 60
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"policy": "nope"}, "unknown policy 'nope'"),
+        ({"policy": "h2o"}, "needs budget_tokens or keep_ratio"),
+        ({"policy": "h2o", "keep_ratio": 1.5}, "keep_ratio"),
+        ({"policy": "h2o", "keep_ratio": 0.5, "budget_tokens": 8}, "not both"),
+        ({"policy": "random", "keep_ratio": 0.5, "policy_args": {"seeed": 1}}, "seeed"),
+        ({"policy": "none", "mode": "paged"}, "mode"),
+        ({"policy": "none", "score_layers": []}, "score_layers"),
+        ({"policy": "none", "unknown_field": 1}, "unknown_field"),
+        ("h2o", "must be a dict"),
+    ],
+)
+def test_bad_section_raises_clear_error(section, message):
+    with pytest.raises(ValueError, match=message):
+        parse_config({"vtoken": section})
+
+
+def test_score_layers_checked_against_the_model():
+    config = VTokenConfig(score_layers=[0, 5])
+    assert config.layer_ids(6) == [0, 5]
+    with pytest.raises(ValueError, match="out of range"):
+        config.layer_ids(4)
+
+
+def test_other_vllm_versions_are_refused():
+    check_version("0.32.0")
+    check_version("0.32.1")
+    for version in ("0.31.2", "0.33.0", "1.0.0"):
+        with pytest.raises(UnsupportedVLLMError, match="vLLM 0.32"):
+            check_version(version)
+
+
+def test_version_guard_blocks_only_vtoken_engines():
+    class FakeConfig:
+        def __init__(self, additional_config):
+            self.additional_config = additional_config
+
+    started = []
+    guard = _version_guard(UnsupportedVLLMError("wrong vLLM"))(
+        lambda self, config: started.append(config)
+    )
+    guard(None, FakeConfig({}))
+    assert len(started) == 1
+    with pytest.raises(UnsupportedVLLMError, match="wrong vLLM"):
+        guard(None, FakeConfig({"vtoken": {"policy": "none"}}))
+
+
+def test_step_messages_survive_pickle():
+    """They cross to worker processes inside pickled vLLM objects."""
+    ops = StepOps(
+        src_slots=np.array([70, 71]),
+        dst_slots=np.array([3, 4]),
+        num_blocks={"a": 2},
+        num_evicted={"a": 5},
+        score_request_ids=("a",),
+    )
+    back = pickle.loads(pickle.dumps(ops))
+    assert back.num_moves == 2 and back.num_blocks == {"a": 2} and back.num_evicted == {"a": 5}
+    scores = StepScores({"a": StepAttention(step_scores=np.ones(3, dtype=np.float32))})
+    assert pickle.loads(pickle.dumps(scores)).attention["a"].step_scores.tolist() == [1, 1, 1]

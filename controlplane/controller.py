@@ -109,13 +109,21 @@ class Controller:
             state = await self._lease.acquire_or_renew()
             if not isinstance(state, LeaseHeld):
                 self._fence = None
-                plan = await self._store.read_plan()
-                self._plan = plan if plan is not None else self._plan
+                await self._follow()
                 return CycleResult(leader=False, plan=self._plan, write=None)
             if state.fence != self._fence:
                 await self._resume(state.fence)
             span.set_attribute(telemetry.ATTR_LEASE_FENCE, state.fence)
             return await self._plan_and_write(state.fence, span)
+
+    async def _follow(self) -> None:
+        """As a standby, keep the leader's latest plan (read only when its version moved)."""
+        version = await self._store.read_plan_version()
+        if version is None or (self._plan is not None and self._plan.version == version):
+            return
+        plan = await self._store.read_plan()
+        if plan is not None:
+            self._plan = plan
 
     async def _resume(self, fence: int) -> None:
         """Newly leading: continue from the stored plan so versions keep growing."""

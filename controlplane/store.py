@@ -1,11 +1,12 @@
 """The Redis store: tenant quotas, replica reports and the latest routing plan.
 
-Quotas are a hash (tenant id -> JSON), persisted by Redis like any key. Reports are one
-hash per replica (`report`: the report as JSON, `heartbeat_s`) with a TTL, plus a
-sorted-set registry (replica id -> heartbeat) so the controller reads them all in two
-round trips instead of a SCAN. Encoding and validating the JSON runs in pydantic's Rust
-core; a hash field per counter cost a Python dict round trip per report (~3x slower). Plans are
-written only through `ControllerLease.write_plan` (fenced); this module reads them.
+Quotas are a hash (tenant id -> JSON) plus a version counter bumped with every change.
+Reports are one hash per replica (`report`: the report as JSON, `heartbeat_s`) with a
+TTL, plus a sorted-set registry (replica id -> heartbeat), so the controller reads them
+all in two round trips instead of a SCAN. Encoding and validating the JSON runs in
+pydantic's Rust core (a hash field per counter cost a Python dict round trip per report,
+~3x slower). Plans are written only through `ControllerLease.write_plan` (fenced); this
+module reads them.
 """
 
 from __future__ import annotations
@@ -114,8 +115,9 @@ class RedisStore:
     async def publish_reports(self, reports: Iterable[ReplicaReport], ttl_s: float) -> int:
         """Write many reports in one script call (HSET, PEXPIRE, ZADD each); returns the count.
 
-        One command per batch, not three per report: redis-py spends ~15 us of Python per
-        command, which capped a pipeline at ~11,000 reports/s on 2 cores."""
+        One command per batch, not three per report: redis-py's per-command Python cost
+        held a pipeline of HSET/PEXPIRE/ZADD to ~11,000 reports/s on 2 cores; this script
+        wrote ~50,000/s (bench/RESULTS.md)."""
         if ttl_s <= 0:
             raise ValueError(f"report ttl_s must be positive, got {ttl_s}")
         keys = [self.keys.replicas]
@@ -133,7 +135,8 @@ class RedisStore:
         """All registered replicas' reports, split into fresh and stale at `now_s`.
 
         Registry entries silent for more than `forget_after_s` are removed, so a replica
-        that is gone for good stops being listed as drained.
+        that is gone for good stops being listed as drained. Heartbeats are the replicas'
+        wall clocks compared with `now_s`: hosts must be NTP-synced well below `max_age_s`.
         """
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.zremrangebyscore(self.keys.replicas, "-inf", now_s - forget_after_s)
@@ -160,7 +163,7 @@ class RedisStore:
 
     async def _read_report_fields(self, replica_ids: list[str]) -> list[str | None]:
         """The `report` field of each replica's hash (None where expired), in one script
-        call: one reply instead of one per replica (3x faster than a pipeline of HGET)."""
+        call: one reply to parse instead of one per replica."""
         keys = [self.keys.replica(replica_id) for replica_id in replica_ids]
         values = await self._read_reports_script(keys=keys)
         return [value if value else None for value in values]

@@ -193,6 +193,7 @@ class Admission:
             )
             span.set_attribute(telemetry.ATTR_ADMISSION_OUTCOME, decision.outcome.value)
             span.set_attribute(telemetry.ATTR_ADMISSION_REASON, decision.reason)
+            span.set_attribute(telemetry.ATTR_RETRY_AFTER_S, decision.retry_after_s)
             return decision
 
     def _decision(

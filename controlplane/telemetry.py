@@ -15,7 +15,6 @@ SPAN_CONTROLLER_CYCLE = "vtoken.controller.cycle"
 SPAN_PLAN_COMPUTE = "vtoken.controller.plan"
 SPAN_PLAN_WRITE = "vtoken.controller.plan_write"
 SPAN_ADMISSION = "vtoken.admission"
-SPAN_ROUTER_REFRESH = "vtoken.router.refresh"
 SPAN_REPORT_PUBLISH = "vtoken.report.publish"
 
 # Span / metric attribute names.
@@ -37,6 +36,3 @@ ATTR_ERROR_KIND = "vtoken.error.kind"
 
 # Metric names (instruments are created by the process that owns the meter).
 METRIC_ADMISSIONS = "vtoken.admissions"
-METRIC_PLAN_DURATION_MS = "vtoken.controller.plan_duration_ms"
-METRIC_REPORTS_PUBLISHED = "vtoken.reports.published"
-METRIC_REPORT_PUBLISH_ERRORS = "vtoken.reports.publish_errors"

@@ -5,6 +5,7 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
+from controlplane import telemetry
 from controlplane.admission import (
     Admission,
     AdmissionConfig,
@@ -121,3 +122,24 @@ async def test_quota_change_applies_at_once(admission: Admission, store: RedisSt
     assert (await admission.admit(stale_copy, "a", 100, 0)).admitted  # 7 blocks fit in 8
     await store.delete_quota("acme")
     assert (await admission.admit(stale_copy, "b", 1, 0)).reason == "unknown_tenant"
+
+
+async def test_admission_span_carries_tenant_and_outcome(
+    redis: aioredis.Redis, keys: KeySpace, clock: FakeClock, store: RedisStore
+) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    traced = Admission(redis, clock, keys=keys, tracer=provider.get_tracer("test"))
+    await store.put_quota(quota("acme", budget=1))
+    await traced.admit(quota("acme", budget=1), "r1", 100, 0)
+    (span,) = exporter.get_finished_spans()
+    assert span.name == telemetry.SPAN_ADMISSION
+    assert span.attributes is not None
+    assert span.attributes[telemetry.ATTR_TENANT_ID] == "acme"
+    assert span.attributes[telemetry.ATTR_ADMISSION_OUTCOME] == "rejected"
+    assert span.attributes[telemetry.ATTR_ADMISSION_REASON] == "exceeds_budget"

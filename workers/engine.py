@@ -32,6 +32,7 @@ def make_llm(
     max_num_seqs: int = 16,
     max_num_batched_tokens: int = 2048,
     dtype: str = "float32",
+    enable_prefix_caching: bool = False,
     **engine_args: Any,
 ) -> Any:
     """An in-process ``vllm.LLM`` on CPU; ``num_blocks`` fixes the KV pool size."""
@@ -48,7 +49,7 @@ def make_llm(
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
-        enable_prefix_caching=False,
+        enable_prefix_caching=enable_prefix_caching,
         async_scheduling=False,
         enforce_eager=True,
         gpu_memory_utilization=0.3,

@@ -342,6 +342,8 @@ class VTokenScheduler:
             held += table.held_block_ids + self.ballast[request_id]
         assert len(set(held)) == len(held), "a block is held twice"
         assert 0 not in held, "the null block was handed out"
+        # Every request of a vToken engine has a table, so nothing else holds blocks.
+        assert len(held) + self.pool.num_free_blocks == self.pool.num_blocks, "blocks leaked"
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)

@@ -1,0 +1,164 @@
+"""Block accounting of a real engine in both modes (tiny random Llama, 48-block pool).
+
+- reclamation: after every step a vtoken request holds ceil(live / block_size) blocks; a
+  naive one holds exactly the logical blocks that still contain a live token; both modes
+  make the same decisions and produce the same tokens;
+- accounting: many requests, aborts and preemptions; ``check_invariants()`` after every
+  scheduler step (config ``check_invariants``); the pool's free count returns to its start;
+- counters API: per-request and per-tenant counters, tenant from ``extra_args``;
+- prefix caching: asked for, but turned off for a vToken engine; nothing is reused.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from tests.workers.conftest import token_prompts
+from workers.api import engine_counters
+from workers.engine import block_pool, engine_scheduler, engine_state, make_llm
+
+pytestmark = pytest.mark.slow
+
+BLOCK_SIZE = 32
+NUM_BLOCKS = 48
+POLICY = {"policy": "random", "keep_ratio": 0.5, "check_invariants": True}
+
+
+def _params(max_tokens: int, tenant: str | None):
+    from vllm import SamplingParams
+
+    extra = {"tenant": tenant} if tenant is not None else None
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, extra_args=extra)
+
+
+def _prompt(ids):
+    from vllm.inputs import TokensPrompt
+
+    return TokensPrompt(prompt_token_ids=ids)
+
+
+def _reclamation(llm, mode: str) -> dict:
+    """Three requests that fit; holdings checked after every step."""
+    engine, state = llm.llm_engine, engine_state(llm)
+    tenants = ["a", "b", None]
+    for index, ids in enumerate(token_prompts([100, 150, 70], seed=3)):
+        engine.add_request(f"r{index}", _prompt(ids), _params(40, tenants[index]))
+    tokens: dict[str, list[int]] = {}
+    counters_seen = None
+    num_holey_steps = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                tokens[output.request_id] = list(output.outputs[0].token_ids)
+        for counters in state.all_request_counters():
+            table = state.manager.requests[counters.request_id].table
+            naive_blocks = np.unique(table.live_logical_ids() // BLOCK_SIZE).size
+            if mode == "vtoken":
+                assert table.num_slots == table.num_live  # repacked: no holes
+                assert counters.allocated_blocks == math.ceil(counters.live_tokens / BLOCK_SIZE)
+            else:
+                assert counters.allocated_blocks == naive_blocks
+            num_holey_steps += naive_blocks > counters.ideal_blocks
+        if counters_seen is None and len(state.manager.requests) == 3:
+            counters_seen = engine_counters(llm)
+    assert state.num_preemptions == 0
+    return {"tokens": tokens, "counters": counters_seen, "holey_steps": num_holey_steps}
+
+
+def _accounting(llm) -> dict:
+    """Fourteen requests on a pool too small for them: preemptions, plus three aborts."""
+    engine, state, pool = llm.llm_engine, engine_state(llm), block_pool(llm)
+    free_at_start = pool.get_num_free_blocks()
+    lengths = [60 + 20 * i for i in range(14)]
+    for index, ids in enumerate(token_prompts(lengths, seed=11)):
+        engine.add_request(f"x{index}", _prompt(ids), _params(150, f"t{index % 3}"))
+    step = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        step += 1
+        if step in (3, 9, 20):
+            engine.abort_request([f"x{step % 14}"])
+    return {
+        "free_at_start": free_at_start,
+        "free_at_end": pool.get_num_free_blocks(),
+        "total": pool.num_gpu_blocks - 1,
+        "preemptions": state.num_preemptions,
+        "tables_left": len(state.manager.requests),
+    }
+
+
+def _prefix_caching(llm) -> dict:
+    ids = token_prompts([200], seed=5)[0]
+    outputs = [llm.generate([_prompt(ids)], _params(4, None))[0] for _ in range(2)]
+    return {
+        "enable_caching": engine_scheduler(llm).kv_cache_manager.enable_caching,
+        "cached_tokens": [o.num_cached_tokens for o in outputs],
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_llama_path):
+    results = {}
+    for mode in ("vtoken", "naive"):
+        llm = make_llm(
+            tiny_llama_path,
+            dict(POLICY, mode=mode),
+            num_blocks=NUM_BLOCKS,
+            skip_tokenizer_init=True,
+            max_model_len=512,
+            enable_prefix_caching=True,  # asked for; the plugin must turn it off
+        )
+        results[mode] = {
+            "reclamation": _reclamation(llm, mode),
+            "accounting": _accounting(llm),
+            "prefix": _prefix_caching(llm),
+        }
+        del llm
+    return results
+
+
+@pytest.mark.parametrize("mode", ["vtoken", "naive"])
+def test_holdings_after_every_step(runs, mode):
+    assert len(runs[mode]["reclamation"]["tokens"]) == 3
+
+
+def test_naive_leaves_holes_that_vtoken_reclaims(runs):
+    assert runs["naive"]["reclamation"]["holey_steps"] > 0
+
+
+def test_both_modes_make_the_same_decisions(runs):
+    assert runs["vtoken"]["reclamation"]["tokens"] == runs["naive"]["reclamation"]["tokens"]
+
+
+@pytest.mark.parametrize("mode", ["vtoken", "naive"])
+def test_pool_returns_to_start_after_aborts_and_preemptions(runs, mode):
+    accounting = runs[mode]["accounting"]
+    assert accounting["preemptions"] > 0, "the scenario must preempt"
+    assert accounting["tables_left"] == 0
+    assert accounting["free_at_end"] == accounting["free_at_start"] == accounting["total"]
+
+
+def test_counters_api_per_request_and_tenant(runs):
+    counters = runs["vtoken"]["reclamation"]["counters"]
+    assert counters["mode"] == "vtoken" and counters["block_size"] == BLOCK_SIZE
+    requests = counters["requests"]
+    assert sorted(r["tenant"] for r in requests) == ["a", "b", "default"]
+    for tenant, totals in counters["tenants"].items():
+        mine = [r for r in requests if r["tenant"] == tenant]
+        assert totals["num_requests"] == len(mine)
+        for key in ("live_tokens", "allocated_blocks", "ideal_blocks", "evicted_tokens"):
+            assert totals[key] == sum(r[key] for r in mine)
+    for request in requests:
+        assert (
+            request["reclaimable_blocks"] == request["allocated_blocks"] - request["ideal_blocks"]
+        )
+
+
+@pytest.mark.parametrize("mode", ["vtoken", "naive"])
+def test_prefix_caching_is_off_for_vtoken_engines(runs, mode):
+    prefix = runs[mode]["prefix"]
+    assert prefix["enable_caching"] is False
+    assert prefix["cached_tokens"] == [0, 0]

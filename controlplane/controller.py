@@ -121,19 +121,32 @@ class Controller:
         version = await self._store.read_plan_version()
         if version is None or (self._plan is not None and self._plan.version == version):
             return
-        plan = await self._store.read_plan()
+        plan = await self._read_stored_plan()
         if plan is not None:
             self._plan = plan
 
     async def _resume(self, fence: int) -> None:
         """Newly leading: continue from the stored plan so versions keep growing."""
-        stored = await self._store.read_plan()
+        stored_version = await self._store.read_plan_version()
+        stored = await self._read_stored_plan()
         if stored is not None and (self._plan is None or stored.version >= self._plan.version):
             self._plan = stored
-        last = self._plan.version if self._plan is not None else -1
+        last = max(
+            self._plan.version if self._plan is not None else -1,
+            stored_version if stored_version is not None else -1,
+        )
         self._next_version = max(self._next_version, last + 1)
         self._fence = fence
         logger.info("controller %s leads with fence %d", self._lease.owner, fence)
+
+    async def _read_stored_plan(self) -> RoutingPlan | None:
+        """The stored plan; None (logged) if it does not validate, e.g. written by an
+        incompatible version: the leader then plans from scratch, a standby keeps its own."""
+        try:
+            return await self._store.read_plan()
+        except ValueError as error:
+            logger.error("controller: stored plan is invalid, ignoring it: %s", error)
+            return None
 
     async def _plan_and_write(self, fence: int, span: trace.Span) -> CycleResult:
         started = time.perf_counter()

@@ -75,6 +75,7 @@ class RouterCore:
         self._order_cache: tuple[Set[str], tuple[str, ...]] | None = None
         self._reports_read_s: float | None = None
         self._redis_ok = True
+        self._rejected_version: int | None = None
 
     @property
     def plan(self) -> RoutingPlan | None:
@@ -112,10 +113,12 @@ class RouterCore:
         `report_refresh_s`. Returns False (and keeps everything) when Redis is away."""
         try:
             version = await self._store.read_plan_version()
-            if version is not None and (self._plan is None or version != self._plan.version):
-                plan = await self._store.read_plan()
-                if plan is not None:
-                    self.apply_plan(plan)
+            if (
+                version is not None
+                and version != self._rejected_version
+                and (self._plan is None or version != self._plan.version)
+            ):
+                await self._read_plan(version)
             now_s = self._clock.now()
             if (
                 self._reports_read_s is None
@@ -133,6 +136,16 @@ class RouterCore:
             return False
         self._redis_ok = True
         return True
+
+    async def _read_plan(self, version: int) -> None:
+        try:
+            plan = await self._store.read_plan()
+        except ValueError as error:  # e.g. written by an incompatible controller
+            logger.error("router: plan version %d is invalid, keeping mine: %s", version, error)
+            self._rejected_version = version
+            return
+        if plan is not None:
+            self.apply_plan(plan)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Refresh every `refresh_period_s` until `stop` is set, backing off on errors."""

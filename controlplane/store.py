@@ -11,6 +11,7 @@ module reads them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -18,6 +19,8 @@ import redis.asyncio as aioredis
 
 from controlplane.keys import KeySpace
 from controlplane.models import ReplicaReport, RoutingPlan, TenantQuota
+
+logger = logging.getLogger(__name__)
 
 # KEYS: report hashes. Returns each one's `report` field ('' where the hash expired).
 _READ_REPORTS = """
@@ -103,8 +106,17 @@ class RedisStore:
         return 0 if raw is None else int(raw)
 
     async def list_quotas(self) -> dict[str, TenantQuota]:
+        """Every tenant's quota. A stored quota that no longer validates (written by an
+        incompatible version) is left out and logged, so one bad record cannot stop
+        the controller; admission still reads it."""
         raw: dict[str, str] = await self.redis.hgetall(self.keys.quotas)  # type: ignore[assignment]
-        return {tid: TenantQuota.model_validate_json(value) for tid, value in raw.items()}
+        quotas: dict[str, TenantQuota] = {}
+        for tenant_id, value in raw.items():
+            try:
+                quotas[tenant_id] = TenantQuota.model_validate_json(value)
+            except ValueError as error:
+                logger.error("store: quota of tenant %r is invalid, skipped: %s", tenant_id, error)
+        return quotas
 
     # Reports ----------------------------------------------------------------------------
 

@@ -194,3 +194,15 @@ def test_bad_controller_config() -> None:
         ControllerConfig(period_s=1.0, lease_ttl_s=1.0)
     with pytest.raises(ValueError, match="positive"):
         ControllerConfig(period_s=0)
+
+
+async def test_leader_replaces_an_invalid_stored_plan(store: RedisStore, clock: FakeClock) -> None:
+    await store.put_quota(quota("a"))
+    await store.publish_report(report("r1", clock.now()), ttl_s=60)
+    await store.redis.set(store.keys.plan, "not json")
+    await store.redis.set(store.keys.plan_version, 41)
+    result = await make_controller(store, clock, "ctl").step()
+    assert result.write is PlanWrite.WRITTEN and result.plan is not None
+    assert result.plan.version == 42
+    stored = await store.read_plan()
+    assert stored is not None and stored.tenants["a"].replicas[0].replica_id == "r1"

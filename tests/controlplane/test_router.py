@@ -124,3 +124,13 @@ async def test_unreachable_redis_falls_back_and_keeps_the_plan(clock: FakeClock)
     assert not core.redis_ok and ranking.source is RouteSource.REDIS_UNREACHABLE
     assert ranking.plan_version == 7 and len(ranking.ranks[0]) == core.config.fallback_width
     await dead.aclose()
+
+
+async def test_an_invalid_plan_is_ignored(store: RedisStore, clock: FakeClock) -> None:
+    core = RouterCore(store, clock, RouterConfig())
+    core.apply_plan(plan(version=3))
+    await store.redis.set(store.keys.plan, '{"version": 4, "surprise": true}')
+    await store.redis.set(store.keys.plan_version, 4)
+    assert await core.refresh() and core.redis_ok
+    assert core.plan is not None and core.plan.version == 3
+    assert core.rank("b", ALL).ranks[0] == ("r3",)

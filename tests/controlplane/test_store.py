@@ -88,3 +88,9 @@ async def test_password_from_url_or_config(tmp_path: Path) -> None:
         with pytest.raises(AuthenticationError):
             await RedisStore(wrong, keys).get_quota("a")
         await wrong.aclose()
+
+
+async def test_an_invalid_stored_quota_is_skipped(store: RedisStore) -> None:
+    await store.put_quota(quota("good"))
+    await store.redis.hset(store.keys.quotas, "bad", '{"tenant_id": "bad"}')
+    assert list(await store.list_quotas()) == ["good"]

@@ -216,6 +216,18 @@ class Admission:
             removed, _ = await pipe.execute()
         return bool(removed)
 
+    async def renew(self, reservation: Reservation) -> bool:
+        """Push a held reservation's deadline to now + `reservation_ttl_s` (long streams
+        call this before the deadline); False if it already lapsed or was released."""
+        deadline_ms = int((self._clock.now() + self.config.reservation_ttl_s) * 1000)
+        updated = await self._redis.zadd(
+            self.keys.reservation_deadlines(reservation.tenant_id),
+            {reservation.request_id: deadline_ms},
+            xx=True,
+            ch=True,
+        )
+        return bool(updated)
+
     async def reserved_blocks(self, tenant_id: str) -> int:
         """Sum of the tenant's live reservations (lapsed ones included until next admit)."""
         values = await self._redis.hvals(self.keys.reservations(tenant_id))

@@ -10,6 +10,7 @@ from controlplane.admission import (
     Admission,
     AdmissionConfig,
     AdmissionOutcome,
+    Reservation,
     worst_case_blocks,
 )
 from controlplane.keys import KeySpace
@@ -99,8 +100,16 @@ async def test_concurrency_limit_and_lapsed_reservations(
     assert (await admission.admit(tenant, "a", 1, 1)).admitted
     assert (await admission.admit(tenant, "b", 1, 1)).admitted
     assert (await admission.admit(tenant, "c", 1, 1)).reason == "max_concurrent_requests"
-    clock.advance(61)  # the ingress that held a and b died: their reservations lapse
+    clock.advance(30)
+    held = await admission.admit(tenant, "c", 1, 1)
+    assert held.reason == "max_concurrent_requests"
+    assert await admission.renew(Reservation("acme", "b", 1))  # b streams on
+    clock.advance(31)  # the ingress that held a died: its reservation lapses
     assert (await admission.admit(tenant, "c", 1, 1)).admitted
+    assert await admission.reserved_blocks("acme") == 2
+    assert not await admission.renew(Reservation("acme", "a", 1))
+    clock.advance(61)  # b's holder died too
+    assert (await admission.admit(tenant, "d", 1, 1)).admitted
     assert await admission.reserved_blocks("acme") == 1
 
 

@@ -147,16 +147,51 @@ async def _run(
     return {"replicas": replicas, "tenants": tenants, **route, **cycles}
 
 
+def _overloaded(report: Any) -> Any:
+    """`report` with its largest tenant grown until the replica is 95% used."""
+    from controlplane.models import TenantUsage
+
+    if not report.tenants:
+        return report
+    tenant_id = max(report.tenants, key=lambda t: report.tenants[t].blocks)
+    extra = max(0, int(0.95 * report.total_blocks) - report.used_blocks)
+    usage = report.tenants[tenant_id]
+    tenants = {
+        **report.tenants,
+        tenant_id: TenantUsage(
+            blocks=usage.blocks + extra,
+            live_tokens=usage.live_tokens + 12 * extra,
+            requests=usage.requests,
+        ),
+    }
+    return report.model_validate(
+        {
+            **report.model_dump(),
+            "tenants": tenants,
+            "used_blocks": report.used_blocks + extra,
+            "free_blocks": report.free_blocks - extra,
+            "live_tokens": report.live_tokens + 12 * extra,
+        }
+    )
+
+
 async def _cycles(
     controller: Any, store: Any, reports: dict[str, Any], cycles: int, clock: Any
 ) -> dict[str, Any]:
     """Controller cycles as in production: every replica reports (one batched publish
     here, the same encoding and script as a replica's own write), then `step()` reads
-    the reports, computes the plan and writes it. The first cycle is cold (no plan)."""
+    the reports, computes the plan and writes it. The first cycle is cold (no plan);
+    from the second on, 2% of the replicas turn hot each cycle so the plan moves tenants.
+    """
+    rng = random.Random(1)
     publish_s, results = [], []
-    for _ in range(cycles):
+    for cycle in range(cycles):
         now = clock.now()
-        fresh = [r.model_copy(update={"heartbeat_s": now}) for r in reports.values()]
+        current = dict(reports)
+        if cycle > 0:
+            for replica_id in rng.sample(sorted(reports), max(1, len(reports) // 50)):
+                current[replica_id] = _overloaded(reports[replica_id])
+        fresh = [r.model_copy(update={"heartbeat_s": now}) for r in current.values()]
         start = time.perf_counter()
         await store.publish_reports(fresh, ttl_s=60.0)
         publish_s.append(time.perf_counter() - start)
@@ -183,7 +218,7 @@ async def _cycles(
         "controller_cycle_ms": round(
             statistics.median(r.read_s + r.plan_s + r.write_s for r in steady) * 1e3, 1
         ),
-        "plan_moves_steady": max(r.num_moves for r in steady),
+        "plan_moves_per_cycle": max(r.num_moves for r in steady),
         "plan_json_bytes": len(results[-1].plan.model_dump_json()),
         "ingest_reports_per_s": round(count / max(publish, read)),
         "publish_reports_per_s": round(count / publish),

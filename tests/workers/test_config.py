@@ -91,3 +91,20 @@ def test_step_messages_survive_pickle():
     assert back.num_moves == 2 and back.num_blocks == {"a": 2} and back.num_evicted == {"a": 5}
     scores = StepScores({"a": StepAttention(step_scores=np.ones(3, dtype=np.float32))})
     assert pickle.loads(pickle.dumps(scores)).attention["a"].step_scores.tolist() == [1, 1, 1]
+
+
+def test_unsupported_engine_settings_are_refused():
+    """On CPU vLLM itself forces async scheduling off, so this is checked on a fake config."""
+    from types import SimpleNamespace
+
+    from workers.vllm_patches import _check_engine
+
+    config = SimpleNamespace(
+        scheduler_config=SimpleNamespace(async_scheduling=True),
+        speculative_config=object(),
+        kv_transfer_config=None,
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1),
+    )
+    kv_cache_config = SimpleNamespace(kv_cache_groups=[object(), object()])
+    with pytest.raises(ValueError, match="async scheduling.*speculative.*several KV cache groups"):
+        _check_engine(config, kv_cache_config)

@@ -27,6 +27,7 @@ BLOCK_SIZES = (16, 32)
 
 class Engine(StrEnum):
     SIM = "sim"
+    VLLM = "vllm"  # vLLM CPU with the vToken plugin; block size 32 only (CPU_ATTN)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +122,86 @@ def run_sim(
     return rows
 
 
+def run_vllm(
+    model: str,
+    policies: list[str],
+    keeps: list[float],
+    num_prompts: int,
+    prompt_tokens: int,
+    new_tokens: int,
+    block_size: int = 32,
+    max_num_seqs: int = 16,
+) -> list[Row]:
+    """The same cases served by vLLM with the plugin, once per mode (``vtoken``, ``naive``).
+
+    Every request carries its policy in ``extra_args["vtoken_policy"]``, so one engine per
+    mode serves all cases; blocks are what each request held from vLLM's block pool when
+    it finished (after its last repack). Prompts are never chunked (as in the reference
+    engine) and ``max_num_seqs`` keeps the pool from preempting (a resumed request would
+    start over); a run that preempted anyway raises.
+    """
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vtoken.models import resolve_model
+    from workers.engine import engine_state, internal_request_id, make_llm
+
+    path = str(resolve_model(model))
+    prompts = natural_prompts(AutoTokenizer.from_pretrained(path), num_prompts, prompt_tokens)
+    cases = [(p, k) for p in policies for k in keeps for _ in prompts]
+    totals: dict[tuple[str, float, str], float] = {}
+    for mode in ("vtoken", "naive"):
+        llm = make_llm(
+            path,
+            {"policy": "none", "mode": mode},
+            block_size=block_size,
+            max_model_len=prompt_tokens + new_tokens + block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max(2048, prompt_tokens),
+            enable_chunked_prefill=False,
+        )
+        params = [
+            SamplingParams(
+                max_tokens=new_tokens,
+                temperature=0,
+                ignore_eos=True,
+                extra_args={
+                    "vtoken_policy": {"policy": p, "keep_ratio": None if p == "none" else k}
+                },
+            )
+            for p, k in cases
+        ]
+        inputs = [
+            TokensPrompt(prompt_token_ids=prompts[i % len(prompts)]) for i in range(len(cases))
+        ]
+        outputs = llm.generate(inputs, params)
+        state = engine_state(llm)
+        assert state is not None
+        if state.num_preemptions:
+            raise RuntimeError(f"{mode}: {state.num_preemptions} preemptions; lower max_num_seqs")
+        for (policy_name, keep), output in zip(cases, outputs, strict=True):
+            counters = state.finished[internal_request_id(state, output.request_id)]
+            values = {mode: counters.allocated_blocks}
+            if mode == "vtoken":
+                values["ideal"] = counters.ideal_blocks
+            for kind, value in values.items():
+                key = (policy_name, keep, kind)
+                totals[key] = totals.get(key, 0.0) + value / len(prompts)
+        del llm
+    rows = []
+    for policy_name in policies:
+        for keep in keeps:
+            naive, vtoken, ideal = (
+                totals[(policy_name, keep, k)] for k in ("naive", "vtoken", "ideal")
+            )
+            reduction = 100.0 * (1.0 - vtoken / naive) if naive else 0.0
+            rows.append(
+                Row(policy_name, keep, block_size, naive, vtoken, ideal, round(reduction, 2))
+            )
+    return rows
+
+
 def print_table(rows: list[Row], title: str) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -193,9 +274,18 @@ def cli(
     if unknown or not names:
         raise typer.BadParameter(f"unknown policies {unknown}; known: {sorted(REGISTRY)}")
     num_prompts = 1 if quick else prompts
-    rows = run_sim(
-        model, names, list(KEEP_RATIOS), list(BLOCK_SIZES), num_prompts, prompt_tokens, new_tokens
-    )
+    if engine is Engine.VLLM:
+        rows = run_vllm(model, names, list(KEEP_RATIOS), num_prompts, prompt_tokens, new_tokens)
+    else:
+        rows = run_sim(
+            model,
+            names,
+            list(KEEP_RATIOS),
+            list(BLOCK_SIZES),
+            num_prompts,
+            prompt_tokens,
+            new_tokens,
+        )
     print_table(rows, f"Retained KV blocks per request ({engine.value}, {model})")
     if json_path is not None:
         document = {"engine": engine.value, "model": model, "results": [asdict(r) for r in rows]}

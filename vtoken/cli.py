@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from bench import concurrency as bench_concurrency
 from bench import controller as bench_controller
 from bench import fragmentation as bench_fragmentation
 from bench import repack as bench_repack
@@ -25,6 +26,7 @@ bench_app.command("fragmentation")(bench_fragmentation.cli)
 bench_app.command("controller")(bench_controller.cli)
 bench_app.command("repack")(bench_repack.cli)
 bench_app.command("scores")(bench_scores.cli)
+bench_app.command("concurrency")(bench_concurrency.cli)
 cli_serving.register(app)
 
 

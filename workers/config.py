@@ -13,23 +13,23 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from vtoken.planner import ReclaimMode
+from vtoken.policy import EvictionPolicy
 
 CONFIG_KEY = "vtoken"
+REQUEST_KEY = "vtoken_policy"
 
 
-class VTokenConfig(BaseModel):
-    """One engine's vToken settings.
+class PolicySpec(BaseModel):
+    """Which policy a request runs and its budget.
 
     - ``policy``/``policy_args``: a name of ``policies.REGISTRY`` and its dataclass fields
       (one policy instance per request).
     - ``budget_tokens`` or ``keep_ratio`` (at most one; required except for ``none`` and for
       ``streaming_llm`` with ``recent``): the live-token budget after each step, absolute or
       ``ceil(keep_ratio * sequence length)``.
-    - ``mode``: ``vtoken`` repacks and frees every emptied block; ``naive`` keeps every block
-      a block-granular manager would still hold (see ``workers/scheduler_side.py``).
-    - ``score_layers``: which layers feed the attention statistics of scored policies.
-    - ``record_evictions``: keep every step's evicted logical ids per request (tests).
-    - ``check_invariants``: run ``check_invariants()`` after every scheduler step (tests).
+
+    A request may override the engine's spec with ``SamplingParams.extra_args
+    ["vtoken_policy"] = {...}`` (same fields); an invalid override is logged and ignored.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -38,20 +38,9 @@ class VTokenConfig(BaseModel):
     policy_args: dict[str, Any] = Field(default_factory=dict)
     budget_tokens: int | None = Field(default=None, ge=1)
     keep_ratio: float | None = Field(default=None, gt=0.0, le=1.0)
-    mode: ReclaimMode = ReclaimMode.VTOKEN
-    score_layers: Literal["all"] | list[int] = "all"
-    record_evictions: bool = False
-    check_invariants: bool = False
-
-    @field_validator("score_layers")
-    @classmethod
-    def _layers_non_negative(cls, value: Literal["all"] | list[int]) -> Literal["all"] | list[int]:
-        if value != "all" and (not value or min(value) < 0 or len(set(value)) != len(value)):
-            raise ValueError("score_layers must be 'all' or a non-empty list of distinct ids >= 0")
-        return value
 
     @model_validator(mode="after")
-    def _policy_and_budget(self) -> VTokenConfig:
+    def _policy_and_budget(self) -> PolicySpec:
         from policies import make_policy
 
         make_policy(self.policy, **self.policy_args)  # unknown names/arguments raise ValueError
@@ -63,7 +52,7 @@ class VTokenConfig(BaseModel):
             raise ValueError(f"policy {self.policy!r} needs budget_tokens or keep_ratio")
         return self
 
-    def make_policy(self):  # noqa: ANN201 - EvictionPolicy; imported lazily
+    def make_policy(self) -> EvictionPolicy:
         from policies import make_policy
 
         return make_policy(self.policy, **self.policy_args)
@@ -75,6 +64,29 @@ class VTokenConfig(BaseModel):
         if self.keep_ratio is not None:
             return math.ceil(self.keep_ratio * num_logical)
         return num_logical
+
+
+class VTokenConfig(PolicySpec):
+    """One engine's vToken settings: the default ``PolicySpec`` plus
+
+    - ``mode``: ``vtoken`` repacks and frees every emptied block; ``naive`` keeps every block
+      a block-granular manager would still hold (see ``workers/scheduler_side.py``);
+    - ``score_layers``: which layers feed the attention statistics of scored policies;
+    - ``record_evictions``: keep every step's evicted logical ids per request (tests);
+    - ``check_invariants``: run ``check_invariants()`` after every scheduler step (tests).
+    """
+
+    mode: ReclaimMode = ReclaimMode.VTOKEN
+    score_layers: Literal["all"] | list[int] = "all"
+    record_evictions: bool = False
+    check_invariants: bool = False
+
+    @field_validator("score_layers")
+    @classmethod
+    def _layers_non_negative(cls, value: Literal["all"] | list[int]) -> Literal["all"] | list[int]:
+        if value != "all" and (not value or min(value) < 0 or len(set(value)) != len(value)):
+            raise ValueError("score_layers must be 'all' or a non-empty list of distinct ids >= 0")
+        return value
 
     def layer_ids(self, num_layers: int) -> list[int]:
         if self.score_layers == "all":

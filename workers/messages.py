@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vtoken.policy import StepAttention
+from vtoken.policy import ScoreNeeds, StepAttention
 
 OPS_ATTRIBUTE = "vtoken_ops"
 SCORES_ATTRIBUTE = "vtoken_scores"
@@ -31,14 +31,14 @@ class StepOps:
        repack emptied), before this step's ``new_block_ids`` are appended.
     3. ``num_evicted``: per scheduled vToken request, logical minus physical token count.
        Positions stay logical; ``seq_lens`` and the slot mapping subtract this.
-    4. ``score_request_ids``: requests whose policy needs attention statistics this step.
+    4. ``score_needs``: the statistics each scored request's policy needs this step.
     """
 
     src_slots: np.ndarray
     dst_slots: np.ndarray
     num_blocks: dict[str, int] = field(default_factory=dict)
     num_evicted: dict[str, int] = field(default_factory=dict)
-    score_request_ids: tuple[str, ...] = ()
+    score_needs: dict[str, ScoreNeeds] = field(default_factory=dict)
 
     @property
     def num_moves(self) -> int:

@@ -28,18 +28,22 @@ exactly as many blocks as a block-granular manager would: one per logical block
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+from pydantic import ValidationError
 
 from vtoken.block_pool import NoFreeBlocksError
 from vtoken.manager import VTokenManager
 from vtoken.planner import ReclaimMode
-from vtoken.policy import StepAttention
-from workers.config import VTokenConfig
+from vtoken.policy import ScoreNeeds, StepAttention
+from workers.config import REQUEST_KEY, PolicySpec, VTokenConfig
 from workers.messages import StepOps, StepScores
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_TENANT = "default"
 MAX_FINISHED_RECORDS = 4096
@@ -80,6 +84,7 @@ class RequestCounters:
 
     request_id: str
     tenant: str
+    policy: str
     live_tokens: int
     allocated_blocks: int  # held from the pool, ballast included (naive mode)
     ideal_blocks: int  # ceil(live_tokens / block_size)
@@ -120,7 +125,7 @@ class VTokenScheduler:
         self.block_size = int(single_type_manager.block_size)
         self.stm = single_type_manager
         self.manager = VTokenManager(self.pool, self.block_size, ReclaimMode.VTOKEN)
-        self.needs = config.make_policy().score_needs()
+        self.specs: dict[str, PolicySpec] = {}
         self.ballast: dict[str, list[int]] = {}
         self.pending_moves: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self.pending_num_blocks: dict[str, int] = {}
@@ -172,13 +177,27 @@ class VTokenScheduler:
         params = request.sampling_params
         extra = (params.extra_args if params is not None else None) or {}
         tenant = str(extra.get("tenant", DEFAULT_TENANT))
+        spec = self._spec(request.request_id, extra.get(REQUEST_KEY))
+        self.specs[request.request_id] = spec
         self.manager.add_request(
-            request.request_id, request.num_prompt_tokens, tenant, self.config.make_policy()
+            request.request_id, request.num_prompt_tokens, tenant, spec.make_policy()
         )
         self.stm.req_to_blocks[request.request_id]  # defaultdict: create the empty list
         self.ballast[request.request_id] = []
         if self.config.record_evictions:
             self.evictions[request.request_id] = []
+
+    def _spec(self, request_id: str, override: Any) -> PolicySpec:
+        """The request's own ``PolicySpec`` from ``extra_args``, else the engine's."""
+        if override is None:
+            return self.config
+        try:
+            return PolicySpec.model_validate(override)
+        except (ValidationError, ValueError, TypeError) as error:
+            logger.warning(
+                "vToken: request %s: ignoring bad %s: %s", request_id, REQUEST_KEY, error
+            )
+            return self.config
 
     def _naive_blocks(self, table: Any, num_new_tokens: int = 0) -> int:
         """Logical blocks holding a live token once ``num_new_tokens`` more are appended."""
@@ -214,7 +233,7 @@ class VTokenScheduler:
             if request.num_computed_tokens < request.num_tokens:
                 self.manager.observe(request_id, attention)  # a prefill chunk: no eviction yet
                 continue
-            budget = self.config.budget(entry.table.num_logical)
+            budget = self.specs[request_id].budget(entry.table.num_logical)
             evicted = self.manager.evict(request_id, budget, attention)
             if self.config.record_evictions:
                 self.evictions[request_id].append(evicted)
@@ -243,7 +262,7 @@ class VTokenScheduler:
 
     def take_ops(self, num_scheduled_tokens: dict[str, int], requests: dict[str, Any]) -> StepOps:
         """The ops the workers apply before this step's forward (see ``StepOps``)."""
-        num_evicted = {}
+        num_evicted, score_needs = {}, {}
         for request_id in num_scheduled_tokens:
             entry = self.manager.requests.get(request_id)
             if entry is None:
@@ -251,13 +270,16 @@ class VTokenScheduler:
             table = entry.table
             assert table.num_logical == requests[request_id].num_computed_tokens
             num_evicted[request_id] = table.num_logical - table.num_slots
+            needs = entry.policy.score_needs() if entry.policy is not None else ScoreNeeds()
+            if needs.any:
+                score_needs[request_id] = needs
         moves = list(self.pending_moves.values())
         ops = StepOps(
             src_slots=np.concatenate([m[0] for m in moves]) if moves else _EMPTY,
             dst_slots=np.concatenate([m[1] for m in moves]) if moves else _EMPTY,
             num_blocks=dict(self.pending_num_blocks),
             num_evicted=num_evicted,
-            score_request_ids=tuple(num_evicted) if self.needs.any else (),
+            score_needs=score_needs,
         )
         self.pending_moves.clear()
         self.pending_num_blocks.clear()
@@ -282,6 +304,7 @@ class VTokenScheduler:
         while len(self.finished_evictions) > MAX_FINISHED_RECORDS:
             self.finished_evictions.popitem(last=False)
         self.manager.free_request(request_id)
+        del self.specs[request_id]
         self._resize_ballast(request_id, 0)
         del self.ballast[request_id]
         self.pending_moves.pop(request_id, None)
@@ -295,6 +318,7 @@ class VTokenScheduler:
         return RequestCounters(
             request_id=request_id,
             tenant=entry.tenant,
+            policy=self.specs[request_id].policy,
             live_tokens=table.num_live,
             allocated_blocks=table.num_held_blocks + len(self.ballast[request_id]),
             ideal_blocks=table.num_ideal_blocks,
@@ -359,6 +383,7 @@ def _finished(counters: RequestCounters) -> RequestCounters:
     return RequestCounters(
         request_id=counters.request_id,
         tenant=counters.tenant,
+        policy=counters.policy,
         live_tokens=counters.live_tokens,
         allocated_blocks=counters.allocated_blocks,
         ideal_blocks=counters.ideal_blocks,

@@ -24,7 +24,7 @@ import torch
 import kernels
 from kernels import KVLayout
 from kernels.attention_scores import attention_scores
-from vtoken.policy import StepAttention
+from vtoken.policy import ScoreNeeds, StepAttention
 from workers.config import VTokenConfig
 from workers.messages import StepOps, StepScores
 
@@ -56,15 +56,14 @@ class VTokenWorker:
         self.config = config
         self.layout = layout
         self.score_layers = set(config.layer_ids(num_layers))
-        self.needs = config.make_policy().score_needs()
         self.num_evicted: dict[str, int] = {}
-        self.score_request_ids: tuple[str, ...] = ()
+        self.score_needs: dict[str, ScoreNeeds] = {}
         self.captured: dict[int, CapturedQuery] = {}
         self.num_moves = 0
 
     @property
     def capturing(self) -> bool:
-        return bool(self.score_request_ids)
+        return bool(self.score_needs)
 
     def begin_step(self, ops: StepOps, kv_caches: Sequence[torch.Tensor]) -> None:
         """Apply the repack and take the step's offsets (before the forward)."""
@@ -75,7 +74,7 @@ class VTokenWorker:
             kernels.repack(kv_caches, src, dst, self.layout)
             self.num_moves += ops.num_moves
         self.num_evicted = dict(ops.num_evicted)
-        self.score_request_ids = ops.score_request_ids
+        self.score_needs = dict(ops.score_needs)
         self.captured.clear()
 
     def physical_offsets(self, request_ids: Sequence[str]) -> np.ndarray:
@@ -91,14 +90,13 @@ class VTokenWorker:
         """Attention statistics of the requests that asked for them (after the forward)."""
         if not self.capturing:
             return None
-        wanted = set(self.score_request_ids)
         layers = [self.captured[i] for i in sorted(self.captured)]
         if not layers:
             raise RuntimeError("vToken: no attention layer reported its queries this step")
         attention = {
             r.request_id: self._request_attention(layers, r)
             for r in requests
-            if r.request_id in wanted and r.query_len > 0
+            if r.request_id in self.score_needs and r.query_len > 0
         }
         self.captured.clear()
         return StepScores(attention)
@@ -108,7 +106,8 @@ class VTokenWorker:
     ) -> StepAttention:
         rows = slice(request.query_start, request.query_start + request.query_len)
         block_table = torch.from_numpy(request.block_ids.astype(np.int64))
-        if not (self.needs.query_window or self.needs.per_head):
+        needs = self.score_needs[request.request_id]
+        if not (needs.query_window or needs.per_head):
             # Only the per-key mass: the score kernel, summed over KV heads.
             total = torch.zeros(request.seq_len, dtype=torch.float32)
             num_q_heads = layers[0].query.shape[1]
@@ -123,16 +122,21 @@ class VTokenWorker:
                 )
                 total += mass.sum(0).cpu()
             return StepAttention(step_scores=(total / (num_q_heads * len(layers))).numpy())
-        return self._full_attention(layers, rows, block_table, request.seq_len)
+        return self._full_attention(layers, rows, block_table, request.seq_len, needs)
 
     def _full_attention(
-        self, layers: list[CapturedQuery], rows: slice, block_table: torch.Tensor, seq_len: int
+        self,
+        layers: list[CapturedQuery],
+        rows: slice,
+        block_table: torch.Tensor,
+        seq_len: int,
+        needs: ScoreNeeds,
     ) -> StepAttention:
         """Per-query probabilities, for window rows and per-head statistics."""
         block_size = self.layout.block_size(layers[0].kv_cache)
         positions = torch.arange(seq_len)
         slots = block_table[positions // block_size] * block_size + positions % block_size
-        window = max(self.needs.query_window, 1)
+        window = max(needs.query_window, 1)
         step, window_rows, heads = None, None, []
         for layer in layers:
             probs = _probabilities(layer, rows, slots.to(layer.kv_cache.device), self.layout)
@@ -144,9 +148,9 @@ class VTokenWorker:
         assert step is not None and window_rows is not None
         num_layers = len(layers)
         return StepAttention(
-            step_scores=(step / num_layers).numpy() if self.needs.step_scores else None,
-            window_rows=(window_rows / num_layers).numpy() if self.needs.query_window else None,
-            head_scores=torch.stack(heads).numpy() if self.needs.per_head else None,
+            step_scores=(step / num_layers).numpy() if needs.step_scores else None,
+            window_rows=(window_rows / num_layers).numpy() if needs.query_window else None,
+            head_scores=torch.stack(heads).numpy() if needs.per_head else None,
         )
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from vtoken.planner import ReclaimMode
-from vtoken.policy import StepAttention
+from vtoken.policy import ScoreNeeds, StepAttention
 from workers.config import VTokenConfig, parse_config
 from workers.messages import StepOps, StepScores
 from workers.vllm_patches import UnsupportedVLLMError, _version_guard, check_version
@@ -85,7 +85,7 @@ def test_step_messages_survive_pickle():
         dst_slots=np.array([3, 4]),
         num_blocks={"a": 2},
         num_evicted={"a": 5},
-        score_request_ids=("a",),
+        score_needs={"a": ScoreNeeds(step_scores=True)},
     )
     back = pickle.loads(pickle.dumps(ops))
     assert back.num_moves == 2 and back.num_blocks == {"a": 2} and back.num_evicted == {"a": 5}

@@ -1,0 +1,174 @@
+"""`vtoken bench concurrency`: how many requests one fixed KV pool serves at once.
+
+A vLLM CPU engine with the vToken plugin and a fixed pool (``--num-blocks`` blocks of 32
+tokens) serves ``N`` requests submitted together: natural-text prompts of exactly
+``--prompt-tokens`` tokens, ``--new-tokens`` generated greedily. ``N`` counts as served
+concurrently when all ``N`` run in the same step at some point and none is preempted. The
+largest such ``N`` is found by doubling, then bisection, for each case: no eviction, and
+H2O at keep 0.2 and 0.5 in ``naive`` and ``vtoken`` mode (same decisions; naive keeps
+every block that still holds a live token). One engine per mode; each request carries its
+policy in ``extra_args["vtoken_policy"]``. Tokens/s is measured on the run at that ``N``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+CASES = (("none", 1.0, "vtoken"),) + tuple(
+    ("h2o", keep, mode) for keep in (0.2, 0.5) for mode in ("naive", "vtoken")
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    policy: str
+    keep: float
+    mode: str
+    num_blocks: int
+    max_concurrency: int
+    tokens_per_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Trial:
+    served: bool  # all requests ran in one step and none was preempted
+    peak_running: int
+    preempted: bool
+    tokens_per_s: float
+
+
+class TrialRunner:
+    """Runs trials of ``N`` simultaneous requests on one engine (mode fixed)."""
+
+    def __init__(self, llm: Any, prompts: list[list[int]], new_tokens: int) -> None:
+        from workers.engine import engine_scheduler, engine_state
+
+        self.llm = llm
+        self.engine = llm.llm_engine
+        self.scheduler = engine_scheduler(llm)
+        self.state = engine_state(llm)
+        self.prompts = prompts
+        self.new_tokens = new_tokens
+        self.num_submitted = 0
+
+    def run(self, num_requests: int, policy: str, keep: float) -> Trial:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        spec = {"policy": policy, "keep_ratio": None if policy == "none" else keep}
+        params = SamplingParams(
+            max_tokens=self.new_tokens,
+            temperature=0,
+            ignore_eos=True,
+            extra_args={"vtoken_policy": spec},
+        )
+        ids = []
+        for index in range(num_requests):
+            ids.append(f"c{self.num_submitted}")
+            self.num_submitted += 1
+            prompt = self.prompts[index % len(self.prompts)]
+            self.engine.add_request(ids[-1], TokensPrompt(prompt_token_ids=prompt), params)
+        preemptions_before = self.state.num_preemptions
+        peak, finished_early, start = 0, False, time.perf_counter()
+        while self.engine.has_unfinished_requests():
+            outputs = self.engine.step()
+            peak = max(peak, len(self.scheduler.running))
+            preempted = self.state.num_preemptions > preemptions_before
+            finished_early |= any(o.finished for o in outputs) and peak < num_requests
+            if preempted or finished_early:  # the trial has failed: stop paying for it
+                self.engine.abort_request(ids)
+        elapsed = time.perf_counter() - start
+        preempted = self.state.num_preemptions > preemptions_before
+        served = peak == num_requests and not preempted
+        rate = num_requests * self.new_tokens / elapsed if served else 0.0
+        return Trial(served, peak, preempted, rate)
+
+
+def max_concurrency(run: Any, limit: int) -> tuple[int, float]:
+    """Largest ``n <= limit`` with ``run(n).served`` (doubling, then bisection), and its rate.
+
+    Assumes served-ness is monotone in ``n`` (a bigger batch never needs less memory).
+    """
+    best, rate, n, failed = 0, 0.0, 1, limit + 1
+    while n <= limit:
+        trial = run(n)
+        if not trial.served:
+            failed = n
+            break
+        best, rate = n, trial.tokens_per_s
+        n *= 2
+    low, high = best, min(failed, limit + 1)
+    while high - low > 1:
+        middle = (low + high) // 2
+        trial = run(middle)
+        if trial.served:
+            low, rate = middle, trial.tokens_per_s
+        else:
+            high = middle
+    return low, rate
+
+
+def run_cases(
+    model: str, num_blocks: int, prompt_tokens: int, new_tokens: int, limit: int
+) -> list[Case]:
+    from transformers import AutoTokenizer
+
+    from bench.fragmentation import PROMPT_TOPICS, natural_prompts
+    from vtoken.models import resolve_model
+    from workers.engine import make_llm
+
+    path = str(resolve_model(model))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    prompts = natural_prompts(tokenizer, len(PROMPT_TOPICS), prompt_tokens)
+    results = []
+    for mode in ("vtoken", "naive"):
+        llm = make_llm(
+            path,
+            {"policy": "none", "mode": mode},
+            num_blocks=num_blocks,
+            max_model_len=prompt_tokens + new_tokens + 32,
+            max_num_seqs=limit,
+        )
+        runner = TrialRunner(llm, prompts, new_tokens)
+        for policy, keep, case_mode in CASES:
+            if case_mode != mode:
+                continue
+            trial = functools.partial(runner.run, policy=policy, keep=keep)
+            best, rate = max_concurrency(trial, limit)
+            results.append(Case(policy, keep, mode, num_blocks, best, round(rate, 2)))
+            typer.echo(f"{policy} keep={keep} {mode}: {best} concurrent, {rate:.1f} tok/s")
+        del llm
+    return results
+
+
+def cli(
+    model: Annotated[str, typer.Option(help="Shipped model name or model folder.")] = "smollm2",
+    num_blocks: Annotated[int, typer.Option(min=4, help="KV pool size, 32-token blocks.")] = 64,
+    prompt_tokens: Annotated[int, typer.Option(min=32)] = 256,
+    new_tokens: Annotated[int, typer.Option(min=1)] = 64,
+    limit: Annotated[int, typer.Option(min=1, help="Largest N tried.")] = 64,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """Largest number of concurrent requests a fixed KV pool serves without preemption."""
+    cases = run_cases(model, num_blocks, prompt_tokens, new_tokens, limit)
+    by_key = {(c.policy, c.keep, c.mode): c for c in cases}
+    for keep in (0.2, 0.5):
+        naive, vtoken = by_key[("h2o", keep, "naive")], by_key[("h2o", keep, "vtoken")]
+        ratio = vtoken.max_concurrency / max(naive.max_concurrency, 1)
+        typer.echo(f"h2o keep={keep}: vtoken/naive = {ratio:.2f}x")
+    if json_path is not None:
+        document = {
+            "model": model,
+            "block_size": 32,
+            "prompt_tokens": prompt_tokens,
+            "new_tokens": new_tokens,
+            "cases": [asdict(c) for c in cases],
+        }
+        json_path.write_text(json.dumps(document, indent=2) + "\n")

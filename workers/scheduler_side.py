@@ -245,6 +245,11 @@ class VTokenScheduler:
         table = self.manager.requests[request_id].table
         plan = self.manager.plan(request_id)
         if plan.is_empty:
+            # Only tail tokens died, in a block still needed: shorten without moving (the
+            # manager skips empty plans, but the physical count must drop).
+            table.move(plan.src_local, plan.dst_local, plan.num_slots_after)
+            if self.naive:
+                self._resize_ballast(request_id, self._naive_blocks(table) - len(table.block_ids))
             return
         self.manager.reclaim([request_id])  # commits the table, frees the emptied blocks
         if plan.num_moves:
@@ -358,8 +363,8 @@ class VTokenScheduler:
             table.check_invariants()
             vllm_ids = [block.block_id for block in self.stm.req_to_blocks[request_id]]
             assert vllm_ids == table.block_ids, f"{request_id}: vLLM blocks != token table"
-            if request_id not in self.pending_moves:  # repacked: dense prefix of slots
-                assert table.num_held_blocks == len(table.block_ids)
+            assert table.num_slots == table.num_live, f"{request_id}: not repacked"
+            assert table.num_held_blocks == len(table.block_ids) == table.num_ideal_blocks
             if self.naive:
                 naive = self._naive_blocks(table)
                 assert len(self.ballast[request_id]) == max(0, naive - len(table.block_ids))

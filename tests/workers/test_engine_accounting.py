@@ -18,19 +18,28 @@ import pytest
 
 from tests.workers.conftest import token_prompts
 from workers.api import engine_counters
-from workers.engine import block_pool, engine_scheduler, engine_state, make_llm
+from workers.engine import (
+    block_pool,
+    engine_scheduler,
+    engine_state,
+    internal_request_id,
+    make_llm,
+)
 
 pytestmark = pytest.mark.slow
 
 BLOCK_SIZE = 32
 NUM_BLOCKS = 48
 POLICY = {"policy": "random", "keep_ratio": 0.5, "check_invariants": True}
+STREAMING = {"policy": "streaming_llm", "policy_args": {"sinks": 4, "recent": 28}}
 
 
-def _params(max_tokens: int, tenant: str | None):
+def _params(max_tokens: int, tenant: str | None, policy: dict | None = None):
     from vllm import SamplingParams
 
-    extra = {"tenant": tenant} if tenant is not None else None
+    extra = {"tenant": tenant} if tenant is not None else {}
+    if policy is not None:
+        extra["vtoken_policy"] = policy
     return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, extra_args=extra)
 
 
@@ -41,11 +50,12 @@ def _prompt(ids):
 
 
 def _reclamation(llm, mode: str) -> dict:
-    """Three requests that fit; holdings checked after every step."""
+    """Four requests that fit (one with its own policy); holdings checked after every step."""
     engine, state = llm.llm_engine, engine_state(llm)
-    tenants = ["a", "b", None]
-    for index, ids in enumerate(token_prompts([100, 150, 70], seed=3)):
-        engine.add_request(f"r{index}", _prompt(ids), _params(40, tenants[index]))
+    tenants = ["a", "b", None, "a"]
+    policies = [None, None, None, STREAMING]
+    for index, ids in enumerate(token_prompts([100, 150, 70, 90], seed=3)):
+        engine.add_request(f"r{index}", _prompt(ids), _params(40, tenants[index], policies[index]))
     tokens: dict[str, list[int]] = {}
     counters_seen = None
     num_holey_steps = 0
@@ -62,10 +72,16 @@ def _reclamation(llm, mode: str) -> dict:
             else:
                 assert counters.allocated_blocks == naive_blocks
             num_holey_steps += naive_blocks > counters.ideal_blocks
-        if counters_seen is None and len(state.manager.requests) == 3:
+        if counters_seen is None and len(state.manager.requests) == 4:
             counters_seen = engine_counters(llm)
     assert state.num_preemptions == 0
-    return {"tokens": tokens, "counters": counters_seen, "holey_steps": num_holey_steps}
+    override = state.finished[internal_request_id(state, "r3")]
+    return {
+        "tokens": tokens,
+        "counters": counters_seen,
+        "holey_steps": num_holey_steps,
+        "override": (override.policy, override.live_tokens),
+    }
 
 
 def _accounting(llm) -> dict:
@@ -122,7 +138,12 @@ def runs(tiny_llama_path):
 
 @pytest.mark.parametrize("mode", ["vtoken", "naive"])
 def test_holdings_after_every_step(runs, mode):
-    assert len(runs[mode]["reclamation"]["tokens"]) == 3
+    assert len(runs[mode]["reclamation"]["tokens"]) == 4
+
+
+@pytest.mark.parametrize("mode", ["vtoken", "naive"])
+def test_a_request_may_bring_its_own_policy(runs, mode):
+    assert runs[mode]["reclamation"]["override"] == ("streaming_llm", 32)
 
 
 def test_naive_leaves_holes_that_vtoken_reclaims(runs):
@@ -145,7 +166,8 @@ def test_counters_api_per_request_and_tenant(runs):
     counters = runs["vtoken"]["reclamation"]["counters"]
     assert counters["mode"] == "vtoken" and counters["block_size"] == BLOCK_SIZE
     requests = counters["requests"]
-    assert sorted(r["tenant"] for r in requests) == ["a", "b", "default"]
+    assert sorted(r["tenant"] for r in requests) == ["a", "a", "b", "default"]
+    assert sorted(r["policy"] for r in requests) == ["random"] * 3 + ["streaming_llm"]
     for tenant, totals in counters["tenants"].items():
         mine = [r for r in requests if r["tenant"] == tenant]
         assert totals["num_requests"] == len(mine)

@@ -1,0 +1,131 @@
+"""The scheduler-side state on fakes of vLLM's block pool and block manager (no engine)."""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from vtoken.planner import ReclaimMode
+from workers.config import VTokenConfig
+from workers.scheduler_side import VTokenScheduler
+
+BLOCK_SIZE = 4
+
+
+@dataclass
+class FakeBlock:
+    block_id: int
+
+
+class FakeBlockPool:
+    """vLLM's BlockPool surface vToken uses; block 0 is the null block."""
+
+    def __init__(self, num_gpu_blocks: int) -> None:
+        self.num_gpu_blocks = num_gpu_blocks
+        self.blocks = [FakeBlock(i) for i in range(num_gpu_blocks)]
+        self.free = deque(range(1, num_gpu_blocks))
+
+    def get_num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def get_new_blocks(self, num_blocks: int) -> list[FakeBlock]:
+        assert num_blocks <= len(self.free)
+        return [self.blocks[self.free.popleft()] for _ in range(num_blocks)]
+
+    def free_blocks(self, blocks) -> None:
+        for block in blocks:
+            assert block.block_id not in self.free
+            self.free.append(block.block_id)
+
+
+class FakeBlockManager:
+    block_size = BLOCK_SIZE
+    records_new_block_ids = False
+
+    def __init__(self) -> None:
+        self.req_to_blocks: defaultdict[str, list[FakeBlock]] = defaultdict(list)
+        self.new_block_ids: list[int] = []
+
+    def pop_blocks_for_free(self, request_id: str) -> list[FakeBlock]:
+        return self.req_to_blocks.pop(request_id, [])
+
+
+@dataclass
+class FakeRequest:
+    request_id: str
+    num_prompt_tokens: int
+    num_computed_tokens: int = 0
+    sampling_params: object = None
+
+    @property
+    def num_tokens(self) -> int:
+        return max(self.num_prompt_tokens, self.num_computed_tokens)
+
+
+def make_state(mode: ReclaimMode, num_blocks: int = 32):
+    pool, manager = FakeBlockPool(num_blocks), FakeBlockManager()
+    config = VTokenConfig(policy="none", mode=mode, check_invariants=True)
+    return VTokenScheduler(config, pool, manager), pool, manager
+
+
+def run_prefill(state, request: FakeRequest) -> None:
+    assert state.allocate(request, request.num_prompt_tokens) is not None
+    request.num_computed_tokens = request.num_prompt_tokens
+
+
+@pytest.mark.parametrize("mode", list(ReclaimMode))
+def test_tail_eviction_shortens_the_physical_count(mode):
+    state, _, manager = make_state(mode)
+    request = FakeRequest("r", num_prompt_tokens=10)
+    run_prefill(state, request)
+    state.manager.evict_ids("r", np.array([9]))
+    state._reclaim("r")
+    table = state.manager.requests["r"].table
+    assert table.num_slots == table.num_live == 9
+    ops = state.take_ops({"r": 1}, {"r": request})
+    assert ops.num_evicted == {"r": 1} and ops.num_moves == 0
+    state.check_invariants()
+
+
+def test_vtoken_repack_frees_tail_blocks_and_ships_the_moves():
+    state, pool, manager = make_state(ReclaimMode.VTOKEN)
+    request = FakeRequest("r", num_prompt_tokens=12)  # 3 blocks
+    run_prefill(state, request)
+    free_before = pool.get_num_free_blocks()
+    state.manager.evict_ids("r", np.array([0, 1, 2, 5, 6]))  # 7 live -> 2 blocks
+    state._reclaim("r")
+    assert pool.get_num_free_blocks() == free_before + 1
+    assert len(manager.req_to_blocks["r"]) == 2
+    ops = state.take_ops({"r": 1}, {"r": request})
+    assert ops.num_blocks == {"r": 2} and ops.num_evicted == {"r": 5}
+    assert ops.num_moves == 5  # live slots 7..11 fill the holes 0, 1, 2, 5, 6
+    kept = {b.block_id for b in manager.req_to_blocks["r"]}
+    assert {int(s) // BLOCK_SIZE for s in ops.dst_slots} <= kept
+    state.check_invariants()
+
+
+def test_naive_ballast_holds_every_block_with_a_live_token():
+    state, pool, _ = make_state(ReclaimMode.NAIVE)
+    request = FakeRequest("r", num_prompt_tokens=12)  # logical blocks 0, 1, 2
+    run_prefill(state, request)
+    state.manager.evict_ids("r", np.array([0, 1, 2, 5, 6]))  # every block keeps a live token
+    state._reclaim("r")
+    assert state.request_counters("r").allocated_blocks == 3
+    assert state.request_counters("r").ideal_blocks == 2
+    state.manager.evict_ids("r", np.array([4, 7]))  # logical block 1 is now empty
+    state._reclaim("r")
+    assert state.request_counters("r").allocated_blocks == 2
+    state.check_invariants()
+    state.free("r")
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+
+
+def test_allocation_refused_when_the_pool_is_short():
+    state, pool, _ = make_state(ReclaimMode.VTOKEN, num_blocks=4)  # 3 usable blocks
+    request = FakeRequest("r", num_prompt_tokens=13)  # needs 4
+    assert state.allocate(request, 13) is None
+    assert pool.get_num_free_blocks() == 3
+    assert state.allocate(request, 12) is not None

@@ -110,7 +110,7 @@ class IngressState:
             encoded: Any = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=True
             )
-            encoded = encoded["input_ids"] if isinstance(encoded, dict) else encoded
+            encoded = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
         else:
             encoded = self.tokenizer(body.prompt)["input_ids"]
         ids = [int(token) for token in encoded]

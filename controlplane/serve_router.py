@@ -43,6 +43,11 @@ class VTokenRequestRouter(FIFOMixin, RequestRouter):
         self._core = RouterCore(store, SystemClock(), RouterConfig(max_plan_age_s=max_plan_age_s))
         self._stop = asyncio.Event()
         self._refresher: asyncio.Task | None = None
+        # Serve passes the same list while the replica set is unchanged; keeping one id
+        # set per list lets the core reuse its cached load order (no re-sort per request).
+        self._candidates: (
+            tuple[list[RunningReplica], frozenset[str], dict[str, RunningReplica]] | None
+        ) = None
 
     async def choose_replicas(
         self,
@@ -55,8 +60,11 @@ class VTokenRequestRouter(FIFOMixin, RequestRouter):
         tenant_id = str(fields.get("tenant_id", DEFAULT_TENANT))
         context = extract_context(fields.get("trace_context"))
         with tracer.start_as_current_span("vtoken.route", context=context) as span:
-            by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
-            ranking = self._core.rank(tenant_id, set(by_id))
+            if self._candidates is None or self._candidates[0] is not candidate_replicas:
+                by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+                self._candidates = (candidate_replicas, frozenset(by_id), by_id)
+            _, ids, by_id = self._candidates
+            ranking = self._core.rank(tenant_id, ids)
             span.set_attribute(telemetry.ATTR_TENANT_ID, tenant_id)
             span.set_attribute(telemetry.ATTR_ROUTE_SOURCE, ranking.source.value)
             if ranking.ranks and ranking.ranks[0]:

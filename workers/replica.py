@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from controlplane import telemetry
 from controlplane.clock import SystemClock
 from controlplane.keys import KeySpace
-from controlplane.models import EngineCounters
+from controlplane.models import EngineCounters, TenantUsage
 from controlplane.openai_models import GenerateChunk, GenerateRequest
 from controlplane.redis_conn import RedisConfig, connect
 from controlplane.store import RedisStore
@@ -38,16 +38,47 @@ class ReplicaSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = "smollm2"
+    served_name: str | None = None  # the model id clients send (default: ``model``)
     block_size: int = Field(default=32, gt=0)
     max_model_len: int = Field(default=2048, gt=0)
     max_num_seqs: int = Field(default=16, gt=0)
     num_blocks: int | None = Field(default=None, gt=0)
     dtype: str = "auto"
     kv_cache_space_gib: int = Field(default=1, gt=0)
-    vtoken: dict[str, Any] | None = None
+    vtoken: dict[str, Any] = Field(default_factory=lambda: {"policy": "none"})
     redis_url: str | None = None
     key_prefix: str = "vtoken"
     report_period_s: float = Field(default=0.1, gt=0)
+
+    @property
+    def name(self) -> str:
+        return self.served_name or self.model
+
+
+def counters_from_snapshot(snapshot: dict[str, Any], running: int) -> EngineCounters:
+    """Map the engine's vToken snapshot (``workers/api.py``) to the report's counters."""
+    requests = snapshot["requests"]
+    total, free = snapshot["total_blocks"], snapshot["free_blocks"]
+    tenants = {
+        tenant: TenantUsage(
+            live_tokens=row["live_tokens"],
+            blocks=row["allocated_blocks"],
+            requests=row["num_requests"],
+        )
+        for tenant, row in snapshot["tenants"].items()
+    }
+    return EngineCounters(
+        block_size=snapshot["block_size"],
+        total_blocks=total,
+        free_blocks=free,
+        used_blocks=total - free,
+        live_tokens=sum(r["live_tokens"] for r in requests),
+        reclaimable_blocks=sum(r["allocated_blocks"] - r["ideal_blocks"] for r in requests),
+        running_requests=running,
+        blocks_reclaimed=snapshot.get("blocks_reclaimed", 0),
+        naive_equivalent_blocks=snapshot.get("naive_equivalent_blocks", 0),
+        tenants=tenants,
+    )
 
 
 def cache_salt(tenant_id: str) -> str:
@@ -69,17 +100,17 @@ class EngineHost:
         self.replica_id = replica_id
         engine_args = AsyncEngineArgs(
             model=str(resolve_model(settings.model)),
-            served_model_name=settings.model,
+            served_model_name=settings.name,
             dtype=settings.dtype,  # type: ignore[arg-type]
             block_size=settings.block_size,
             max_model_len=settings.max_model_len,
             max_num_seqs=settings.max_num_seqs,
             num_gpu_blocks_override=settings.num_blocks,
-            enable_prefix_caching=False if settings.vtoken is not None else None,
-            async_scheduling=False if settings.vtoken is not None else None,
+            enable_prefix_caching=False,
+            async_scheduling=False,
             enforce_eager=True,
             gpu_memory_utilization=0.3,
-            additional_config={"vtoken": settings.vtoken} if settings.vtoken is not None else {},
+            additional_config={"vtoken": settings.vtoken},
             disable_log_stats=True,
         )
         self.llm = AsyncLLM.from_engine_args(engine_args)
@@ -131,9 +162,12 @@ class EngineHost:
 
     async def refresh_counters(self) -> EngineCounters:
         """Ask the engine core for its block and vToken counters (a utility call)."""
-        raw = await self.llm.engine_core.call_utility_async("vtoken_counters")
-        raw["running_requests"] = self.running
-        self.counters = EngineCounters.model_validate(raw)
+        from workers.api import async_engine_counters
+
+        snapshot = await async_engine_counters(self.llm)
+        if snapshot is None:
+            raise RuntimeError("the engine runs without vToken: no counters")
+        self.counters = counters_from_snapshot(snapshot, self.running)
         return self.counters
 
     async def check_health(self) -> None:
@@ -153,7 +187,7 @@ class ReplicaReporter:
         store = RedisStore(connect(RedisConfig(url=redis_url)), KeySpace(key_prefix))
         config = PublisherConfig(
             replica_id=host.replica_id,
-            model_id=host.settings.model,
+            model_id=host.settings.name,
             period_s=host.settings.report_period_s,
         )
         self.publisher = ReportPublisher(store, lambda: host.counters, SystemClock(), config)

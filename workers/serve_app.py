@@ -100,7 +100,7 @@ def build_app(args: dict[str, Any]) -> Application:
         config.redis_url, config.key_prefix, config.controller_period_s
     )
     ingress_settings = {
-        "model_name": engine_settings.model,
+        "model_name": engine_settings.name,
         "tokenizer_path": str(resolve_model(engine_settings.model)),
         "max_model_len": engine_settings.max_model_len,
         "block_size": engine_settings.block_size,

@@ -1,0 +1,273 @@
+"""The serving system end to end: real Redis, real Ray Serve, real vLLM CPU engines (a tiny
+random Llama with SmolLM2's tokenizer), vToken + H2O in the engines, OTLP traces received
+by a real HTTP collector from every process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.otlp_sink import OTLPSink
+from tests.tiny_model import make_tiny_llama
+
+pytestmark = pytest.mark.slow
+ADMIN = "e2e-admin-token"
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, smollm2_path):
+    import ray
+    from ray import serve
+
+    from controlplane.local_redis import LocalRedis, free_port
+    from workers.serve_app import build_app
+
+    folder = tmp_path_factory.mktemp("serving")
+    model = make_tiny_llama(folder / "tiny", smollm2_path)
+    with OTLPSink() as sink, LocalRedis(folder / "redis") as redis:
+        env = {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url,
+            "OTEL_BSP_SCHEDULE_DELAY": "200",
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+        }
+        ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": env})
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        args = {
+            "redis_url": redis.url,
+            "admin_token": ADMIN,
+            "num_replicas": 2,
+            "replica_num_cpus": 1,
+            "controller_period_s": 0.2,
+            "engine": {
+                "model": str(model),
+                "served_name": MODEL,
+                "dtype": "float32",
+                "max_model_len": 512,
+                "num_blocks": 64,
+                "vtoken": {"policy": "h2o", "keep_ratio": 0.5},
+            },
+        }
+        serve.run(build_app(args), name="vtoken", route_prefix="/")
+        try:
+            yield f"http://127.0.0.1:{port}", sink
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def checker_key(cluster):
+    with httpx.Client(base_url=cluster[0], timeout=60) as client:
+        return make_tenant(client, "checker", 200)
+
+
+def admin_headers():
+    return {"Authorization": f"Bearer {ADMIN}"}
+
+
+def make_tenant(client, tenant_id, blocks, **extra):
+    body = {"kv_budget_blocks": blocks, **extra}
+    response = client.put(f"/admin/tenants/{tenant_id}", json=body, headers=admin_headers())
+    assert response.status_code in (200, 201), response.text
+    return response.json().get("api_key")
+
+
+def prompt_of(words):
+    return " ".join(["The for statement iterates over the items of a sequence."] * words)
+
+
+def test_admin_round_trip(cluster):
+    url, _ = cluster
+    with httpx.Client(base_url=url, timeout=60) as client:
+        key = make_tenant(client, "roundtrip", 40)
+        assert key and key.startswith("vt-")
+        got = client.get("/admin/tenants/roundtrip", headers=admin_headers()).json()
+        assert got["kv_budget_blocks"] == 40 and "api_key" not in got
+        updated = client.put(
+            "/admin/tenants/roundtrip", json={"kv_budget_blocks": 50}, headers=admin_headers()
+        )
+        assert updated.status_code == 200 and "api_key" not in updated.json()
+        listed = client.get("/admin/tenants", headers=admin_headers()).json()["tenants"]
+        assert any(t["tenant_id"] == "roundtrip" and t["kv_budget_blocks"] == 50 for t in listed)
+        assert client.delete("/admin/tenants/roundtrip", headers=admin_headers()).status_code == 200
+        assert client.get("/admin/tenants/roundtrip", headers=admin_headers()).status_code == 404
+        body = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+        revoked = client.post(
+            "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+        )
+        assert revoked.status_code == 401
+
+
+def test_completions_and_streaming_agree(cluster):
+    url, _ = cluster
+    with httpx.Client(base_url=url, timeout=120) as client:
+        key = make_tenant(client, "reader", 200)
+        headers = {"Authorization": f"Bearer {key}"}
+        body = {"model": MODEL, "prompt": prompt_of(8), "max_tokens": 12, "temperature": 0.0}
+        plain = client.post("/v1/completions", json=body, headers=headers)
+        assert plain.status_code == 200, plain.text
+        answer = plain.json()
+        assert answer["object"] == "text_completion"
+        assert answer["usage"]["completion_tokens"] == 12
+        text = answer["choices"][0]["text"]
+        assert text
+        pieces = []
+        with client.stream(
+            "POST", "/v1/completions", json={**body, "stream": True}, headers=headers
+        ) as stream:
+            assert stream.status_code == 200
+            for line in stream.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    pieces.append(json.loads(line[6:])["choices"][0]["text"])
+        assert "".join(pieces) == text
+        chat = client.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+            headers=headers,
+        )
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["choices"][0]["message"]["role"] == "assistant"
+        models = client.get("/v1/models", headers=headers).json()
+        assert [m["id"] for m in models["data"]] == [MODEL]
+
+
+def test_tenant_over_quota_gets_429_while_others_are_served(cluster):
+    url, _ = cluster
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+            small = make_tenant(httpx.Client(base_url=url), "small", 12)
+            big = make_tenant(httpx.Client(base_url=url), "big", 400)
+            # worst case: ~220 prompt tokens + 100 new -> 10 blocks of 32; two do not fit in 12
+            body = {"model": MODEL, "prompt": prompt_of(20), "max_tokens": 100, "temperature": 0.0}
+            first = asyncio.create_task(
+                client.post(
+                    "/v1/completions", json=body, headers={"Authorization": f"Bearer {small}"}
+                )
+            )
+            await asyncio.sleep(0.5)
+            second = await client.post(
+                "/v1/completions", json=body, headers={"Authorization": f"Bearer {small}"}
+            )
+            other = await client.post(
+                "/v1/completions",
+                json={**body, "max_tokens": 8},
+                headers={"Authorization": f"Bearer {big}"},
+            )
+            return await first, second, other
+
+    first, second, other = asyncio.run(scenario())
+    assert first.status_code == 200, first.text
+    assert second.status_code == 429, second.text
+    assert int(second.headers["Retry-After"]) >= 1
+    assert "KV budget" in second.json()["error"]["message"]
+    assert other.status_code == 200, other.text
+
+
+def test_status_shows_blocks_reclaimed_under_h2o(cluster):
+    url, _ = cluster
+    with httpx.Client(base_url=url, timeout=60) as client:
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            status = client.get("/admin/status", headers=admin_headers()).json()
+            fresh = [r for r in status["replicas"] if r.get("fresh")]
+            if len(fresh) == 2 and status["blocks_reclaimed"] > 0:
+                break
+            time.sleep(0.5)
+        assert len(fresh) == 2
+        assert status["blocks_reclaimed"] > 0
+        assert status["plan_version"] is not None
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "status", "needle"),
+    [
+        ("{not json", "tenant", 400, "not valid JSON"),
+        ({"model": "gpt-4", "prompt": "hi"}, "tenant", 404, "not served"),
+        ({"model": MODEL, "prompt": prompt_of(200), "max_tokens": 8}, "tenant", 400, "exceeds"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": -1}, "tenant", 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "hi"}, None, 401, "missing API key"),
+        ({"model": MODEL, "prompt": "hi"}, "Bearer vt-unknown-key-123456", 401, "unknown API key"),
+    ],
+)
+def test_bad_input_is_a_clear_4xx_and_service_continues(
+    cluster, checker_key, body, headers, status, needle
+):
+    url, _ = cluster
+    key = checker_key
+    with httpx.Client(base_url=url, timeout=60) as client:
+        auth = {"tenant": {"Authorization": f"Bearer {key}"}, None: {}}.get(
+            headers, {"Authorization": headers}
+        )
+        content = body if isinstance(body, str) else json.dumps(body)
+        response = client.post(
+            "/v1/completions", content=content, headers={**auth, "Content-Type": "application/json"}
+        )
+        assert response.status_code == status, response.text
+        assert needle in response.json()["error"]["message"]
+        good = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        ok = client.post("/v1/completions", json=good, headers={"Authorization": f"Bearer {key}"})
+        assert ok.status_code == 200
+
+
+def test_wrong_admin_token_is_refused(cluster):
+    url, _ = cluster
+    with httpx.Client(base_url=url, timeout=60) as client:
+        response = client.get("/admin/tenants", headers={"Authorization": "Bearer nope"})
+        assert response.status_code == 403
+        bad = client.put("/admin/tenants/x", json={"kv_budget_blocks": 0}, headers=admin_headers())
+        assert bad.status_code == 400
+
+
+def test_one_request_is_one_connected_trace(cluster):
+    url, sink = cluster
+    with httpx.Client(base_url=url, timeout=60) as client:
+        key = make_tenant(client, "traced", 200)
+        body = {"model": MODEL, "prompt": "trace me", "max_tokens": 3}
+        response = client.post(
+            "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+        )
+        assert response.status_code == 200
+    request_id = response.json()["id"]
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        spans = sink.snapshot()
+        roots = [
+            s
+            for s in spans
+            if s.name == "vtoken.ingress" and s.attributes.get("vtoken.request.id") == request_id
+        ]
+        if roots:
+            trace = [s for s in spans if s.trace_id == roots[0].trace_id]
+            names = {s.name for s in trace}
+            if {"vtoken.admission", "vtoken.route", "vtoken.replica.generate"} <= names:
+                break
+        time.sleep(0.5)
+    assert roots, "no ingress span arrived"
+    by_name = {s.name: s for s in trace}
+    root = by_name["vtoken.ingress"]
+    for name in ("vtoken.admission", "vtoken.route", "vtoken.replica.generate"):
+        assert by_name[name].parent_span_id == root.span_id, name
+        assert by_name[name].attributes.get("vtoken.tenant.id") == "traced"
+    assert by_name["vtoken.replica.generate"].attributes.get("vtoken.replica.id")
+    assert "trace me" not in json.dumps([s.attributes for s in trace], default=str)
+
+
+def test_deploy_serve_configs_validate():
+    from workers.serve_config import load_serve_config
+
+    for name in ("serve-local.yaml", "serve-gpu.yaml"):
+        config = load_serve_config(Path(__file__).parents[2] / "deploy" / name)
+        (application,) = config.applications
+        assert application.import_path == "workers.serve_app:build_app"
+        from workers.serve_app import AppArgs
+
+        AppArgs.model_validate(application.args)

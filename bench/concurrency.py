@@ -13,6 +13,7 @@ policy in ``extra_args["vtoken_policy"]``. Tokens/s is measured on the run at th
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -144,7 +145,10 @@ def run_cases(
             best, rate = max_concurrency(trial, limit)
             results.append(Case(policy, keep, mode, num_blocks, best, round(rate, 2)))
             typer.echo(f"{policy} keep={keep} {mode}: {best} concurrent, {rate:.1f} tok/s")
-        del llm
+        # The engine must be gone (its shutdown tears down vLLM's process groups) before
+        # the next one starts.
+        del runner, llm
+        gc.collect()
     return results
 
 

@@ -9,6 +9,7 @@ Blocks are the mean per request at the end of generation.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -188,7 +189,8 @@ def run_vllm(
             for kind, value in values.items():
                 key = (policy_name, keep, kind)
                 totals[key] = totals.get(key, 0.0) + value / len(prompts)
-        del llm
+        del llm, state
+        gc.collect()  # the next engine may start only after this one shut down
     rows = []
     for policy_name in policies:
         for keep in keeps:

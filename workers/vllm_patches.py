@@ -143,6 +143,7 @@ def _scheduler_init(original: Callable[..., Any]) -> Callable[..., Any]:
         config = parse_config(vllm_config.additional_config)
         if config is not None:
             _check_engine(vllm_config, kv_cache_config)
+            config.layer_ids(vllm_config.model_config.get_num_layers(vllm_config.parallel_config))
             if vllm_config.cache_config.enable_prefix_caching:
                 logger.warning("vToken: prefix caching is turned off for this engine")
                 vllm_config.cache_config.enable_prefix_caching = False

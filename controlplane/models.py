@@ -67,8 +67,8 @@ class EngineCounters(_Frozen):
     running_requests: NonNegativeInt = 0
     draining: bool = False
     blocks_reclaimed: NonNegativeInt = 0
-    """Cumulative blocks vToken returned to the pool that a block-granular manager would
-    still have held (since the engine started)."""
+    """Cumulative blocks returned to the pool by evictions and repacks while their requests
+    were still running (since the engine started)."""
     naive_equivalent_blocks: NonNegativeInt = 0
     """Blocks the running requests would hold under Naive-Evict (same decisions)."""
     tenants: dict[TenantId, TenantUsage] = Field(default_factory=dict)

@@ -108,3 +108,23 @@ def test_unsupported_engine_settings_are_refused():
     kv_cache_config = SimpleNamespace(kv_cache_groups=[object(), object()])
     with pytest.raises(ValueError, match="async scheduling.*speculative.*several KV cache groups"):
         _check_engine(config, kv_cache_config)
+
+
+def test_messages_ride_vllms_pickled_step_objects():
+    """Workers in other processes get the SchedulerOutput pickled (shm broadcast), and the
+    driver worker's ModelRunnerOutput comes back pickled: the attributes must survive."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    from workers.messages import OPS_ATTRIBUTE, SCORES_ATTRIBUTE
+
+    scheduler_output = SchedulerOutput.make_empty()
+    ops = StepOps(src_slots=np.array([9]), dst_slots=np.array([2]), num_evicted={"a": 3})
+    setattr(scheduler_output, OPS_ATTRIBUTE, ops)
+    back = pickle.loads(pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL))
+    assert getattr(back, OPS_ATTRIBUTE).num_evicted == {"a": 3}
+    runner_output = ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0})
+    scores = StepScores({"a": StepAttention(step_scores=np.zeros(4, dtype=np.float32))})
+    setattr(runner_output, SCORES_ATTRIBUTE, scores)
+    back = pickle.loads(pickle.dumps(runner_output, protocol=pickle.HIGHEST_PROTOCOL))
+    assert getattr(back, SCORES_ATTRIBUTE).attention["a"].step_scores.shape == (4,)

@@ -133,6 +133,7 @@ class VTokenScheduler:
         self.finished: OrderedDict[str, RequestCounters] = OrderedDict()
         self.finished_evictions: OrderedDict[str, list[np.ndarray]] = OrderedDict()
         self.num_preemptions = 0
+        self.blocks_reclaimed = 0  # blocks given back mid-request by evictions + repacks
 
     @property
     def naive(self) -> bool:
@@ -237,9 +238,15 @@ class VTokenScheduler:
             evicted = self.manager.evict(request_id, budget, attention)
             if self.config.record_evictions:
                 self.evictions[request_id].append(evicted)
+            held_before = self._held_blocks(request_id)
             self._reclaim(request_id)
+            self.blocks_reclaimed += max(0, held_before - self._held_blocks(request_id))
         if self.config.check_invariants:
             self.check_invariants()
+
+    def _held_blocks(self, request_id: str) -> int:
+        table = self.manager.requests[request_id].table
+        return len(table.block_ids) + len(self.ballast.get(request_id, ()))
 
     def _reclaim(self, request_id: str) -> None:
         table = self.manager.requests[request_id].table
@@ -340,6 +347,10 @@ class VTokenScheduler:
             "total_blocks": self.pool.num_blocks,
             "free_blocks": self.pool.num_free_blocks,
             "num_preemptions": self.num_preemptions,
+            "blocks_reclaimed": self.blocks_reclaimed,
+            "naive_equivalent_blocks": sum(
+                self._naive_blocks(entry.table) for entry in self.manager.requests.values()
+            ),
             "requests": [_as_dict(c) for c in self.all_request_counters()],
             "tenants": {t: _as_dict(c) for t, c in self.tenant_counters().items()},
         }

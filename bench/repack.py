@@ -10,11 +10,15 @@ tables whose evictions follow the issue:
     scattered               8 requests of 512 tokens on blocks drawn at random from a pool
                             twice their size, 30% evicted at random
 
-Method: timings are the minimum over repetitions after a warm-up (CUDA: events). With
-``--cold`` each CPU repetition is preceded by writing a 256 MiB buffer, so no case starts
-with its data in the last-level cache; `copy_warm_gbps` always reports the warm copy.
-Cold trickle moves are bound by TLB and cache misses (about 1.3 us per token and layer on
-the 2-core development machine, for the dispatcher and the baseline alike).
+Method: every timed call of the dispatcher (``repack_ms``), the plain copy of the same
+number of bytes (one contiguous uint8 buffer into another, ``copy_gbps``), the baseline
+(``kernels.reference_repack``, plain torch indexing on every layer, ``baseline_ms``) and
+advanced indexing on the layout's K/V views (``view_index_ms``, informational) is prepared
+the same way: cold by default (a 96 MiB buffer, 3x the last-level cache, is written first, so
+nothing starts cached), or with ``--warm`` an untimed call of the same function right before.
+Repetitions are interleaved (repack, copy, baseline, view, repack, ...) and each figure is the
+median, so all four see the same machine load and ``ratio`` = repack rate / copy rate is
+meaningful on a shared machine. Every layer is checked after the runs (dst == src).
 """
 
 from __future__ import annotations
@@ -84,7 +88,8 @@ def make_moves(pattern: str, block_size: int, seed: int = 0) -> tuple[np.ndarray
 def torch_indexing_baseline(
     caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor, layout: Any
 ) -> None:
-    """Plain advanced indexing on the layout's K and V views, layer by layer."""
+    """Plain advanced indexing on the layout's K and V views, layer by layer (informational:
+    ``view_index_ms``; the baseline of the targets is ``kernels.reference_repack``)."""
     block_size = layout.block_size(caches[0])
     src_blocks, src_offsets = src // block_size, src % block_size
     dst_blocks, dst_offsets = dst // block_size, dst % block_size
@@ -93,33 +98,58 @@ def torch_indexing_baseline(
             part[dst_blocks, dst_offsets] = part[src_blocks, src_offsets]
 
 
-def _timer(device: torch.device, reps: int, cold: bool) -> Callable[[Callable[[], None]], float]:
-    """Minimum milliseconds of ``reps`` runs after a warm-up; CPU runs start cache-cold."""
+def _fill_pattern(cache: torch.Tensor) -> None:
+    """Distinct, finite values per element (so the correctness check means something)."""
     import torch
 
-    on_cpu = device.type == "cpu" and cold
-    flush = torch.empty(64 * 1024 * 1024, dtype=torch.float32) if on_cpu else None
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64, 1: torch.uint8}[cache.element_size()]
+    flat = cache.view(-1).view(ints)
+    # 16001 < 0x3E81: as bf16/fp16 bit patterns these are small finite numbers.
+    flat.copy_(
+        torch.arange(flat.numel(), device=cache.device) % (251 if ints is torch.uint8 else 16001)
+    )
 
-    def measure(function: Callable[[], None]) -> float:
-        function()
-        times = []
-        for _ in range(reps):
+
+def measure_interleaved(
+    functions: dict[str, Callable[[], None]], device: torch.device, reps: int, cold: bool
+) -> dict[str, float]:
+    """Median milliseconds of each function, repetitions interleaved (A B C A B C ...).
+
+    Every timed call gets the same preparation: ``cold`` writes a buffer of 3x the last-level
+    cache (96 MiB; GPU: 256 MiB) first, so no function starts with its data cached; warm runs
+    the function once, untimed, right before. On a noisy machine the interleaving exposes all
+    functions to the same load, so ratios of medians are meaningful where single runs are not.
+    """
+    import statistics
+
+    import torch
+
+    flush = None
+    if cold:
+        flush_bytes = (256 if device.type == "cuda" else 96) * 1024 * 1024
+        flush = torch.empty(flush_bytes // 4, dtype=torch.float32, device=device)
+    times: dict[str, list[float]] = {name: [] for name in functions}
+    for function in functions.values():
+        function()  # first-call costs (library build, allocator) stay out of the timings
+    for rep in range(reps):
+        for name, function in functions.items():
             if flush is not None:
-                flush.fill_(1.0)
+                flush.fill_(float(rep))
+            else:
+                function()
             if device.type == "cuda":
+                torch.cuda.synchronize()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
                 start.record()
                 function()
                 end.record()
                 end.synchronize()
-                times.append(start.elapsed_time(end))
+                times[name].append(start.elapsed_time(end))
             else:
                 begin = time.perf_counter()
                 function()
-                times.append((time.perf_counter() - begin) * 1e3)
-        return min(times)
-
-    return measure
+                times[name].append((time.perf_counter() - begin) * 1e3)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def run_case(
@@ -129,11 +159,11 @@ def run_case(
     device: torch.device,
     reps: int,
     dtype: torch.dtype,
-    cold: bool = False,
+    cold: bool = True,
 ) -> dict[str, Any]:
     import torch
 
-    from kernels import repack
+    from kernels import reference_repack, repack
     from kernels.layout import KVLayout
 
     layers, kv_heads, head_dim = SHAPES[shape]
@@ -141,21 +171,35 @@ def run_case(
     src_np, dst_np, pool_blocks = make_moves(pattern, block_size)
     src, dst = torch.from_numpy(src_np).to(device), torch.from_numpy(dst_np).to(device)
     caches = [
-        layout.new_cache(pool_blocks, block_size, kv_heads, head_dim, dtype, device).fill_(1.0)
+        layout.new_cache(pool_blocks, block_size, kv_heads, head_dim, dtype, device)
         for _ in range(layers)
     ]
-    expected = layout.gather(caches[0], src)
-    measure = _timer(device, reps, cold)
-    repack_ms = measure(lambda: repack(caches, src, dst, layout))
-    if not torch.equal(layout.gather(caches[0], dst), expected):
-        raise AssertionError(f"repack moved wrong bytes in {shape}/{block_size}/{pattern}")
-    baseline_ms = measure(lambda: torch_indexing_baseline(caches, src, dst, layout))
-    caches.clear()  # free the pool before the copy buffers
+    for cache in caches:
+        _fill_pattern(cache)
     moved_bytes = src.numel() * layers * 2 * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+    # The plain copy: one contiguous buffer of the moved bytes into another.
     buffer = torch.ones(moved_bytes, dtype=torch.uint8, device=device)
     target = torch.empty_like(buffer)
-    copy_ms = measure(lambda: target.copy_(buffer))
-    copy_warm_ms = _timer(device, reps, False)(lambda: target.copy_(buffer))
+    times = measure_interleaved(
+        {
+            "repack": lambda: repack(caches, src, dst, layout),
+            "copy": lambda: target.copy_(buffer),
+            "baseline": lambda: reference_repack(caches, src, dst, layout),
+            "view_index": lambda: torch_indexing_baseline(caches, src, dst, layout),
+        },
+        device,
+        reps,
+        cold,
+    )
+    # Sources are never destinations, so every pass leaves dst == src; check it after the
+    # dispatcher runs last, in every layer.
+    repack(caches, src, dst, layout)
+    for index, cache in enumerate(caches):
+        if not torch.equal(layout.gather(cache, dst), layout.gather(cache, src)):
+            raise AssertionError(
+                f"repack moved wrong bytes in {shape}/{block_size}/{pattern} layer {index}"
+            )
+    repack_ms, copy_ms, baseline_ms = times["repack"], times["copy"], times["baseline"]
     repack_gbps = moved_bytes / repack_ms / 1e6
     copy_gbps = moved_bytes / copy_ms / 1e6
     return {
@@ -170,11 +214,13 @@ def run_case(
         "moved_bytes": int(moved_bytes),
         "repack_ms": round(repack_ms, 4),
         "repack_gbps": round(repack_gbps, 3),
+        "copy_ms": round(copy_ms, 4),
         "copy_gbps": round(copy_gbps, 3),
-        "copy_warm_gbps": round(moved_bytes / copy_warm_ms / 1e6, 3),
         "ratio": round(repack_gbps / copy_gbps, 4),
         "baseline_ms": round(baseline_ms, 4),
         "speedup": round(baseline_ms / repack_ms, 2),
+        "view_index_ms": round(times["view_index"], 4),
+        "view_index_speedup": round(times["view_index"] / repack_ms, 2),
     }
 
 
@@ -185,10 +231,13 @@ def cli(
     ),
     block_sizes: Annotated[str, typer.Option(help="Comma list of block sizes.")] = "16,32,128",
     patterns: Annotated[str, typer.Option(help="Comma list of patterns.")] = ",".join(PATTERNS),
-    reps: Annotated[int, typer.Option(help="Timed repetitions per measurement.")] = 5,
+    reps: Annotated[int, typer.Option(help="Timed repetitions per measurement.")] = 7,
     dtype: Annotated[str, typer.Option(help="KV cache dtype.")] = "bfloat16",
     device: Annotated[str, typer.Option(help="cpu, cuda, or auto.")] = "auto",
-    cold: Annotated[bool, typer.Option(help="Flush CPU caches before each repetition.")] = False,
+    cold: Annotated[
+        bool,
+        typer.Option("--cold/--warm", help="Flush caches (default) or warm up before each call."),
+    ] = True,
 ) -> None:
     """Time the repack dispatcher on planner move patterns; JSON as in issue 3."""
     import torch
@@ -209,11 +258,14 @@ def cli(
                     f" repack {case['repack_ms']:8.3f} ms {case['repack_gbps']:6.2f} GB/s"
                     f"  copy {case['copy_gbps']:6.2f} GB/s  ratio {case['ratio']:.3f}"
                     f"  baseline {case['baseline_ms']:8.3f} ms  speedup {case['speedup']:.1f}x"
+                    f"  (view indexing {case['view_index_speedup']:.1f}x)"
                 )
     name = torch.cuda.get_device_name() if chosen.type == "cuda" else "cpu"
     result = {
         "device": f"{name} ({torch.get_num_threads()} threads)" if chosen.type == "cpu" else name,
         "cold": cold,
+        "statistic": "median of interleaved repetitions",
+        "reps": reps,
         "cases": cases,
     }
     if json_path is not None:

@@ -36,99 +36,297 @@ from kernels.layout import PartStrides
 _SOURCE = r"""
 #include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define HAVE_X86 1
+#else
+#define HAVE_X86 0
+#endif
+
+/* Moves are grouped by (src block, dst block) pair (consecutive moves of one pair, as the
+   planner emits them: ascending holes paired with ascending sources) and split into runs of
+   consecutive src offsets -> consecutive dst offsets. */
+typedef struct {
+    int64_t src_block, dst_block, first_run, num_runs, first_pass, num_passes;
+} group_t;
+typedef struct { int64_t src_off, dst_off, len; } run_t;
+
+/* Transposed K of one (block, head) is a contiguous [head_dim, block_size] matrix of R-byte
+   rows. A tile is T bytes of it: 64 / R whole rows when R divides 64, else one row. Every
+   tile of a group moves the same bytes, so a pass (one 64-byte dst chunk fed from one
+   64-byte src chunk of the tile) is a byte permutation + mask, built once per call and
+   applied to every tile of every head of every layer: load, vpermb, masked store. */
+typedef struct {
+    uint8_t idx[64];
+    uint64_t mask, load_mask;
+    int64_t dst_off, src_off;
+} pass_t;
 
 typedef struct {
-    char **layers;             /* [num_layers] base pointers */
-    int64_t num_layers;
-    const int64_t *src, *dst;  /* [num_moves] global slots */
-    int64_t num_moves, block_size, kv_heads, head_dim, elem_size;
-    const int64_t *parts;      /* [2][5]: base, block, offset, head, dim (elements) */
-    int64_t first_item, num_items; /* work items = layers */
+    char **layers;
+    const group_t *groups;
+    const run_t *runs;
+    const pass_t *passes;          /* NULL: scalar K rows */
+    int64_t num_groups, block_size, kv_heads, head_dim, elem_size;
+    int64_t tile_bytes, tiles;     /* K tiles per (block, head) for the pass path */
+    const int64_t *parts;          /* [2][5]: base, block, offset, head, dim (elements) */
+    int64_t first_layer, num_layers;
+    int prefetch;
 } job_t;
 
-#define STRIDED_COPY(T)                                                      \
-    do {                                                                     \
-        T *d = (T *)dp; const T *s = (const T *)sp;                          \
-        for (int64_t i = 0; i < j->head_dim; ++i) d[i * ds] = s[i * ds];    \
+#define ROW_RUNS(T)                                                                  \
+    do {                                                                             \
+        for (int64_t d = 0; d < hd; ++d) {                                           \
+            T *t = (T *)dp + d * ds; const T *s = (const T *)sp + d * ds;            \
+            for (int64_t r = 0; r < nr; ++r) {                                       \
+                const run_t *u = rs + r;                                             \
+                T *tt = t + u->dst_off; const T *ss = s + u->src_off;                \
+                if (u->len * (int64_t)sizeof(T) > 64) {                              \
+                    memcpy(tt, ss, (size_t)u->len * sizeof(T)); continue;            \
+                }                                                                    \
+                for (int64_t k = 0; k < u->len; ++k) tt[k] = ss[k];                  \
+            }                                                                        \
+        }                                                                            \
     } while (0)
 
-static void copy_token(const job_t *j, char *cache, const int64_t *p, int64_t src, int64_t dst) {
-    const int64_t es = j->elem_size, ds = p[4], bs = j->block_size;
-    /* One memcpy per token when the heads of a token are contiguous (flash layout). */
-    const int whole_token = ds == 1 && p[3] == j->head_dim;
-    const int64_t heads = whole_token ? 1 : j->kv_heads;
-    const size_t row_bytes = (size_t)(whole_token ? j->kv_heads * j->head_dim : j->head_dim) * es;
-    const int64_t so = p[0] + (src / bs) * p[1] + (src % bs) * p[2];
-    const int64_t dof = p[0] + (dst / bs) * p[1] + (dst % bs) * p[2];
-    for (int64_t h = 0; h < heads; ++h) {
-        char *dp = cache + (dof + h * p[3]) * es;
-        const char *sp = cache + (so + h * p[3]) * es;
-        if (ds == 1) { memcpy(dp, sp, row_bytes); continue; }
-        switch (es) {
-            case 1: STRIDED_COPY(uint8_t); break;
-            case 2: STRIDED_COPY(uint16_t); break;
-            case 4: STRIDED_COPY(uint32_t); break;
-            default: STRIDED_COPY(uint64_t); break;
-        }
+#define ELEMS(T)                                                                     \
+    do {                                                                             \
+        for (int64_t r = 0; r < nr; ++r)                                             \
+            for (int64_t k = 0; k < rs[r].len; ++k) {                                \
+                T *t = (T *)dp + (rs[r].dst_off + k) * os;                           \
+                const T *s = (const T *)sp + (rs[r].src_off + k) * os;               \
+                for (int64_t d = 0; d < hd; ++d) t[d * ds] = s[d * ds];              \
+            }                                                                        \
+    } while (0)
+
+#if HAVE_X86
+__attribute__((target("avx512f,avx512bw,avx512vbmi")))
+static void apply_passes(const job_t *j, char *dst, const char *src, const group_t *g) {
+    const pass_t *p = j->passes + g->first_pass;
+    const int64_t tb = j->tile_bytes, tiles = j->tiles;
+    for (int64_t i = 0; i < g->num_passes; ++i, ++p) {
+        const __m512i idx = _mm512_loadu_si512((const void *)p->idx);
+        const __mmask64 lm = p->load_mask, sm = p->mask;
+        const char *s = src + p->src_off;
+        char *d = dst + p->dst_off;
+        for (int64_t t = 0; t < tiles; ++t, s += tb, d += tb)
+            _mm512_mask_storeu_epi8(
+                d, sm, _mm512_permutexvar_epi8(idx, _mm512_maskz_loadu_epi8(lm, s)));
     }
 }
 
-/* Issue loads for one token's K or V lines ahead of use: the strided K column of a
-   transposed block misses on every line, and a scalar loop alone keeps few misses in flight. */
-static void prefetch_token(const job_t *j, const char *cache, const int64_t *p, int64_t slot,
-                           int write) {
-    const int64_t es = j->elem_size, bs = j->block_size;
-    const int64_t start = p[0] + (slot / bs) * p[1] + (slot % bs) * p[2];
-    const int64_t step = p[4] * es >= 64 ? p[4] : (64 / es > 0 ? 64 / es : 1);
-    const int64_t span = (j->head_dim - 1) * p[4] + 1;
+/* V runs: n contiguous bytes (n >= 1), no call overhead for the short runs of a compaction. */
+__attribute__((target("avx512f,avx512bw")))
+static void copy_bytes(char *d, const char *s, int64_t n) {
+    for (; n >= 64; n -= 64, d += 64, s += 64)
+        _mm512_storeu_si512((void *)d, _mm512_loadu_si512((const void *)s));
+    if (n) {
+        const __mmask64 m = (1ULL << n) - 1;
+        _mm512_mask_storeu_epi8(d, m, _mm512_maskz_loadu_epi8(m, s));
+    }
+}
+#else
+static void apply_passes(const job_t *j, char *dst, const char *src, const group_t *g) {
+    (void)j; (void)dst; (void)src; (void)g;
+}
+static void copy_bytes(char *d, const char *s, int64_t n) { memcpy(d, s, (size_t)n); }
+#endif
+
+/* One part (K or V) of one group in one layer, all heads. */
+static void copy_part(const job_t *j, char *cache, const int64_t *p, const group_t *g) {
+    const int64_t es = j->elem_size, hd = j->head_dim, os = p[2], hs = p[3], ds = p[4];
+    const run_t *rs = j->runs + g->first_run;
+    const int64_t nr = g->num_runs;
+    char *dst_block = cache + (p[0] + g->dst_block * p[1]) * es;
+    const char *src_block = cache + (p[0] + g->src_block * p[1]) * es;
+    /* Tokens whose heads are contiguous (flash): a run is one memcpy for all heads. */
+    if (ds == 1 && hs == hd && os == j->kv_heads * hd) {
+        for (int64_t r = 0; r < nr; ++r)
+            memcpy(dst_block + rs[r].dst_off * os * es, src_block + rs[r].src_off * os * es,
+                   (size_t)(rs[r].len * os * es));
+        return;
+    }
     for (int64_t h = 0; h < j->kv_heads; ++h) {
-        const char *base = cache + (start + h * p[3]) * es;
-        for (int64_t e = 0; e < span; e += step) {
-            if (write) __builtin_prefetch(base + e * es, 1, 3);
-            else __builtin_prefetch(base + e * es, 0, 3);
-        }
-    }
-}
-
-/* Moves outer, heads and K/V inner: in cpu_attn the K and V of one (block, head) are one
-   contiguous row, so a move touches a few rows of its source and destination blocks, and
-   the planner's ascending order keeps those blocks in L1 across consecutive moves. */
-#define PREFETCH_DISTANCE 4
-static void copy_item(const job_t *j, int64_t layer) {
-    char *cache = j->layers[layer];
-    for (int64_t m = 0; m < j->num_moves; ++m) {
-        if (m + PREFETCH_DISTANCE < j->num_moves) {
-            const int64_t ahead = m + PREFETCH_DISTANCE;
-            for (int part = 0; part < 2; ++part) {
-                prefetch_token(j, cache, j->parts + 5 * part, j->src[ahead], 0);
-                prefetch_token(j, cache, j->parts + 5 * part, j->dst[ahead], 1);
+        char *dp = dst_block + h * hs * es;
+        const char *sp = src_block + h * hs * es;
+        if (os == 1 && j->passes) {
+            apply_passes(j, dp, sp, g);
+        } else if (os == 1) {  /* transposed K: per channel row, every run of the pair */
+            switch (es) {
+                case 1: ROW_RUNS(uint8_t); break;
+                case 2: ROW_RUNS(uint16_t); break;
+                case 4: ROW_RUNS(uint32_t); break;
+                default: ROW_RUNS(uint64_t); break;
+            }
+        } else if (ds == 1 && os == hd && j->passes) {  /* V rows: a run is contiguous */
+            for (int64_t r = 0; r < nr; ++r)
+                copy_bytes(dp + rs[r].dst_off * os * es, sp + rs[r].src_off * os * es,
+                           rs[r].len * hd * es);
+        } else if (ds == 1 && os == hd) {
+            for (int64_t r = 0; r < nr; ++r)
+                memcpy(dp + rs[r].dst_off * os * es, sp + rs[r].src_off * os * es,
+                       (size_t)(rs[r].len * hd * es));
+        } else if (ds == 1) {
+            for (int64_t r = 0; r < nr; ++r)
+                for (int64_t k = 0; k < rs[r].len; ++k)
+                    memcpy(dp + (rs[r].dst_off + k) * os * es, sp + (rs[r].src_off + k) * os * es,
+                           (size_t)(hd * es));
+        } else {
+            switch (es) {
+                case 1: ELEMS(uint8_t); break;
+                case 2: ELEMS(uint16_t); break;
+                case 4: ELEMS(uint32_t); break;
+                default: ELEMS(uint64_t); break;
             }
         }
-        copy_token(j, cache, j->parts, j->src[m], j->dst[m]);
-        copy_token(j, cache, j->parts + 5, j->src[m], j->dst[m]);
+    }
+}
+
+/* Software prefetch (into L2) of the K and V lines of one block that a group touches, for
+   every head: a (block, head) row of cpu_attn is a page or less, where the hardware
+   prefetchers stop, and groups jump between blocks. */
+static void prefetch_block(const job_t *j, const char *cache, int64_t block, int write) {
+    const int64_t es = j->elem_size;
+    for (int part = 0; part < 2; ++part) {
+        const int64_t *p = j->parts + 5 * part;
+        const int64_t span = ((j->head_dim - 1) * p[4] + (j->block_size - 1) * p[2] + 1) * es;
+        const char *base = cache + (p[0] + block * p[1]) * es;
+        for (int64_t h = 0; h < j->kv_heads; ++h, base += p[3] * es)
+            for (int64_t b = 0; b < span; b += 64) {
+                if (write) __builtin_prefetch(base + b, 1, 2);
+                else __builtin_prefetch(base + b, 0, 2);
+            }
     }
 }
 
 static void *run_job(void *arg) {
     const job_t *j = (const job_t *)arg;
-    for (int64_t i = 0; i < j->num_items; ++i) copy_item(j, j->first_item + i);
+    const int prefetch = j->prefetch;
+    for (int64_t l = j->first_layer; l < j->first_layer + j->num_layers; ++l) {
+        char *cache = j->layers[l];
+        for (int64_t g = 0; g < j->num_groups; ++g) {
+            const group_t *cur = j->groups + g;
+            if (prefetch && g + 1 < j->num_groups) {
+                const group_t *next = cur + 1;
+                if (next->src_block != cur->src_block) prefetch_block(j, cache, next->src_block, 0);
+                if (next->dst_block != cur->dst_block) prefetch_block(j, cache, next->dst_block, 1);
+            }
+            copy_part(j, cache, j->parts, cur);
+            copy_part(j, cache, j->parts + 5, cur);
+        }
+    }
     return 0;
 }
 
+static int simd_available(void) {
+#if HAVE_X86
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vbmi");
+#else
+    return 0;
+#endif
+}
+
+#define MAX_CHUNKS 16 /* tiles up to 1 KiB */
+
+/* Passes of every group; NULL when out of memory. */
+static pass_t *build_passes(group_t *groups, int64_t ng, const run_t *runs, int64_t es,
+                            int64_t row_bytes, int64_t rows_per_tile, int64_t tile_bytes) {
+    const int64_t nch = (tile_bytes + 63) / 64;
+    int64_t cap = 64, np = 0;
+    pass_t *passes = (pass_t *)malloc((size_t)cap * sizeof(pass_t));
+    if (!passes) return 0;
+    int slot[MAX_CHUNKS * MAX_CHUNKS];
+    for (int64_t gi = 0; gi < ng; ++gi) {
+        group_t *g = groups + gi;
+        g->first_pass = np;
+        for (int64_t i = 0; i < nch * nch; ++i) slot[i] = -1;
+        for (int64_t r = 0; r < g->num_runs; ++r) {
+            const run_t *u = runs + g->first_run + r;
+            for (int64_t k = 0; k < u->len; ++k)
+                for (int64_t row = 0; row < rows_per_tile; ++row)
+                    for (int64_t e = 0; e < es; ++e) {
+                        const int64_t db = row * row_bytes + (u->dst_off + k) * es + e;
+                        const int64_t sb = row * row_bytes + (u->src_off + k) * es + e;
+                        const int64_t key = (db >> 6) * nch + (sb >> 6);
+                        if (slot[key] < 0) {
+                            if (np == cap) {
+                                const size_t bytes = (size_t)(2 * cap) * sizeof(pass_t);
+                                pass_t *more = (pass_t *)realloc(passes, bytes);
+                                if (!more) { free(passes); return 0; }
+                                passes = more;
+                                cap *= 2;
+                            }
+                            pass_t *p = passes + np;
+                            memset(p, 0, sizeof(pass_t));
+                            p->dst_off = (db >> 6) * 64;
+                            p->src_off = (sb >> 6) * 64;
+                            const int64_t valid = tile_bytes - p->src_off;
+                            p->load_mask = valid >= 64 ? ~0ULL : ((1ULL << valid) - 1);
+                            slot[key] = (int)(np - g->first_pass);
+                            ++np;
+                        }
+                        pass_t *p = passes + g->first_pass + slot[key];
+                        p->idx[db & 63] = (uint8_t)(sb & 63);
+                        p->mask |= 1ULL << (db & 63);
+                    }
+        }
+        g->num_passes = np - g->first_pass;
+    }
+    return passes;
+}
+
+/* options: bit 0 disables the SIMD K path, bit 1 the software prefetch. Returns 0, or -1
+   when out of memory (nothing was copied). */
 int vtoken_repack(char **layers, int64_t num_layers, const int64_t *src, const int64_t *dst,
                   int64_t num_moves, int64_t block_size, int64_t kv_heads, int64_t head_dim,
-                  int64_t elem_size, const int64_t *parts, int64_t num_threads) {
+                  int64_t elem_size, const int64_t *parts, int64_t num_threads, int64_t options) {
+    if (num_moves <= 0 || num_layers <= 0) return 0;
+    group_t *groups = (group_t *)malloc((size_t)num_moves * sizeof(group_t));
+    run_t *runs = (run_t *)malloc((size_t)num_moves * sizeof(run_t));
+    if (!groups || !runs) { free(groups); free(runs); return -1; }
+    int64_t ng = 0, nr = 0;
+    for (int64_t m = 0; m < num_moves; ++m) {
+        const int64_t sb = src[m] / block_size, so = src[m] % block_size;
+        const int64_t db = dst[m] / block_size, dof = dst[m] % block_size;
+        if (ng == 0 || groups[ng - 1].src_block != sb || groups[ng - 1].dst_block != db) {
+            group_t g = {sb, db, nr, 0, 0, 0};
+            groups[ng++] = g;
+        } else {
+            run_t *last = runs + nr - 1;
+            if (last->src_off + last->len == so && last->dst_off + last->len == dof) {
+                last->len++;
+                continue;
+            }
+        }
+        run_t r = {so, dof, 1};
+        runs[nr++] = r;
+        groups[ng - 1].num_runs++;
+    }
+    /* The pass path needs K rows of one (block, head) contiguous: offset stride 1 and
+       dim stride block_size. */
+    const int64_t row_bytes = block_size * elem_size;
+    int64_t rows_per_tile = 1;
+    if (row_bytes < 64 && 64 % row_bytes == 0 && head_dim % (64 / row_bytes) == 0)
+        rows_per_tile = 64 / row_bytes;
+    const int64_t tile_bytes = rows_per_tile * row_bytes;
+    pass_t *passes = 0;
+    if (!(options & 1) && parts[2] == 1 && parts[4] == block_size &&
+        tile_bytes <= 64 * MAX_CHUNKS && simd_available())
+        passes = build_passes(groups, ng, runs, elem_size, row_bytes, rows_per_tile, tile_bytes);
     job_t jobs[64];
     pthread_t threads[64];
-    const int64_t items = num_layers;
-    if (num_threads > items) num_threads = items;
+    if (num_threads > num_layers) num_threads = num_layers;
     if (num_threads > 64) num_threads = 64;
     if (num_threads < 1) num_threads = 1;
     for (int64_t t = 0; t < num_threads; ++t) {
-        job_t j = {layers, num_layers, src, dst, num_moves, block_size, kv_heads, head_dim,
-                   elem_size, parts, items * t / num_threads,
-                   items * (t + 1) / num_threads - items * t / num_threads};
+        const int64_t first = num_layers * t / num_threads;
+        job_t j = {layers, groups, runs, passes, ng, block_size, kv_heads, head_dim, elem_size,
+                   tile_bytes, head_dim / rows_per_tile, parts,
+                   first, num_layers * (t + 1) / num_threads - first, !(options & 2)};
         jobs[t] = j;
     }
     int64_t started = 0;
@@ -137,6 +335,9 @@ int vtoken_repack(char **layers, int64_t num_layers, const int64_t *src, const i
     run_job(&jobs[0]);
     for (int64_t t = started + 1; t < num_threads; ++t) run_job(&jobs[t]);
     for (int64_t t = 1; t <= started; ++t) pthread_join(threads[t], 0);
+    free(passes);
+    free(groups);
+    free(runs);
     return 0;
 }
 """
@@ -183,7 +384,7 @@ def load_library() -> ctypes.CDLL | None:
     handle.vtoken_repack.restype = ctypes.c_int
     handle.vtoken_repack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     handle.vtoken_repack.argtypes += [ctypes.c_void_p] + [ctypes.c_int64] * 5
-    handle.vtoken_repack.argtypes += [ctypes.c_void_p, ctypes.c_int64]
+    handle.vtoken_repack.argtypes += [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     return handle
 
 
@@ -196,6 +397,8 @@ def cpu_repack(
     kv_heads: int,
     head_dim: int,
     num_threads: int | None = None,
+    simd: bool = True,
+    prefetch: bool = True,
 ) -> bool:
     """Move slots in every layer with the C loop; ``False`` when the library is unavailable.
 
@@ -213,7 +416,7 @@ def cpu_repack(
     pointers = (ctypes.c_void_p * len(kv_caches))(*(c.data_ptr() for c in kv_caches))
     strides = [value for part in parts for value in dataclasses.astuple(part)]
     packed = (ctypes.c_int64 * 10)(*strides)
-    library.vtoken_repack(
+    status = library.vtoken_repack(
         pointers,
         len(kv_caches),
         src_slots.data_ptr(),
@@ -225,5 +428,6 @@ def cpu_repack(
         elem_size,
         packed,
         num_threads,
+        (0 if simd else 1) | (0 if prefetch else 2),
     )
-    return True
+    return status == 0

@@ -133,3 +133,95 @@ def test_planner_moves_keep_every_live_token(layout: KVLayout) -> None:
     after_slots = torch.from_numpy(table.global_slots(table.slot_of(live))).to(DEVICE)
     assert int(after_slots.max()) < max(block_ids) * block_size + block_size
     assert torch.equal(layout.gather(cache, after_slots), before)
+
+
+def _planner_like_moves(
+    num_blocks: int, block_size: int, num_tokens: int, evict_fraction: float, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compaction moves as the planner emits them: ascending holes <- ascending live sources,
+    on blocks in random order, so runs of consecutive slots cross block edges."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.permutation(num_blocks)[: -(-num_tokens // block_size)]
+    local = np.arange(num_tokens)
+    slots = blocks[local // block_size] * block_size + local % block_size
+    live = np.ones(num_tokens, dtype=bool)
+    live[rng.choice(num_tokens, int(evict_fraction * num_tokens), replace=False)] = False
+    num_live = int(live.sum())
+    dst_local = np.flatnonzero(~live[:num_live])
+    src_local = np.flatnonzero(live[num_live:]) + num_live
+    return torch.from_numpy(slots[src_local]), torch.from_numpy(slots[dst_local])
+
+
+CPU_PATHS = [  # (simd, prefetch, threads)
+    (True, True, 1),
+    (True, False, 2),
+    (False, True, 3),
+    (False, False, 1),
+]
+
+
+@pytest.mark.parametrize("layout", [KVLayout.CPU_ATTN, KVLayout.FLASH])
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64, torch.uint8])
+@pytest.mark.parametrize(
+    ("block_size", "kv_heads", "head_dim"),
+    [(16, 3, 64), (32, 8, 128), (128, 2, 64), (8, 1, 32), (24, 2, 80), (48, 1, 16), (1, 2, 16)],
+)
+@pytest.mark.parametrize(("simd", "prefetch", "threads"), CPU_PATHS)
+def test_cpu_paths_match_reference_on_planner_moves(
+    layout: KVLayout,
+    dtype: torch.dtype,
+    block_size: int,
+    kv_heads: int,
+    head_dim: int,
+    simd: bool,
+    prefetch: bool,
+    threads: int,
+) -> None:
+    """Every C path (SIMD byte permutes or scalar rows, prefetch on/off, threads over layers)
+    against the reference, for odd block sizes / head dims and runs crossing block edges."""
+    from kernels._repack_cpu import cpu_repack, load_library
+
+    if load_library() is None:
+        pytest.skip("no C compiler")
+    num_blocks, num_tokens = 40, 20 * block_size + block_size // 2 + 1
+    caches = [layout.new_cache(num_blocks, block_size, kv_heads, head_dim, dtype) for _ in range(3)]
+    for index, cache in enumerate(caches):
+        raw = torch.randint(0, 256, (cache.numel() * cache.element_size(),), dtype=torch.uint8)
+        if dtype.is_floating_point:  # finite values: torch.equal compares values
+            raw = torch.randn(cache.numel(), generator=torch.Generator().manual_seed(index))
+            cache.copy_(raw.view(cache.shape))
+        else:
+            cache.view(-1).view(torch.uint8).copy_(raw)
+    for seed, fraction in enumerate((0.5, 0.8, 0.05)):
+        src, dst = _planner_like_moves(num_blocks, block_size, num_tokens, fraction, seed)
+        if src.numel() == 0:
+            continue
+        expected = [cache.clone() for cache in caches]
+        reference_repack(expected, src, dst, layout)
+        parts = layout.part_strides(caches[0])
+        assert parts is not None
+        got = [cache.clone() for cache in caches]
+        sizes = (block_size, kv_heads, head_dim)
+        assert cpu_repack(got, src, dst, parts, *sizes, threads, simd=simd, prefetch=prefetch)
+        for g, e in zip(got, expected, strict=True):
+            assert torch.equal(g, e)
+
+
+@pytest.mark.parametrize("simd", [True, False])
+def test_cpu_path_shuffled_and_reversed_moves(simd: bool) -> None:
+    """Moves in any order (not the planner's), descending runs and a pair's moves split
+    across the list still match the reference."""
+    from kernels._repack_cpu import cpu_repack, load_library
+
+    if load_library() is None:
+        pytest.skip("no C compiler")
+    layout, block_size, kv_heads, head_dim = KVLayout.CPU_ATTN, 32, 2, 64
+    cache = layout.new_cache(6, block_size, kv_heads, head_dim, torch.bfloat16).normal_()
+    src = torch.tensor([40, 41, 42, 100, 99, 98, 43, 150, 151, 5])
+    dst = torch.tensor([1, 2, 3, 70, 69, 68, 4, 31, 32, 190])
+    expected = cache.clone()
+    reference_repack([expected], src, dst, layout)
+    parts = layout.part_strides(cache)
+    assert parts is not None
+    assert cpu_repack([cache], src, dst, parts, block_size, kv_heads, head_dim, 1, simd=simd)
+    assert torch.equal(cache, expected)

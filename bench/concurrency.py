@@ -117,38 +117,50 @@ def max_concurrency(run: Any, limit: int) -> tuple[int, float]:
 
 
 def run_cases(
-    model: str, num_blocks: int, prompt_tokens: int, new_tokens: int, limit: int
+    model: str,
+    num_blocks: int,
+    prompt_tokens: int,
+    new_tokens: int,
+    limit: int,
+    modes: tuple[str, ...] = ("vtoken", "naive"),
 ) -> list[Case]:
     from transformers import AutoTokenizer
 
     from bench.fragmentation import PROMPT_TOPICS, natural_prompts
     from vtoken.models import resolve_model
-    from workers.engine import make_llm
 
     path = str(resolve_model(model))
     tokenizer = AutoTokenizer.from_pretrained(path)
     prompts = natural_prompts(tokenizer, len(PROMPT_TOPICS), prompt_tokens)
     results = []
-    for mode in ("vtoken", "naive"):
-        llm = make_llm(
-            path,
-            {"policy": "none", "mode": mode},
-            num_blocks=num_blocks,
-            max_model_len=prompt_tokens + new_tokens + 32,
-            max_num_seqs=limit,
-        )
-        runner = TrialRunner(llm, prompts, new_tokens)
-        for policy, keep, case_mode in CASES:
-            if case_mode != mode:
-                continue
+    for mode in modes:
+        results += _run_mode(path, mode, prompts, num_blocks, new_tokens, limit)
+        # Nothing may keep this engine alive: its shutdown tears down vLLM's process
+        # groups, which must happen before the next engine starts.
+        gc.collect()
+    return results
+
+
+def _run_mode(
+    path: str, mode: str, prompts: list[list[int]], num_blocks: int, new_tokens: int, limit: int
+) -> list[Case]:
+    from workers.engine import make_llm
+
+    llm = make_llm(
+        path,
+        {"policy": "none", "mode": mode},
+        num_blocks=num_blocks,
+        max_model_len=len(prompts[0]) + new_tokens + 32,
+        max_num_seqs=limit,
+    )
+    runner = TrialRunner(llm, prompts, new_tokens)
+    results = []
+    for policy, keep, case_mode in CASES:
+        if case_mode == mode:
             trial = functools.partial(runner.run, policy=policy, keep=keep)
             best, rate = max_concurrency(trial, limit)
             results.append(Case(policy, keep, mode, num_blocks, best, round(rate, 2)))
             typer.echo(f"{policy} keep={keep} {mode}: {best} concurrent, {rate:.1f} tok/s")
-        # The engine must be gone (its shutdown tears down vLLM's process groups) before
-        # the next one starts.
-        del runner, llm
-        gc.collect()
     return results
 
 
@@ -159,11 +171,15 @@ def cli(
     new_tokens: Annotated[int, typer.Option(min=1)] = 64,
     limit: Annotated[int, typer.Option(min=1, help="Largest N tried.")] = 64,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
+    modes: Annotated[str, typer.Option(help="Comma-separated: vtoken, naive.")] = "vtoken,naive",
 ) -> None:
     """Largest number of concurrent requests a fixed KV pool serves without preemption."""
-    cases = run_cases(model, num_blocks, prompt_tokens, new_tokens, limit)
+    chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
+    if not chosen or set(chosen) - {"vtoken", "naive"}:
+        raise typer.BadParameter(f"modes must be vtoken and/or naive, got {modes!r}")
+    cases = run_cases(model, num_blocks, prompt_tokens, new_tokens, limit, chosen)
     by_key = {(c.policy, c.keep, c.mode): c for c in cases}
-    for keep in (0.2, 0.5):
+    for keep in (0.2, 0.5) if len(chosen) == 2 else ():
         naive, vtoken = by_key[("h2o", keep, "naive")], by_key[("h2o", keep, "vtoken")]
         ratio = vtoken.max_concurrency / max(naive.max_concurrency, 1)
         typer.echo(f"h2o keep={keep}: vtoken/naive = {ratio:.2f}x")

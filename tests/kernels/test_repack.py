@@ -161,7 +161,7 @@ CPU_PATHS = [  # (simd, prefetch, threads)
 
 
 @pytest.mark.parametrize("layout", [KVLayout.CPU_ATTN, KVLayout.FLASH])
-@pytest.mark.parametrize("dtype", DTYPES + [torch.float64, torch.uint8])
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.uint8])
 @pytest.mark.parametrize(
     ("block_size", "kv_heads", "head_dim"),
     [(16, 3, 64), (32, 8, 128), (128, 2, 64), (8, 1, 32), (24, 2, 80), (48, 1, 16), (1, 2, 16)],
@@ -183,7 +183,7 @@ def test_cpu_paths_match_reference_on_planner_moves(
 
     if load_library() is None:
         pytest.skip("no C compiler")
-    num_blocks, num_tokens = 40, 20 * block_size + block_size // 2 + 1
+    num_blocks, num_tokens = 12, 9 * block_size + block_size // 2 + 1
     caches = [layout.new_cache(num_blocks, block_size, kv_heads, head_dim, dtype) for _ in range(3)]
     for index, cache in enumerate(caches):
         raw = torch.randint(0, 256, (cache.numel() * cache.element_size(),), dtype=torch.uint8)

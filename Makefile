@@ -42,7 +42,7 @@ redis:
 	fi
 
 demo: setup
-	$(BIN)/vtoken bench fragmentation --quick
+	$(BIN)/vtoken demo --report demo-report.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check vtoken kernels policies workers controlplane tests

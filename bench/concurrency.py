@@ -54,7 +54,10 @@ class TrialRunner:
         self.llm = llm
         self.engine = llm.llm_engine
         self.scheduler = engine_scheduler(llm)
-        self.state = engine_state(llm)
+        state = engine_state(llm)
+        if state is None:
+            raise RuntimeError("the engine runs without vToken")
+        self.state = state
         self.prompts = prompts
         self.new_tokens = new_tokens
         self.num_submitted = 0

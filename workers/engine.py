@@ -31,7 +31,7 @@ def make_llm(
     max_model_len: int = 2048,
     max_num_seqs: int = 16,
     max_num_batched_tokens: int = 2048,
-    dtype: str = "float32",
+    dtype: Any = "float32",
     enable_prefix_caching: bool = False,
     **engine_args: Any,
 ) -> Any:

@@ -30,86 +30,23 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 from pydantic import ValidationError
 
-from vtoken.block_pool import NoFreeBlocksError
 from vtoken.manager import VTokenManager
 from vtoken.planner import ReclaimMode
 from vtoken.policy import ScoreNeeds, StepAttention
 from workers.config import REQUEST_KEY, PolicySpec, VTokenConfig
+from workers.counters import RequestCounters, TenantCounters, as_dict, finished_copy
 from workers.messages import StepOps, StepScores
+from workers.vllm_block_pool import VLLMBlockPool
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TENANT = "default"
 MAX_FINISHED_RECORDS = 4096
-
-
-class VLLMBlockPool:
-    """vToken's ``BlockPool`` protocol over vLLM's ``v1.core.block_pool.BlockPool``.
-
-    vLLM's null block (id 0) is never handed out, so ``num_blocks`` excludes it.
-    """
-
-    def __init__(self, block_pool: Any) -> None:
-        self.vllm_pool = block_pool
-
-    @property
-    def num_blocks(self) -> int:
-        return int(self.vllm_pool.num_gpu_blocks) - 1
-
-    @property
-    def num_free_blocks(self) -> int:
-        return int(self.vllm_pool.get_num_free_blocks())
-
-    def allocate(self, num_blocks: int) -> list[int]:
-        if num_blocks > self.num_free_blocks:
-            raise NoFreeBlocksError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
-        return [block.block_id for block in self.vllm_pool.get_new_blocks(num_blocks)]
-
-    def free(self, block_ids: list[int]) -> None:
-        self.vllm_pool.free_blocks(self.vllm_pool.blocks[i] for i in reversed(block_ids))
-
-    def blocks(self, block_ids: list[int]) -> list[Any]:
-        return [self.vllm_pool.blocks[i] for i in block_ids]
-
-
-@dataclass(frozen=True, slots=True)
-class RequestCounters:
-    """One request's KV counters (what the replica publishes; see ``workers/api.py``)."""
-
-    request_id: str
-    tenant: str
-    policy: str
-    live_tokens: int
-    allocated_blocks: int  # held from the pool, ballast included (naive mode)
-    ideal_blocks: int  # ceil(live_tokens / block_size)
-    evicted_tokens: int
-    repack_moves: int
-    finished: bool = False
-
-    @property
-    def reclaimable_blocks(self) -> int:
-        return self.allocated_blocks - self.ideal_blocks
-
-
-@dataclass(frozen=True, slots=True)
-class TenantCounters:
-    tenant: str
-    num_requests: int
-    live_tokens: int
-    allocated_blocks: int
-    ideal_blocks: int
-    evicted_tokens: int
-    repack_moves: int
-
-    @property
-    def reclaimable_blocks(self) -> int:
-        return self.allocated_blocks - self.ideal_blocks
 
 
 class VTokenScheduler:
@@ -308,7 +245,7 @@ class VTokenScheduler:
         if preempted:
             self.num_preemptions += 1
         else:
-            self.finished[request_id] = _finished(counters)
+            self.finished[request_id] = finished_copy(counters)
         if request_id in self.evictions:
             self.finished_evictions[request_id] = self.evictions.pop(request_id)
         while len(self.finished) > MAX_FINISHED_RECORDS:
@@ -351,8 +288,8 @@ class VTokenScheduler:
             "naive_equivalent_blocks": sum(
                 self._naive_blocks(entry.table) for entry in self.manager.requests.values()
             ),
-            "requests": [_as_dict(c) for c in self.all_request_counters()],
-            "tenants": {t: _as_dict(c) for t, c in self.tenant_counters().items()},
+            "requests": [as_dict(c) for c in self.all_request_counters()],
+            "tenants": {t: as_dict(c) for t, c in self.tenant_counters().items()},
         }
 
     def all_request_counters(self) -> list[RequestCounters]:
@@ -387,23 +324,3 @@ class VTokenScheduler:
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)
-
-
-def _as_dict(counters: RequestCounters | TenantCounters) -> dict[str, Any]:
-    values = asdict(counters)
-    values["reclaimable_blocks"] = counters.reclaimable_blocks
-    return values
-
-
-def _finished(counters: RequestCounters) -> RequestCounters:
-    return RequestCounters(
-        request_id=counters.request_id,
-        tenant=counters.tenant,
-        policy=counters.policy,
-        live_tokens=counters.live_tokens,
-        allocated_blocks=counters.allocated_blocks,
-        ideal_blocks=counters.ideal_blocks,
-        evicted_tokens=counters.evicted_tokens,
-        repack_moves=counters.repack_moves,
-        finished=True,
-    )

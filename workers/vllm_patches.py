@@ -243,9 +243,8 @@ def _engine_core_counters(self: Any) -> dict[str, Any] | None:
 # ---------------------------------------------------------------------- worker side
 def worker_state(runner: Any) -> VTokenWorker | None:
     """The runner's ``VTokenWorker``, created on first use (``None`` when vToken is off)."""
-    state = getattr(runner, "vtoken", False)
-    if state is not False:
-        return state
+    if hasattr(runner, "vtoken"):
+        return runner.vtoken
     config = parse_config(runner.vllm_config.additional_config)
     runner.vtoken = None if config is None else _make_worker(runner, config)
     return runner.vtoken
@@ -262,9 +261,10 @@ def _make_worker(runner: Any, config: VTokenConfig) -> VTokenWorker:
     layers = runner.vllm_config.compilation_config.static_forward_context
     attention = {name: layer for name, layer in layers.items() if hasattr(layer, "impl")}
     isas = {getattr(layer, "isa", None) for layer in attention.values()}
-    if len(isas) != 1:
-        raise ValueError(f"vToken: attention layers use several CPU isas {isas}")
-    state = VTokenWorker(config, KVLayout.for_cpu_isa(isas.pop()), len(attention))
+    isa = next(iter(isas)) if len(isas) == 1 else None
+    if not isinstance(isa, str):
+        raise ValueError(f"vToken: cannot tell the CPU attention isa of the layers: {isas}")
+    state = VTokenWorker(config, KVLayout.for_cpu_isa(isa), len(attention))
     for name, layer in attention.items():
         match = _LAYER_INDEX.search(name)
         if match is None:

@@ -1,0 +1,36 @@
+"""vToken's ``BlockPool`` protocol over vLLM's ``v1.core.block_pool.BlockPool``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vtoken.block_pool import NoFreeBlocksError
+
+
+class VLLMBlockPool:
+    """vToken's ``BlockPool`` protocol over vLLM's ``v1.core.block_pool.BlockPool``.
+
+    vLLM's null block (id 0) is never handed out, so ``num_blocks`` excludes it.
+    """
+
+    def __init__(self, block_pool: Any) -> None:
+        self.vllm_pool = block_pool
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.vllm_pool.num_gpu_blocks) - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        return int(self.vllm_pool.get_num_free_blocks())
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        if num_blocks > self.num_free_blocks:
+            raise NoFreeBlocksError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
+        return [block.block_id for block in self.vllm_pool.get_new_blocks(num_blocks)]
+
+    def free(self, block_ids: list[int]) -> None:
+        self.vllm_pool.free_blocks(self.vllm_pool.blocks[i] for i in reversed(block_ids))
+
+    def blocks(self, block_ids: list[int]) -> list[Any]:
+        return [self.vllm_pool.blocks[i] for i in block_ids]

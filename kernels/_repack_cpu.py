@@ -1,14 +1,30 @@
 """CPU repack: a tiny C loop compiled once with the system C compiler, called via ctypes.
 
-Why not pure torch: on the 2-core development machine (bf16, SmolLM2 shape, compaction of
-a 4096-token request after evicting 50%, 1043 moves x 30 layers, 24 MB moved) a plain
-contiguous copy of the moved bytes runs at 44 GB/s; torch advanced indexing reaches
-0.024x of that, flat ``index_select``/``index_copy_`` with precomputed element offsets
-0.024x, and even the contiguous V rows alone move at 0.054x: torch's index kernels cost
-about 1 ns per element, and K is stored transposed, so every K element is its own index.
-The C loop below walks moves in planner order (ascending source and destination), so the
-lines of a transposed K block stay in L1 across consecutive moves; see ``bench/repack.py``
-and ``bench/RESULTS.md`` for its rates.
+Why not pure torch: torch's index kernels cost about 1 ns per element, and the CPU_ATTN
+layout stores K transposed per (block, head) (``[head_dim, block_size]``), so every K
+element of a moved token is its own index, in its own channel row.
+
+How the C loop is ordered (per call, shared by all layers):
+
+- moves are grouped by (src block, dst block) pair: the planner pairs ascending holes with
+  ascending sources, so consecutive moves mostly share a pair; within a group, runs of
+  consecutive src offsets -> consecutive dst offsets are merged;
+- K (``offset_stride == 1``): the (block, head) K region is a contiguous matrix of
+  ``block_size * elem_size``-byte rows. A *tile* is 64 bytes of it (64 / row_bytes whole
+  rows) or one row. Every tile of a group moves the same bytes, so the group is compiled once
+  into *passes* (a 64-byte dst chunk fed from one 64-byte src chunk: byte permutation, load
+  mask, store mask), and each layer / head / tile is ``load, vpermb, masked store`` per pass
+  (AVX-512 VBMI, checked at run time). Without it, a scalar loop copies, per channel row,
+  every run of the pair while the row is in cache (``simd=False`` forces it);
+- V (``[block_size, head_dim]`` rows) and the flash layout: a run of tokens is one
+  contiguous copy per head (flash: for all heads);
+- a software prefetch of the K regions and V lines of a group a few groups ahead
+  (``prefetch=False`` turns it off);
+- layers are claimed one at a time by the calling thread and by ``num_threads - 1`` detached
+  helpers; a helper that starts late finds nothing left, so a busy core does not hold up the
+  call.
+
+Measured rates are in ``bench/RESULTS.md`` (``vtoken bench repack``).
 
 No torch headers: the source compiles in about 0.3 s, without the minute a
 ``torch.utils.cpp_extension`` build takes. Without a C compiler ``load_library`` returns
@@ -35,6 +51,7 @@ from kernels.layout import PartStrides
 
 _SOURCE = r"""
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -72,9 +89,21 @@ typedef struct {
     int64_t num_groups, block_size, kv_heads, head_dim, elem_size;
     int64_t tile_bytes, tiles;     /* K tiles per (block, head) for the pass path */
     const int64_t *parts;          /* [2][5]: base, block, offset, head, dim (elements) */
-    int64_t first_layer, num_layers;
+    int64_t num_layers;
     int prefetch;
+    /* Layers are claimed one at a time, so a thread that starts late (the other core busy)
+       leaves its share to the others instead of holding up the call. */
+    int64_t next_layer, layers_done; /* atomic */
+    int refs;                        /* atomic: owners of this heap block */
+    void *owned[3];                  /* freed with the job by its last owner */
 } job_t;
+
+static void release(job_t *j) {
+    if (__atomic_sub_fetch(&j->refs, 1, __ATOMIC_ACQ_REL) == 0) {
+        for (int i = 0; i < 3; ++i) free(j->owned[i]);
+        free(j);
+    }
+}
 
 #define ROW_RUNS(T)                                                                  \
     do {                                                                             \
@@ -184,39 +213,73 @@ static void copy_part(const job_t *j, char *cache, const int64_t *p, const group
     }
 }
 
-/* Software prefetch (into L2) of the K and V lines of one block that a group touches, for
-   every head: a (block, head) row of cpu_attn is a page or less, where the hardware
-   prefetchers stop, and groups jump between blocks. */
-static void prefetch_block(const job_t *j, const char *cache, int64_t block, int write) {
-    const int64_t es = j->elem_size;
-    for (int part = 0; part < 2; ++part) {
-        const int64_t *p = j->parts + 5 * part;
-        const int64_t span = ((j->head_dim - 1) * p[4] + (j->block_size - 1) * p[2] + 1) * es;
-        const char *base = cache + (p[0] + block * p[1]) * es;
-        for (int64_t h = 0; h < j->kv_heads; ++h, base += p[3] * es)
-            for (int64_t b = 0; b < span; b += 64) {
-                if (write) __builtin_prefetch(base + b, 1, 2);
-                else __builtin_prefetch(base + b, 0, 2);
+/* Software prefetch (into L2) of what a group will touch, a few groups ahead: the first
+   PREFETCH_SPAN bytes of each K region (a cpu_attn (block, head) row is often a page or
+   less, where the hardware prefetchers stop, and groups jump between blocks), and the V
+   lines of the group's runs only. */
+#define PREFETCH_SPAN (64 * 1024)
+#define PREFETCH_BUDGET (512 * 1024) /* K bytes prefetched ahead of the copy */
+static void prefetch_k(const job_t *j, const char *cache, int64_t block, int write) {
+    const int64_t es = j->elem_size, *p = j->parts;
+    int64_t span = ((j->head_dim - 1) * p[4] + (j->block_size - 1) * p[2] + 1) * es;
+    if (span > PREFETCH_SPAN) span = PREFETCH_SPAN;
+    const char *base = cache + (p[0] + block * p[1]) * es;
+    for (int64_t h = 0; h < j->kv_heads; ++h, base += p[3] * es)
+        for (int64_t b = 0; b < span; b += 64) {
+            if (write) __builtin_prefetch(base + b, 1, 2);
+            else __builtin_prefetch(base + b, 0, 2);
+        }
+}
+
+static void prefetch_group(const job_t *j, const char *cache, const group_t *next,
+                           const group_t *prev) {
+    if (next->src_block != prev->src_block) prefetch_k(j, cache, next->src_block, 0);
+    if (next->dst_block != prev->dst_block) prefetch_k(j, cache, next->dst_block, 1);
+    const int64_t *vp = j->parts + 5, es = j->elem_size;
+    if (vp[4] != 1) return;
+    for (int64_t r = 0; r < next->num_runs; ++r) {
+        const run_t *u = j->runs + next->first_run + r;
+        const char *sv = cache + (vp[0] + next->src_block * vp[1] + u->src_off * vp[2]) * es;
+        const char *dv = cache + (vp[0] + next->dst_block * vp[1] + u->dst_off * vp[2]) * es;
+        int64_t n = ((u->len - 1) * vp[2] + j->head_dim) * es;
+        if (n > PREFETCH_SPAN) n = PREFETCH_SPAN;
+        for (int64_t h = 0; h < j->kv_heads; ++h)
+            for (int64_t b = 0; b < n; b += 64) {
+                __builtin_prefetch(sv + h * vp[3] * es + b, 0, 2);
+                __builtin_prefetch(dv + h * vp[3] * es + b, 1, 2);
             }
     }
 }
 
 static void *run_job(void *arg) {
     const job_t *j = (const job_t *)arg;
-    const int prefetch = j->prefetch;
-    for (int64_t l = j->first_layer; l < j->first_layer + j->num_layers; ++l) {
+    /* Groups ahead: about PREFETCH_BUDGET bytes of K regions, 1 to 8 groups (worth 0-10% on
+       the 2-core development VM; within its noise for most cases). */
+    int64_t region = j->head_dim * j->block_size * j->elem_size;
+    if (region > PREFETCH_SPAN) region = PREFETCH_SPAN;
+    int64_t ahead = PREFETCH_BUDGET / (2 * j->kv_heads * region);
+    ahead = ahead < 1 ? 1 : (ahead > 8 ? 8 : ahead);
+    if (!j->prefetch) ahead = 0;
+    job_t *jw = (job_t *)arg;
+    for (;;) {
+        const int64_t l = __atomic_fetch_add(&jw->next_layer, 1, __ATOMIC_RELAXED);
+        if (l >= j->num_layers) break;
         char *cache = j->layers[l];
         for (int64_t g = 0; g < j->num_groups; ++g) {
             const group_t *cur = j->groups + g;
-            if (prefetch && g + 1 < j->num_groups) {
-                const group_t *next = cur + 1;
-                if (next->src_block != cur->src_block) prefetch_block(j, cache, next->src_block, 0);
-                if (next->dst_block != cur->dst_block) prefetch_block(j, cache, next->dst_block, 1);
-            }
+            if (ahead && g + ahead < j->num_groups)
+                prefetch_group(j, cache, cur + ahead, cur + ahead - 1);
             copy_part(j, cache, j->parts, cur);
             copy_part(j, cache, j->parts + 5, cur);
         }
+        __atomic_fetch_add(&jw->layers_done, 1, __ATOMIC_RELEASE);
     }
+    return 0;
+}
+
+static void *worker(void *arg) {
+    run_job(arg);
+    release((job_t *)arg);
     return 0;
 }
 
@@ -317,33 +380,51 @@ int vtoken_repack(char **layers, int64_t num_layers, const int64_t *src, const i
     if (!(options & 1) && parts[2] == 1 && parts[4] == block_size &&
         tile_bytes <= 64 * MAX_CHUNKS && simd_available())
         passes = build_passes(groups, ng, runs, elem_size, row_bytes, rows_per_tile, tile_bytes);
-    job_t jobs[64];
-    pthread_t threads[64];
+    job_t *job = (job_t *)calloc(1, sizeof(job_t));
+    if (!job) { free(passes); free(groups); free(runs); return -1; }
+    job_t j = {layers, groups, runs, passes, ng, block_size, kv_heads, head_dim, elem_size,
+               tile_bytes, head_dim / rows_per_tile, parts, num_layers, !(options & 2),
+               0, 0, 1, {passes, groups, runs}};
+    *job = j;
     if (num_threads > num_layers) num_threads = num_layers;
     if (num_threads > 64) num_threads = 64;
-    if (num_threads < 1) num_threads = 1;
-    for (int64_t t = 0; t < num_threads; ++t) {
-        const int64_t first = num_layers * t / num_threads;
-        job_t j = {layers, groups, runs, passes, ng, block_size, kv_heads, head_dim, elem_size,
-                   tile_bytes, head_dim / rows_per_tile, parts,
-                   first, num_layers * (t + 1) / num_threads - first, !(options & 2)};
-        jobs[t] = j;
+    for (int64_t t = 1; t < num_threads; ++t) {
+        pthread_t thread;
+        __atomic_add_fetch(&job->refs, 1, __ATOMIC_ACQ_REL);
+        if (pthread_create(&thread, 0, worker, job)) {
+            __atomic_sub_fetch(&job->refs, 1, __ATOMIC_ACQ_REL);
+            break;
+        }
+        pthread_detach(thread);
     }
-    int64_t started = 0;
-    for (int64_t t = 1; t < num_threads; ++t, ++started)
-        if (pthread_create(&threads[t], 0, run_job, &jobs[t])) break;
-    run_job(&jobs[0]);
-    for (int64_t t = started + 1; t < num_threads; ++t) run_job(&jobs[t]);
-    for (int64_t t = 1; t <= started; ++t) pthread_join(threads[t], 0);
-    free(passes);
-    free(groups);
-    free(runs);
+    run_job(job);
+    /* Only layers another thread has claimed are waited for. */
+    while (__atomic_load_n(&job->layers_done, __ATOMIC_ACQUIRE) < num_layers) sched_yield();
+    release(job);
     return 0;
 }
 """
 
 # Below this many moved bytes a second thread costs more (about 50 us to start) than it saves.
 _MIN_BYTES_PER_THREAD = 1 << 20
+_MAX_THREADS = 8
+
+
+def default_threads(moved_bytes: int) -> int:
+    """Threads for a repack of ``moved_bytes``: ``VTOKEN_REPACK_THREADS`` if set, else 1 on
+    machines of 2 CPUs or fewer, else up to torch's thread count, one per MiB moved, <= 8.
+
+    Measured on the 2-core shared development VM: a second thread took SmolLM2 bs16
+    compaction from 5.3 to 2.9 ms when the other core was idle, and made the median worse
+    (5.9 -> 8.4 ms) under load average 4-7 from other sessions.
+    """
+    forced = os.environ.get("VTOKEN_REPACK_THREADS")
+    if forced:
+        return max(1, int(forced))
+    if (os.cpu_count() or 1) <= 2:
+        return 1
+    by_size = max(1, moved_bytes // _MIN_BYTES_PER_THREAD)
+    return max(1, min(torch.get_num_threads(), by_size, _MAX_THREADS))
 
 
 def _cache_dir() -> Path:
@@ -412,7 +493,7 @@ def cpu_repack(
     elem_size = kv_caches[0].element_size()
     moved_bytes = num_moves * len(kv_caches) * 2 * kv_heads * head_dim * elem_size
     if num_threads is None:
-        num_threads = max(1, min(torch.get_num_threads(), moved_bytes // _MIN_BYTES_PER_THREAD))
+        num_threads = default_threads(moved_bytes)
     pointers = (ctypes.c_void_p * len(kv_caches))(*(c.data_ptr() for c in kv_caches))
     strides = [value for part in parts for value in dataclasses.astuple(part)]
     packed = (ctypes.c_int64 * 10)(*strides)

@@ -225,3 +225,18 @@ def test_cpu_path_shuffled_and_reversed_moves(simd: bool) -> None:
     assert parts is not None
     assert cpu_repack([cache], src, dst, parts, block_size, kv_heads, head_dim, 1, simd=simd)
     assert torch.equal(cache, expected)
+
+
+def test_default_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kernels import _repack_cpu
+
+    monkeypatch.setenv("VTOKEN_REPACK_THREADS", "3")
+    assert _repack_cpu.default_threads(1) == 3
+    monkeypatch.delenv("VTOKEN_REPACK_THREADS")
+    monkeypatch.setattr(_repack_cpu.os, "cpu_count", lambda: 2)
+    assert _repack_cpu.default_threads(1 << 30) == 1
+    monkeypatch.setattr(_repack_cpu.os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(_repack_cpu.torch, "get_num_threads", lambda: 32)
+    assert _repack_cpu.default_threads(100) == 1
+    assert _repack_cpu.default_threads(3 << 20) == 3
+    assert _repack_cpu.default_threads(1 << 30) == 8

@@ -20,6 +20,14 @@ the worker: safe because the worker applies the copies before the next forward, 
 block given to another request is written only by that forward or later (stream order).
 Async scheduling (an in-flight step could still read such a block) is refused at start.
 
+Where the policy runs: here, in the engine core. It owns the token tables and the block
+pool, so a decision, its repack plan and the frees happen in one place with no second copy
+of the tables to keep consistent. The worker computes only what needs the KV cache and
+the captured queries (``[n_live]`` floats per scored request and step; window rows or
+per-head sums for the policies that ask) and returns them on the ``ModelRunnerOutput``.
+With tensor parallelism only the driver worker's output comes back, so scores would cover
+its heads only (not supported yet: this build is single-worker CPU).
+
 ``naive`` mode: the same decisions and the same physical compaction (so attention is
 identical), but the request also holds *ballast* blocks from the pool so that it holds
 exactly as many blocks as a block-granular manager would: one per logical block

@@ -132,8 +132,9 @@ def _check_engine(vllm_config: Any, kv_cache_config: Any) -> None:
         problems.append("KV connectors (kv_transfer_config)")
     if len(kv_cache_config.kv_cache_groups) != 1:
         problems.append("models with several KV cache groups (hybrid or sliding window)")
-    if vllm_config.parallel_config.pipeline_parallel_size != 1:
-        problems.append("pipeline parallelism")
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size != 1 or parallel.tensor_parallel_size != 1:
+        problems.append("pipeline or tensor parallelism (scores come from one worker)")
     if problems:
         raise ValueError("vToken does not support " + "; ".join(problems))
 

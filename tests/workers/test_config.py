@@ -103,10 +103,11 @@ def test_unsupported_engine_settings_are_refused():
         scheduler_config=SimpleNamespace(async_scheduling=True),
         speculative_config=object(),
         kv_transfer_config=None,
-        parallel_config=SimpleNamespace(pipeline_parallel_size=1),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=2),
     )
     kv_cache_config = SimpleNamespace(kv_cache_groups=[object(), object()])
-    with pytest.raises(ValueError, match="async scheduling.*speculative.*several KV cache groups"):
+    expected = "async scheduling.*speculative.*several KV cache groups.*tensor parallelism"
+    with pytest.raises(ValueError, match=expected):
         _check_engine(config, kv_cache_config)
 
 

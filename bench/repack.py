@@ -115,7 +115,7 @@ def _fill_pattern(cache: torch.Tensor) -> None:
 
 
 def measure_interleaved(
-    functions: dict[str, Callable[[], None]],
+    functions: dict[str, Callable[[], object]],
     device: torch.device,
     reps: int,
     cold: bool,

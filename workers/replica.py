@@ -23,12 +23,13 @@ from controlplane.clock import SystemClock
 from controlplane.keys import KeySpace
 from controlplane.models import EngineCounters, TenantUsage
 from controlplane.openai_models import GenerateChunk, GenerateRequest
-from controlplane.redis_conn import RedisConfig, connect
+from controlplane.redis_conn import REDIS_ERRORS, RedisConfig, connect
 from controlplane.store import RedisStore
 from controlplane.tracing import extract_context
 from workers.publisher import PublisherConfig, ReportPublisher
 
 logger = logging.getLogger(__name__)
+PLAN_POLL_S = 1.0
 tracer = trace.get_tracer("vtoken.replica")
 
 
@@ -81,6 +82,22 @@ def counters_from_snapshot(snapshot: dict[str, Any], running: int) -> EngineCoun
     )
 
 
+def tightened(spec: dict[str, Any], keep_fraction: float) -> dict[str, Any] | None:
+    """The engine's vToken spec with its budget scaled by ``keep_fraction`` (a per-request
+    override, ``extra_args["vtoken_policy"]``), or ``None`` when there is nothing to
+    tighten (no pressure, or a spec without a budget such as policy ``none``)."""
+    if keep_fraction >= 1.0:
+        return None
+    override: dict[str, Any] = {k: spec[k] for k in ("policy", "policy_args") if k in spec}
+    if spec.get("keep_ratio") is not None:
+        override["keep_ratio"] = max(spec["keep_ratio"] * keep_fraction, 0.01)
+    elif spec.get("budget_tokens") is not None:
+        override["budget_tokens"] = max(1, int(spec["budget_tokens"] * keep_fraction))
+    else:
+        return None
+    return override
+
+
 def cache_salt(tenant_id: str) -> str:
     return hashlib.sha256(f"vtoken-tenant:{tenant_id}".encode()).hexdigest()[:32]
 
@@ -118,6 +135,7 @@ class EngineHost:
             block_size=settings.block_size, total_blocks=1, free_blocks=1, used_blocks=0
         )
         self.running = 0
+        self.pressure: dict[str, float] = {}  # tenant -> keep fraction, from the plan
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         from vllm import SamplingParams
@@ -131,7 +149,7 @@ class EngineHost:
             seed=request.seed,
             stop=request.stop,
             output_kind=RequestOutputKind.DELTA,
-            extra_args={"tenant": request.tenant_id},
+            extra_args=self.extra_args(request.tenant_id),
         )
         prompt = TokensPrompt(
             prompt_token_ids=request.prompt_token_ids, cache_salt=cache_salt(request.tenant_id)
@@ -141,6 +159,11 @@ class EngineHost:
             span.set_attribute(telemetry.ATTR_TENANT_ID, request.tenant_id)
             span.set_attribute(telemetry.ATTR_REPLICA_ID, self.replica_id)
             span.set_attribute(telemetry.ATTR_REQUEST_ID, request.request_id)
+            if "vtoken_policy" in (params.extra_args or {}):
+                span.add_event(
+                    "vtoken.eviction_pressure",
+                    {"keep_fraction": self.pressure[request.tenant_id]},
+                )
             completion_tokens = 0
             self.running += 1
             try:
@@ -159,6 +182,16 @@ class EngineHost:
             finally:
                 self.running -= 1
             span.add_event("vtoken.request.finished", {"completion_tokens": completion_tokens})
+
+    def extra_args(self, tenant_id: str) -> dict[str, Any]:
+        """The request's tenant, and a tighter eviction budget while the controller puts
+        the tenant under pressure on this replica (``RoutingPlan.pressure``)."""
+        extra: dict[str, Any] = {"tenant": tenant_id}
+        keep_fraction = self.pressure.get(tenant_id)
+        override = None if keep_fraction is None else tightened(self.settings.vtoken, keep_fraction)
+        if override is not None:
+            extra["vtoken_policy"] = override
+        return extra
 
     async def refresh_counters(self) -> EngineCounters:
         """Ask the engine core for its block and vToken counters (a utility call)."""
@@ -191,6 +224,7 @@ class ReplicaReporter:
             period_s=host.settings.report_period_s,
         )
         self.publisher = ReportPublisher(store, lambda: host.counters, SystemClock(), config)
+        self.store = store
         self.stop = asyncio.Event()
 
     async def run(self) -> None:
@@ -202,4 +236,15 @@ class ReplicaReporter:
                     logger.exception("replica %s: reading counters failed", self.host.replica_id)
                 await asyncio.sleep(self.host.settings.report_period_s)
 
-        await asyncio.gather(poll(), self.publisher.run(self.stop))
+        async def follow_plan() -> None:
+            while not self.stop.is_set():
+                try:
+                    plan = await self.store.read_plan()
+                except REDIS_ERRORS:
+                    plan = None  # keep the last pressure while Redis is away
+                if plan is not None:
+                    mine = plan.pressure.get(self.host.replica_id, {})
+                    self.host.pressure = {t: p.keep_fraction for t, p in mine.items()}
+                await asyncio.sleep(PLAN_POLL_S)
+
+        await asyncio.gather(poll(), follow_plan(), self.publisher.run(self.stop))

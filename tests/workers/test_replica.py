@@ -1,0 +1,51 @@
+"""Pure pieces of the replica: pressure overrides, counter mapping, tenant salts."""
+
+from __future__ import annotations
+
+import pytest
+
+from controlplane.models import EngineCounters
+from workers.config import PolicySpec
+from workers.replica import cache_salt, counters_from_snapshot, tightened
+
+
+def test_pressure_scales_the_budget_and_stays_a_valid_request_override():
+    spec = {"policy": "h2o", "policy_args": {"recent": 8}, "keep_ratio": 0.5}
+    override = tightened(spec, 0.5)
+    assert override == {"policy": "h2o", "policy_args": {"recent": 8}, "keep_ratio": 0.25}
+    PolicySpec.model_validate(override)  # what the engine parses from extra_args
+    assert tightened({"policy": "snapkv", "budget_tokens": 300}, 0.1) == {
+        "policy": "snapkv",
+        "budget_tokens": 30,
+    }
+    assert tightened(spec, 1.0) is None
+    assert tightened({"policy": "none"}, 0.5) is None
+
+
+def test_counters_map_the_engine_snapshot_into_a_valid_report():
+    snapshot = {
+        "block_size": 32,
+        "total_blocks": 100,
+        "free_blocks": 90,
+        "blocks_reclaimed": 7,
+        "naive_equivalent_blocks": 16,
+        "requests": [
+            {"live_tokens": 40, "allocated_blocks": 2, "ideal_blocks": 2},
+            {"live_tokens": 100, "allocated_blocks": 6, "ideal_blocks": 4},
+        ],
+        "tenants": {
+            "a": {"num_requests": 1, "live_tokens": 40, "allocated_blocks": 2},
+            "b": {"num_requests": 1, "live_tokens": 100, "allocated_blocks": 6},
+        },
+    }
+    counters = counters_from_snapshot(snapshot, running=2)
+    assert isinstance(counters, EngineCounters)
+    assert (counters.used_blocks, counters.live_tokens, counters.reclaimable_blocks) == (10, 140, 2)
+    assert counters.tenants["b"].blocks == 6 and counters.tenants["a"].requests == 1
+    assert (counters.blocks_reclaimed, counters.naive_equivalent_blocks) == (7, 16)
+    with pytest.raises(ValueError):  # tenants holding more than the pool says is used
+        counters_from_snapshot({**snapshot, "free_blocks": 99}, running=2)
+
+
+def test_cache_salt_separates_tenants_and_is_stable():
+    assert cache_salt("a") == cache_salt("a") != cache_salt("b")

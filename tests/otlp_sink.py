@@ -15,6 +15,7 @@ class ReceivedSpan:
     parent_span_id: str
     service: str
     attributes: dict[str, object]
+    events: dict[str, dict[str, object]]
 
 
 class OTLPSink:
@@ -63,6 +64,14 @@ class OTLPSink:
                         for a in span.attributes
                         if a.value.WhichOneof("value")
                     }
+                    events = {
+                        event.name: {
+                            a.key: getattr(a.value, a.value.WhichOneof("value"))
+                            for a in event.attributes
+                            if a.value.WhichOneof("value")
+                        }
+                        for event in span.events
+                    }
                     received.append(
                         ReceivedSpan(
                             span.name,
@@ -71,6 +80,7 @@ class OTLPSink:
                             span.parent_span_id.hex(),
                             service,
                             attributes,
+                            events,
                         )
                     )
         with self._lock:

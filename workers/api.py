@@ -28,3 +28,8 @@ def engine_counters(llm: Any) -> dict[str, Any] | None:
 async def async_engine_counters(engine: Any) -> dict[str, Any] | None:
     """Counters of a ``vllm.v1.engine.async_llm.AsyncLLM``."""
     return await engine.engine_core.call_utility_async("vtoken_counters")
+
+
+async def async_request_counters(engine: Any, request_id: str) -> dict[str, Any] | None:
+    """One request's counters (running or recently finished) of an ``AsyncLLM``."""
+    return await engine.engine_core.call_utility_async("vtoken_request_counters", request_id)

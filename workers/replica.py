@@ -181,7 +181,21 @@ class EngineHost:
                 yield GenerateChunk(error=str(error), replica_id=self.replica_id)
             finally:
                 self.running -= 1
-            span.add_event("vtoken.request.finished", {"completion_tokens": completion_tokens})
+            span.set_attribute("vtoken.request.completion_tokens", completion_tokens)
+            if span.is_recording():  # one utility call per request, only when traced
+                await self._kv_event(span, request.request_id)
+
+    async def _kv_event(self, span: trace.Span, request_id: str) -> None:
+        """A span event with what vToken did to this request's KV (evictions, repacks)."""
+        from workers.api import async_request_counters
+
+        counters = await async_request_counters(self.llm, request_id)
+        if counters is not None:
+            keys = ("evicted_tokens", "repack_moves", "live_tokens", "allocated_blocks")
+            span.add_event(
+                "vtoken.kv",
+                {f"vtoken.kv.{k}": int(counters[k]) for k in (*keys, "ideal_blocks")},
+            )
 
     def extra_args(self, tenant_id: str) -> dict[str, Any]:
         """The request's tenant, and a tighter eviction budget while the controller puts

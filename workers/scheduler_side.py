@@ -269,6 +269,24 @@ class VTokenScheduler:
         self.stm.pop_blocks_for_free(request_id)  # vLLM's bookkeeping; blocks already freed
 
     # ------------------------------------------------------------------ counters
+    def request_snapshot(self, request_id: str) -> dict[str, Any] | None:
+        """One request's counters as plain data: running, or among the recently finished.
+
+        ``request_id`` may be the client's id: vLLM's front end appends ``-<8 chars>`` to
+        it for the engine core, so the most recent request with that prefix is returned.
+        """
+
+        def matches(engine_id: str) -> bool:
+            return engine_id == request_id or engine_id.rpartition("-")[0] == request_id
+
+        for engine_id in reversed(self.manager.requests):
+            if matches(engine_id):
+                return as_dict(self.request_counters(engine_id))
+        for engine_id in reversed(self.finished):
+            if matches(engine_id):
+                return as_dict(self.finished[engine_id])
+        return None
+
     def request_counters(self, request_id: str) -> RequestCounters:
         entry = self.manager.requests[request_id]
         table = entry.table

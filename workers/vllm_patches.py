@@ -92,6 +92,7 @@ def install() -> None:
     from vllm.v1.engine.core import EngineCore
 
     EngineCore.vtoken_counters = _engine_core_counters  # type: ignore[attr-defined]
+    EngineCore.vtoken_request_counters = _engine_core_request_counters  # type: ignore[attr-defined]
     setattr(Scheduler, _INSTALLED_FLAG, True)
 
 
@@ -239,6 +240,12 @@ def _engine_core_counters(self: Any) -> dict[str, Any] | None:
     """
     state = scheduler_state(self.scheduler)
     return None if state is None else state.snapshot()
+
+
+def _engine_core_request_counters(self: Any, request_id: str) -> dict[str, Any] | None:
+    """``EngineCore`` utility: one request's counters, running or recently finished."""
+    state = scheduler_state(self.scheduler)
+    return None if state is None else state.request_snapshot(request_id)
 
 
 # ---------------------------------------------------------------------- worker side

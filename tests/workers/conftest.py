@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from tests.tiny_model import make_tiny_llama
 from workers.engine import CPU_ENV
 
 for _name, _value in CPU_ENV.items():
@@ -15,23 +16,7 @@ for _name, _value in CPU_ENV.items():
 @pytest.fixture(scope="session")
 def tiny_llama_path(tmp_path_factory) -> str:
     """A 2-layer random Llama (4 query / 2 KV heads, head_dim 32, vocab 512) on disk."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        vocab_size=512,
-        max_position_embeddings=4096,
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
-    return str(path)
+    return str(make_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
 
 
 def token_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 
@@ -47,14 +47,4 @@ def as_dict(counters: RequestCounters | TenantCounters) -> dict[str, Any]:
 
 
 def finished_copy(counters: RequestCounters) -> RequestCounters:
-    return RequestCounters(
-        request_id=counters.request_id,
-        tenant=counters.tenant,
-        policy=counters.policy,
-        live_tokens=counters.live_tokens,
-        allocated_blocks=counters.allocated_blocks,
-        ideal_blocks=counters.ideal_blocks,
-        evicted_tokens=counters.evicted_tokens,
-        repack_moves=counters.repack_moves,
-        finished=True,
-    )
+    return replace(counters, finished=True)

@@ -9,6 +9,7 @@ when the answer is complete, whatever happens. Prompts and keys never reach span
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -36,6 +37,12 @@ from controlplane.openai_models import (
 from controlplane.redis_conn import RedisConfig, connect
 from controlplane.store import RedisStore
 from controlplane.tracing import configure_tracing, inject_context
+
+THROTTLE_REASONS = {
+    "kv_budget": "over its KV budget",
+    "max_concurrent_requests": "at its concurrent-request limit",
+    "prompt_token_rate": "over its prompt-token rate",
+}
 
 api = FastAPI(title="vtoken", description="OpenAI-compatible serving with per-tenant KV quotas")
 tracer = trace.get_tracer("vtoken.ingress")
@@ -130,17 +137,17 @@ class IngressState:
             quota = await self.tenant(request)
             span.set_attribute(telemetry.ATTR_TENANT_ID, quota.tenant_id)
             body = await parse_body(request, ChatCompletionRequest if chat else CompletionRequest)
-            ids = self.prompt_ids(body)
+            ids = await asyncio.to_thread(self.prompt_ids, body)  # tokenizing is CPU work
             request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             span.set_attribute(telemetry.ATTR_REQUEST_ID, request_id)
             decision = await self.admission.admit(quota, request_id, len(ids), body.max_tokens)
             self.metrics.admission(quota.tenant_id, decision.outcome.value)
             if decision.outcome is AdmissionOutcome.THROTTLED:
                 retry = max(1, round(decision.retry_after_s))
+                why = THROTTLE_REASONS.get(decision.reason, decision.reason)
                 raise HTTPError(
                     429,
-                    f"tenant {quota.tenant_id!r} is over its KV budget ({decision.reason}); "
-                    f"retry after {retry} s",
+                    f"tenant {quota.tenant_id!r} is {why}; retry after {retry} s",
                     "rate_limit",
                     headers={"Retry-After": str(retry)},
                 )
@@ -174,6 +181,10 @@ class IngressState:
                 if chunk.error:
                     raise HTTPError(400, chunk.error, "invalid_request")
                 yield chunk
+        except HTTPError:
+            raise
+        except Exception as error:  # the replica died or refused mid-request
+            raise HTTPError(503, f"the engine replica failed: {error}", "server_error") from None
         finally:
             await self.admission.release(reservation)
             self.metrics.latency(request.tenant_id, time.monotonic() - started)

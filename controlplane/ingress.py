@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
 from pydantic import BaseModel, ValidationError
+from starlette.background import BackgroundTask
 
 from controlplane import telemetry
 from controlplane.admission import Admission, AdmissionConfig, AdmissionOutcome
@@ -164,12 +165,17 @@ class IngressState:
                 top_p=body.top_p,
                 seed=body.seed,
                 stop=body.stop,
+                eviction_budget_tokens=quota.eviction_budget_tokens,
                 trace_context=inject_context(),
             )
             chunks = self._generate(generate, decision.reservation, started)
             if body.stream:
+                # The background task releases the reservation even when the client goes
+                # away before the stream starts (release is idempotent).
                 return StreamingResponse(
-                    sse(chunks, request_id, body.model, chat), media_type="text/event-stream"
+                    sse(chunks, request_id, body.model, chat),
+                    media_type="text/event-stream",
+                    background=BackgroundTask(self.admission.release, decision.reservation),
                 )
             return JSONResponse(await collect(chunks, request_id, body.model, chat))
 
@@ -186,7 +192,8 @@ class IngressState:
         except Exception as error:  # the replica died or refused mid-request
             raise HTTPError(503, f"the engine replica failed: {error}", "server_error") from None
         finally:
-            await self.admission.release(reservation)
+            # Shielded: a client disconnect cancels this generator, not the release.
+            await asyncio.shield(self.admission.release(reservation))
             self.metrics.latency(request.tenant_id, time.monotonic() - started)
 
 
@@ -250,4 +257,6 @@ async def sse(chunks: AsyncIterator[GenerateChunk], request_id: str, model: str,
             yield f"data: {json.dumps(event)}\n\n"
     except HTTPError as error:
         yield f"data: {json.dumps({'error': {'message': error.message, 'code': error.status}})}\n\n"
+    except Exception as error:  # headers are sent: report in the stream, then end it
+        yield f"data: {json.dumps({'error': {'message': str(error), 'code': 500}})}\n\n"
     yield "data: [DONE]\n\n"

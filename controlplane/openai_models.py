@@ -21,8 +21,8 @@ class _Body(BaseModel):
     max_tokens: MaxTokens = 16
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = None
-    stop: list[str] | None = Field(default=None, max_length=4)
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    stop: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, max_length=4)
     stream: bool = False
 
     @field_validator("stop", mode="before")
@@ -66,6 +66,7 @@ class GenerateRequest(BaseModel):
     top_p: float
     seed: int | None = None
     stop: list[str] | None = None
+    eviction_budget_tokens: int | None = None  # the tenant's per-request KV cap (admission)
     trace_context: dict[str, str] = Field(default_factory=dict)
 
 

@@ -59,7 +59,8 @@ class Ingress:
         return {"status": "ok"}
 
     @api.get("/metrics")
-    async def metrics(self) -> Response:
+    async def metrics(self, request: Request) -> Response:
+        self._admin(request)  # per-tenant series name every tenant: operators only
         return Response(self.state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     # ------------------------------------------------------------------ admin API

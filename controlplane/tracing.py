@@ -21,6 +21,8 @@ def tracing_requested(environ: Mapping[str, str] = os.environ) -> bool:
     if environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
         return False
     exporter = environ.get("OTEL_TRACES_EXPORTER", "")
+    if exporter and exporter != "otlp":
+        return False  # "none", or an exporter this process does not install
     return exporter == "otlp" or any(environ.get(name) for name in _ENDPOINT_VARIABLES)
 
 

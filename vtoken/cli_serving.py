@@ -19,7 +19,16 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 tenant_app = typer.Typer(no_args_is_help=True, help="Manage tenants and their KV quotas.")
 
 
-def _admin(method: str, url: str, token: str, path: str, body: dict | None = None) -> Any:
+def _admin(
+    method: str,
+    url: str,
+    token: str,
+    path: str,
+    body: dict | None = None,
+    missing_ok: bool = False,
+) -> Any:
+    """One admin API call; exits with the server's message on an error (``None`` for a
+    404 when ``missing_ok``)."""
     import httpx
 
     try:
@@ -33,6 +42,8 @@ def _admin(method: str, url: str, token: str, path: str, body: dict | None = Non
     except httpx.HTTPError as error:
         typer.echo(f"error: cannot reach {url}: {error}", err=True)
         raise typer.Exit(2) from error
+    if missing_ok and response.status_code == 404:
+        return None
     if response.status_code >= 400:
         try:
             message = response.json()["error"]["message"]
@@ -43,26 +54,46 @@ def _admin(method: str, url: str, token: str, path: str, body: dict | None = Non
     return response.json()
 
 
+QUOTA_FIELDS = (
+    "kv_budget_blocks",
+    "weight",
+    "max_concurrent_requests",
+    "prompt_tokens_per_s",
+    "eviction_budget_tokens",
+)
+
+
 @tenant_app.command("set")
 def tenant_set(
     tenant_id: str,
-    kv_budget_blocks: Annotated[int, typer.Option(min=1, help="Active-KV budget in blocks.")],
-    weight: Annotated[float, typer.Option(min=0.001)] = 1.0,
+    kv_budget_blocks: Annotated[
+        int | None, typer.Option(min=1, help="Active-KV budget in blocks (new tenants: required).")
+    ] = None,
+    weight: Annotated[float | None, typer.Option(min=0.001)] = None,
     max_concurrent_requests: Annotated[int | None, typer.Option(min=1)] = None,
+    prompt_tokens_per_s: Annotated[float | None, typer.Option(min=0.001)] = None,
     eviction_budget_tokens: Annotated[int | None, typer.Option(min=1)] = None,
     api_key: Annotated[
-        str | None, typer.Option(help="Set this key (else one is generated).")
+        str | None, typer.Option(help="Add this key (a new tenant otherwise gets one).")
     ] = None,
     url: Url = DEFAULT_URL,
     admin_token: Token = "",
 ) -> None:
-    """Create or update a tenant; prints the quota (and a new key, once)."""
-    body: dict[str, Any] = {
+    """Create a tenant, or change the given fields of an existing one (others are kept);
+    prints the quota (and a new tenant's generated key, once)."""
+    given = {
         "kv_budget_blocks": kv_budget_blocks,
         "weight": weight,
         "max_concurrent_requests": max_concurrent_requests,
+        "prompt_tokens_per_s": prompt_tokens_per_s,
         "eviction_budget_tokens": eviction_budget_tokens,
     }
+    current = _admin("GET", url, admin_token, f"/admin/tenants/{tenant_id}", missing_ok=True)
+    body: dict[str, Any] = {k: current[k] for k in QUOTA_FIELDS if current and k in current}
+    body.update({k: v for k, v in given.items() if v is not None})
+    if "kv_budget_blocks" not in body:
+        typer.echo(f"error: tenant {tenant_id!r} is new: --kv-budget-blocks is required", err=True)
+        raise typer.Exit(2)
     if api_key is not None:
         body["api_key"] = api_key
     typer.echo(

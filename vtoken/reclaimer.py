@@ -37,6 +37,7 @@ class Reclaimer:
         on_cuda = bool(self.kv_caches) and self.kv_caches[0].is_cuda
         self._stream = torch.cuda.Stream(self.kv_caches[0].device) if on_cuda else None
         self._pending: list[tuple[torch.cuda.Event, list[int]]] = []
+        self._last_copy: torch.cuda.Event | None = None  # orders the next forward after it
         self.num_moves = 0
         self.num_blocks_freed = 0
 
@@ -79,9 +80,13 @@ class Reclaimer:
         return self.poll()
 
     def before_forward(self) -> None:
-        """Make the compute stream wait for in-flight copies before it reads the cache."""
-        if self._pending:
-            torch.cuda.current_stream().wait_event(self._pending[-1][0])
+        """Make the compute stream wait for in-flight copies before it reads the cache.
+
+        The engine must call this before every forward on CUDA (copies on one stream
+        complete in order, so waiting for the last one covers all)."""
+        if self._last_copy is not None:
+            torch.cuda.current_stream().wait_event(self._last_copy)
+            self._last_copy = None
 
     @property
     def num_pending_blocks(self) -> int:
@@ -102,4 +107,8 @@ class Reclaimer:
             kernels.repack(self.kv_caches, src, dst, self.layout)
             event = torch.cuda.Event()
             event.record(self._stream)
+        # The index tensors were made on the compute stream and are read on the side stream.
+        src.record_stream(self._stream)
+        dst.record_stream(self._stream)
+        self._last_copy = event
         return event

@@ -12,6 +12,7 @@ import asyncio
 import hashlib
 import logging
 import os
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -30,6 +31,9 @@ from workers.publisher import PublisherConfig, ReportPublisher
 
 logger = logging.getLogger(__name__)
 PLAN_POLL_S = 1.0
+COUNTERS_TIMEOUT_S = 2.0
+PLAN_READ_ERRORS: tuple[type[Exception], ...] = (*REDIS_ERRORS, ValueError)
+COUNTERS_MAX_AGE_PERIODS = 5  # older counters are not published: the replica goes stale
 tracer = trace.get_tracer("vtoken.replica")
 
 
@@ -82,19 +86,44 @@ def counters_from_snapshot(snapshot: dict[str, Any], running: int) -> EngineCoun
     )
 
 
-def tightened(spec: dict[str, Any], keep_fraction: float) -> dict[str, Any] | None:
-    """The engine's vToken spec with its budget scaled by ``keep_fraction`` (a per-request
-    override, ``extra_args["vtoken_policy"]``), or ``None`` when there is nothing to
-    tighten (no pressure, or a spec without a budget such as policy ``none``)."""
-    if keep_fraction >= 1.0:
-        return None
-    override: dict[str, Any] = {k: spec[k] for k in ("policy", "policy_args") if k in spec}
-    if spec.get("keep_ratio") is not None:
-        override["keep_ratio"] = max(spec["keep_ratio"] * keep_fraction, 0.01)
-    elif spec.get("budget_tokens") is not None:
-        override["budget_tokens"] = max(1, int(spec["budget_tokens"] * keep_fraction))
+# Policies that hold their budget at every step (SnapKV and PAGE compress once, at the end
+# of prefill; "none" never evicts): only these can enforce a per-request KV cap.
+EVERY_STEP_POLICIES = frozenset({"h2o", "random", "scissorhands", "tova", "streaming_llm"})
+
+
+def request_spec(
+    spec: dict[str, Any], budget_tokens: int | None, keep_fraction: float | None
+) -> dict[str, Any] | None:
+    """A per-request override of the engine's vToken spec (``extra_args["vtoken_policy"]``).
+
+    ``budget_tokens`` is the tenant's per-request KV cap (``TenantQuota.
+    eviction_budget_tokens``, which admission counted on): it becomes the request's token
+    budget, under the engine's policy when that policy holds a budget every step, else H2O.
+    ``keep_fraction`` < 1 (controller pressure) scales the budget down. ``None``: nothing
+    to override.
+    """
+    if budget_tokens is not None:
+        policy = spec.get("policy", "none")
+        override: dict[str, Any] = (
+            {"policy": policy, "policy_args": spec.get("policy_args", {})}
+            if policy in EVERY_STEP_POLICIES
+            else {"policy": "h2o"}
+        )
+        override["budget_tokens"] = budget_tokens
+    elif spec.get("keep_ratio") is not None or spec.get("budget_tokens") is not None:
+        override = {
+            k: spec[k]
+            for k in ("policy", "policy_args", "keep_ratio", "budget_tokens")
+            if spec.get(k) is not None
+        }
     else:
-        return None
+        return None  # no budget to tighten (policy "none")
+    if keep_fraction is None or keep_fraction >= 1.0:
+        return override if budget_tokens is not None else None
+    if override.get("keep_ratio") is not None:
+        override["keep_ratio"] = max(override["keep_ratio"] * keep_fraction, 0.01)
+    else:
+        override["budget_tokens"] = max(1, int(override["budget_tokens"] * keep_fraction))
     return override
 
 
@@ -131,6 +160,7 @@ class EngineHost:
             disable_log_stats=True,
         )
         self.llm = AsyncLLM.from_engine_args(engine_args)
+        self.counters_at: float | None = None  # monotonic time of the last successful read
         self.counters = EngineCounters(
             block_size=settings.block_size, total_blocks=1, free_blocks=1, used_blocks=0
         )
@@ -139,18 +169,24 @@ class EngineHost:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        params = SamplingParams(
-            max_tokens=request.max_tokens,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            seed=request.seed,
-            stop=request.stop,
-            output_kind=RequestOutputKind.DELTA,
-            extra_args=self.extra_args(request.tenant_id),
-        )
+        refused = (ValueError, OverflowError, VLLMClientError)  # the request, not the engine
+        try:
+            params = SamplingParams(
+                max_tokens=request.max_tokens,
+                temperature=request.temperature,
+                top_p=request.top_p,
+                seed=request.seed,
+                stop=request.stop,
+                output_kind=RequestOutputKind.DELTA,
+                extra_args=self.extra_args(request),
+            )
+        except refused as error:
+            yield GenerateChunk(error=str(error), replica_id=self.replica_id)
+            return
         prompt = TokensPrompt(
             prompt_token_ids=request.prompt_token_ids, cache_salt=cache_salt(request.tenant_id)
         )
@@ -159,11 +195,10 @@ class EngineHost:
             span.set_attribute(telemetry.ATTR_TENANT_ID, request.tenant_id)
             span.set_attribute(telemetry.ATTR_REPLICA_ID, self.replica_id)
             span.set_attribute(telemetry.ATTR_REQUEST_ID, request.request_id)
-            if "vtoken_policy" in (params.extra_args or {}):
-                span.add_event(
-                    "vtoken.eviction_pressure",
-                    {"keep_fraction": self.pressure[request.tenant_id]},
-                )
+            override = (params.extra_args or {}).get("vtoken_policy")
+            if override is not None:
+                budget = override.get("budget_tokens", override.get("keep_ratio"))
+                span.add_event("vtoken.request_budget", {"vtoken.budget": budget})
             completion_tokens = 0
             self.running += 1
             try:
@@ -177,7 +212,7 @@ class EngineHost:
                         completion_tokens=completion_tokens,
                         replica_id=self.replica_id,
                     )
-            except ValueError as error:  # vLLM refuses the request itself (e.g. too long)
+            except refused as error:  # vLLM refuses the request itself (e.g. too long)
                 yield GenerateChunk(error=str(error), replica_id=self.replica_id)
             finally:
                 self.running -= 1
@@ -197,12 +232,15 @@ class EngineHost:
                 {f"vtoken.kv.{k}": int(counters[k]) for k in (*keys, "ideal_blocks")},
             )
 
-    def extra_args(self, tenant_id: str) -> dict[str, Any]:
-        """The request's tenant, and a tighter eviction budget while the controller puts
-        the tenant under pressure on this replica (``RoutingPlan.pressure``)."""
-        extra: dict[str, Any] = {"tenant": tenant_id}
-        keep_fraction = self.pressure.get(tenant_id)
-        override = None if keep_fraction is None else tightened(self.settings.vtoken, keep_fraction)
+    def extra_args(self, request: GenerateRequest) -> dict[str, Any]:
+        """The request's tenant, and its own eviction budget: the tenant's cap, tightened
+        while the controller puts the tenant under pressure here (``RoutingPlan.pressure``)."""
+        extra: dict[str, Any] = {"tenant": request.tenant_id}
+        override = request_spec(
+            self.settings.vtoken,
+            request.eviction_budget_tokens,
+            self.pressure.get(request.tenant_id),
+        )
         if override is not None:
             extra["vtoken_policy"] = override
         return extra
@@ -215,6 +253,16 @@ class EngineHost:
         if snapshot is None:
             raise RuntimeError("the engine runs without vToken: no counters")
         self.counters = counters_from_snapshot(snapshot, self.running)
+        self.counters_at = time.monotonic()
+        return self.counters
+
+    def fresh_counters(self) -> EngineCounters:
+        """The latest counters for the report; ``ValueError`` (report skipped, so the replica
+        turns stale for the controller) when none were read recently - a wedged engine core
+        must not look healthy."""
+        max_age = COUNTERS_MAX_AGE_PERIODS * self.settings.report_period_s
+        if self.counters_at is None or time.monotonic() - self.counters_at > max_age:
+            raise ValueError(f"replica {self.replica_id}: engine counters are not fresh")
         return self.counters
 
     async def check_health(self) -> None:
@@ -237,7 +285,7 @@ class ReplicaReporter:
             model_id=host.settings.name,
             period_s=host.settings.report_period_s,
         )
-        self.publisher = ReportPublisher(store, lambda: host.counters, SystemClock(), config)
+        self.publisher = ReportPublisher(store, host.fresh_counters, SystemClock(), config)
         self.store = store
         self.stop = asyncio.Event()
 
@@ -245,7 +293,7 @@ class ReplicaReporter:
         async def poll() -> None:
             while not self.stop.is_set():
                 try:
-                    await self.host.refresh_counters()
+                    await asyncio.wait_for(self.host.refresh_counters(), timeout=COUNTERS_TIMEOUT_S)
                 except Exception:  # noqa: BLE001 - a failed poll keeps the last counters
                     logger.exception("replica %s: reading counters failed", self.host.replica_id)
                 await asyncio.sleep(self.host.settings.report_period_s)
@@ -254,8 +302,10 @@ class ReplicaReporter:
             while not self.stop.is_set():
                 try:
                     plan = await self.store.read_plan()
-                except REDIS_ERRORS:
-                    plan = None  # keep the last pressure while Redis is away
+                except PLAN_READ_ERRORS as error:
+                    # Redis away, or a plan this replica cannot parse: keep the last pressure.
+                    logger.warning("replica %s: no plan (%s)", self.host.replica_id, error)
+                    plan = None
                 if plan is not None:
                     mine = plan.pressure.get(self.host.replica_id, {})
                     self.host.pressure = {t: p.keep_fraction for t, p in mine.items()}

@@ -6,20 +6,35 @@ import pytest
 
 from controlplane.models import EngineCounters
 from workers.config import PolicySpec
-from workers.replica import cache_salt, counters_from_snapshot, tightened
+from workers.replica import cache_salt, counters_from_snapshot, request_spec
 
 
-def test_pressure_scales_the_budget_and_stays_a_valid_request_override():
-    spec = {"policy": "h2o", "policy_args": {"recent": 8}, "keep_ratio": 0.5}
-    override = tightened(spec, 0.5)
-    assert override == {"policy": "h2o", "policy_args": {"recent": 8}, "keep_ratio": 0.25}
-    PolicySpec.model_validate(override)  # what the engine parses from extra_args
-    assert tightened({"policy": "snapkv", "budget_tokens": 300}, 0.1) == {
-        "policy": "snapkv",
-        "budget_tokens": 30,
+def test_request_spec_enforces_the_tenant_cap_and_pressure():
+    h2o = {"policy": "h2o", "policy_args": {"recent": 8}, "keep_ratio": 0.5}
+    # pressure alone scales the engine's own budget
+    assert request_spec(h2o, None, 0.5) == {
+        "policy": "h2o",
+        "policy_args": {"recent": 8},
+        "keep_ratio": 0.25,
     }
-    assert tightened(spec, 1.0) is None
-    assert tightened({"policy": "none"}, 0.5) is None
+    assert request_spec(h2o, None, None) is None
+    assert request_spec(h2o, None, 1.0) is None
+    # the tenant's cap becomes the budget, under the engine's per-step policy
+    assert request_spec(h2o, 300, None) == {
+        "policy": "h2o",
+        "policy_args": {"recent": 8},
+        "budget_tokens": 300,
+    }
+    assert request_spec(h2o, 300, 0.1)["budget_tokens"] == 30
+    # engines whose policy cannot hold a cap every step fall back to H2O for capped tenants
+    assert request_spec({"policy": "none"}, 64, None) == {"policy": "h2o", "budget_tokens": 64}
+    assert request_spec({"policy": "snapkv", "keep_ratio": 0.2}, 64, None) == {
+        "policy": "h2o",
+        "budget_tokens": 64,
+    }
+    assert request_spec({"policy": "none"}, None, 0.5) is None  # nothing to tighten
+    for override in (request_spec(h2o, 300, 0.5), request_spec({"policy": "none"}, 64, None)):
+        PolicySpec.model_validate(override)  # what the engine parses from extra_args
 
 
 def test_counters_map_the_engine_snapshot_into_a_valid_report():

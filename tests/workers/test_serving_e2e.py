@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -18,6 +19,13 @@ from tests.tiny_model import make_tiny_llama
 pytestmark = pytest.mark.slow
 ADMIN = "e2e-admin-token"
 MODEL = "tiny"
+
+
+@dataclass(frozen=True)
+class Cluster:
+    url: str
+    sink: OTLPSink
+    redis_url: str
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +65,7 @@ def cluster(tmp_path_factory, smollm2_path):
         }
         serve.run(build_app(args), name="vtoken", route_prefix="/")
         try:
-            yield f"http://127.0.0.1:{port}", sink
+            yield Cluster(f"http://127.0.0.1:{port}", sink, redis.url)
         finally:
             serve.shutdown()
             ray.shutdown()
@@ -65,7 +73,7 @@ def cluster(tmp_path_factory, smollm2_path):
 
 @pytest.fixture(scope="module")
 def checker_key(cluster):
-    with httpx.Client(base_url=cluster[0], timeout=60) as client:
+    with httpx.Client(base_url=cluster.url, timeout=60) as client:
         return make_tenant(client, "checker", 200)
 
 
@@ -85,7 +93,7 @@ def prompt_of(words):
 
 
 def test_admin_round_trip(cluster):
-    url, _ = cluster
+    url = cluster.url
     with httpx.Client(base_url=url, timeout=60) as client:
         key = make_tenant(client, "roundtrip", 40)
         assert key and key.startswith("vt-")
@@ -107,7 +115,7 @@ def test_admin_round_trip(cluster):
 
 
 def test_completions_and_streaming_agree(cluster):
-    url, _ = cluster
+    url = cluster.url
     with httpx.Client(base_url=url, timeout=120) as client:
         key = make_tenant(client, "reader", 200)
         headers = {"Authorization": f"Bearer {key}"}
@@ -140,7 +148,7 @@ def test_completions_and_streaming_agree(cluster):
 
 
 def test_tenant_over_quota_gets_429_while_others_are_served(cluster):
-    url, _ = cluster
+    url = cluster.url
     with httpx.Client(base_url=url, timeout=60) as client:
         small = make_tenant(client, "small", 20)
         big = make_tenant(client, "big", 400)
@@ -171,8 +179,14 @@ def test_tenant_over_quota_gets_429_while_others_are_served(cluster):
 
 
 def test_status_shows_blocks_reclaimed_under_h2o(cluster):
-    url, _ = cluster
+    url = cluster.url
     with httpx.Client(base_url=url, timeout=60) as client:
+        key = make_tenant(client, "reclaimer", 200)
+        body = {"model": MODEL, "prompt": prompt_of(12), "max_tokens": 16}
+        answer = client.post(
+            "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+        )
+        assert answer.status_code == 200, answer.text
         deadline = time.time() + 30
         while time.time() < deadline:
             status = client.get("/admin/status", headers=admin_headers()).json()
@@ -192,6 +206,8 @@ def test_status_shows_blocks_reclaimed_under_h2o(cluster):
         ({"model": "gpt-4", "prompt": "hi"}, "tenant", 404, "not served"),
         ({"model": MODEL, "prompt": prompt_of(200), "max_tokens": 8}, "tenant", 400, "exceeds"),
         ({"model": MODEL, "prompt": "hi", "max_tokens": -1}, "tenant", 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "hi", "stop": [""]}, "tenant", 400, "stop"),
+        ({"model": MODEL, "prompt": "hi", "seed": 2**70}, "tenant", 400, "seed"),
         ({"model": MODEL, "prompt": "hi"}, None, 401, "missing API key"),
         ({"model": MODEL, "prompt": "hi"}, "Bearer vt-unknown-key-123456", 401, "unknown API key"),
     ],
@@ -199,7 +215,7 @@ def test_status_shows_blocks_reclaimed_under_h2o(cluster):
 def test_bad_input_is_a_clear_4xx_and_service_continues(
     cluster, checker_key, body, headers, status, needle
 ):
-    url, _ = cluster
+    url = cluster.url
     key = checker_key
     with httpx.Client(base_url=url, timeout=60) as client:
         auth = {"tenant": {"Authorization": f"Bearer {key}"}, None: {}}.get(
@@ -217,7 +233,7 @@ def test_bad_input_is_a_clear_4xx_and_service_continues(
 
 
 def test_wrong_admin_token_is_refused(cluster):
-    url, _ = cluster
+    url = cluster.url
     with httpx.Client(base_url=url, timeout=60) as client:
         response = client.get("/admin/tenants", headers={"Authorization": "Bearer nope"})
         assert response.status_code == 403
@@ -226,7 +242,7 @@ def test_wrong_admin_token_is_refused(cluster):
 
 
 def test_one_request_is_one_connected_trace(cluster):
-    url, sink = cluster
+    url, sink = cluster.url, cluster.sink
     with httpx.Client(base_url=url, timeout=60) as client:
         key = make_tenant(client, "traced", 200)
         body = {"model": MODEL, "prompt": "trace me", "max_tokens": 3}
@@ -260,6 +276,91 @@ def test_one_request_is_one_connected_trace(cluster):
     kv = generate.events["vtoken.kv"]  # what vToken did to this request's KV
     assert kv["vtoken.kv.allocated_blocks"] == kv["vtoken.kv.ideal_blocks"]
     assert "trace me" not in json.dumps([s.attributes for s in trace], default=str)
+
+
+def test_client_disconnect_releases_the_reservation(cluster):
+    import redis
+
+    from controlplane.keys import KeySpace
+
+    with httpx.Client(base_url=cluster.url, timeout=60) as client:
+        key = make_tenant(client, "leaver", 200)
+        body = {"model": MODEL, "prompt": prompt_of(4), "max_tokens": 300, "stream": True}
+        headers = {"Authorization": f"Bearer {key}"}
+        with client.stream("POST", "/v1/completions", json=body, headers=headers) as stream:
+            assert stream.status_code == 200
+            next(stream.iter_lines())  # one event, then hang up
+    reservations = KeySpace().reservations("leaver")
+    store = redis.Redis.from_url(cluster.redis_url)
+    deadline = time.time() + 15
+    while store.hlen(reservations) and time.time() < deadline:
+        time.sleep(0.2)
+    assert store.hlen(reservations) == 0
+
+
+def test_tenant_eviction_budget_caps_its_requests_kv(cluster):
+    with httpx.Client(base_url=cluster.url, timeout=60) as client:
+        key = make_tenant(client, "capped", 200, eviction_budget_tokens=48)
+        body = {"model": MODEL, "prompt": prompt_of(16), "max_tokens": 8}
+        response = client.post(
+            "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+        )
+        assert response.status_code == 200, response.text
+    request_id = response.json()["id"]
+    deadline = time.time() + 20
+    generate = None
+    while generate is None and time.time() < deadline:
+        spans = [
+            s
+            for s in cluster.sink.snapshot()
+            if s.name == "vtoken.replica.generate"
+            and s.attributes.get("vtoken.request.id") == request_id
+        ]
+        generate = spans[0] if spans else None
+        time.sleep(0.3)
+    assert generate is not None
+    assert generate.events["vtoken.request_budget"]["vtoken.budget"] == 48
+    kv = generate.events["vtoken.kv"]
+    assert kv["vtoken.kv.live_tokens"] <= 48 < len(prompt_of(16).split())
+    assert kv["vtoken.kv.evicted_tokens"] > 0
+
+
+def test_cli_tenant_set_keeps_unchanged_fields_and_status_renders(cluster):
+    from typer.testing import CliRunner
+
+    from vtoken.cli import app
+
+    runner = CliRunner()
+    auth = ["--url", cluster.url, "--admin-token", ADMIN]
+    created = runner.invoke(
+        app,
+        [
+            "tenant",
+            "set",
+            "cli-t",
+            "--kv-budget-blocks",
+            "30",
+            "--max-concurrent-requests",
+            "3",
+            *auth,
+        ],
+    )
+    assert created.exit_code == 0, created.output
+    changed = runner.invoke(app, ["tenant", "set", "cli-t", "--weight", "2", *auth])
+    assert changed.exit_code == 0, changed.output
+    printed = runner.invoke(app, ["tenant", "get", "cli-t", *auth]).output
+    quota, _ = json.JSONDecoder().raw_decode(printed)  # Ray may log after the JSON
+    assert (quota["kv_budget_blocks"], quota["max_concurrent_requests"], quota["weight"]) == (
+        30,
+        3,
+        2.0,
+    )
+    new = runner.invoke(app, ["tenant", "set", "cli-new", "--weight", "2", *auth])
+    assert new.exit_code == 2 and "--kv-budget-blocks is required" in new.output
+    wrong = runner.invoke(app, ["tenant", "list", "--url", cluster.url, "--admin-token", "bad"])
+    assert wrong.exit_code == 1 and "403" in wrong.output
+    status = runner.invoke(app, ["status", *auth])
+    assert status.exit_code == 0 and "cli-t" in status.output
 
 
 def test_deploy_serve_configs_validate():

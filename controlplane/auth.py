@@ -38,9 +38,12 @@ class TenantKeys:
         self._redis = redis
         self._hash = (keys if keys is not None else KeySpace()).prefix + ":apikeys"
 
-    async def set_key(self, tenant_id: str, api_key: str) -> None:
-        """Give ``tenant_id`` this key (other keys of the tenant stay valid)."""
-        await self._redis.hset(self._hash, digest(api_key), tenant_id)
+    async def set_key(self, tenant_id: str, api_key: str) -> bool:
+        """Give ``tenant_id`` this key (other keys of the tenant stay valid). ``False``, and
+        nothing changes, when the key already belongs to another tenant."""
+        if await self._redis.hsetnx(self._hash, digest(api_key), tenant_id):
+            return True
+        return await self.tenant_for(api_key) == tenant_id
 
     async def tenant_for(self, api_key: str) -> str | None:
         value = await self._redis.hget(self._hash, digest(api_key))

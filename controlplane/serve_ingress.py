@@ -81,11 +81,13 @@ class Ingress:
                 400, f"invalid tenant: {error.errors()[0]['msg']}", "invalid_request"
             ) from None
         existed = await self.state.store.get_quota(tenant_id) is not None
+        api_key = update.api_key or (None if existed else new_api_key())
+        # The key first: a key owned by another tenant is refused before anything changes.
+        if api_key is not None and not await self.state.tenant_keys.set_key(tenant_id, api_key):
+            raise HTTPError(409, "this API key belongs to another tenant", "conflict")
         await self.state.store.put_quota(quota)
         body: dict[str, Any] = quota.model_dump()
-        api_key = update.api_key or (None if existed else new_api_key())
         if api_key is not None:
-            await self.state.tenant_keys.set_key(tenant_id, api_key)
             body["api_key"] = api_key
         return JSONResponse(body, status_code=200 if existed else 201)
 

@@ -22,6 +22,8 @@ def head_agreement(head_scores: np.ndarray, top_k: int) -> np.ndarray:
     """``[layers, heads, n]`` scores -> ``[layers]`` mean pairwise overlap of top-k sets."""
     top = np.argsort(-head_scores, axis=-1, kind="stable")[..., :top_k]
     pairs = list(combinations(range(head_scores.shape[1]), 2))
+    if not pairs:  # one head agrees with itself
+        return np.ones(head_scores.shape[0])
     overlap = [[np.intersect1d(h[a], h[b]).size for a, b in pairs] for h in top]
     return np.asarray(overlap, dtype=np.float64).mean(axis=1) / top_k
 

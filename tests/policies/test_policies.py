@@ -114,6 +114,7 @@ def test_page_gates_on_the_drop_in_head_agreement():
         for head in range(4):
             diverge[layer, head] = rng.permutation(20)
     assert head_agreement(agree, 5).tolist() == [1.0] * 6
+    assert head_agreement(agree[:, :1], 5).tolist() == [1.0] * 6  # one head: no pairs
     rows = np.zeros((1, 20))
     kept_all = make_policy("page", top_fraction=0.25, inner=make_policy("snapkv", window=2)).select(
         view(20, StepAttention(window_rows=rows, head_scores=agree)), budget=8

@@ -105,6 +105,13 @@ def test_admin_round_trip(cluster):
         assert updated.status_code == 200 and "api_key" not in updated.json()
         listed = client.get("/admin/tenants", headers=admin_headers()).json()["tenants"]
         assert any(t["tenant_id"] == "roundtrip" and t["kv_budget_blocks"] == 50 for t in listed)
+        stolen = client.put(
+            "/admin/tenants/thief",
+            json={"kv_budget_blocks": 5, "api_key": key},
+            headers=admin_headers(),
+        )
+        assert stolen.status_code == 409
+        assert client.get("/admin/tenants/thief", headers=admin_headers()).status_code == 404
         assert client.delete("/admin/tenants/roundtrip", headers=admin_headers()).status_code == 200
         assert client.get("/admin/tenants/roundtrip", headers=admin_headers()).status_code == 404
         body = {"model": MODEL, "prompt": "hello", "max_tokens": 2}

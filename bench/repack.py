@@ -18,9 +18,10 @@ the same way: cold by default (a 96 MiB buffer, 3x the last-level cache, is writ
 nothing starts cached), or with ``--warm`` an untimed call of the same function right before.
 Repetitions are interleaved (repack, copy, baseline, view, repack, ...) and each figure is the
 median, so all four see the same machine load and ``ratio`` = repack rate / copy rate is
-meaningful on a shared machine. Both the copy and the dispatcher run on ``--threads`` threads
-(default 1: on the shared 2-core development VM a second thread of either waits whole
-scheduler slices whenever the other core is busy). Every layer is checked after the runs
+meaningful on a shared machine. The copy, the baseline and the dispatcher run on the same
+``--threads`` threads (default: torch's intra-op count, i.e. every core): torch's pool for the
+torch ops, and the same pool for the C loop when it is built with OpenMP (see
+``kernels/_repack_cpu.py``). Every layer is checked after the runs
 (dst == src).
 """
 
@@ -263,13 +264,20 @@ def cli(
         typer.Option("--cold/--warm", help="Flush caches (default) or warm up before each call."),
     ] = True,
     threads: Annotated[
-        int, typer.Option(help="CPU threads of both the plain copy and the dispatcher.")
-    ] = 1,
+        int | None,
+        typer.Option(
+            help="CPU threads of the plain copy, the baseline and the dispatcher "
+            "(default: torch's intra-op thread count)."
+        ),
+    ] = None,
 ) -> None:
     """Time the repack dispatcher on planner move patterns; JSON as in issue 3."""
     import torch
 
-    # The same thread count for the copy (torch) and the dispatcher's C loop.
+    from kernels._repack_cpu import uses_openmp
+
+    # The same thread count for the copy, the baseline (torch) and the dispatcher's C loop.
+    threads = threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     os.environ["VTOKEN_REPACK_THREADS"] = str(threads)
     chosen = torch.device(
@@ -297,6 +305,7 @@ def cli(
         "statistic": "median of interleaved repetitions",
         "reps": reps,
         "threads": threads,
+        "cpu_openmp": chosen.type == "cpu" and uses_openmp(),
         "cases": cases,
     }
     if json_path is not None:

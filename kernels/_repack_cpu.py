@@ -9,21 +9,28 @@ How the C loop is ordered (per call, shared by all layers):
 - moves are grouped by (src block, dst block) pair: the planner pairs ascending holes with
   ascending sources, so consecutive moves mostly share a pair; within a group, runs of
   consecutive src offsets -> consecutive dst offsets are merged;
+- the work is a sequence of *units* (layer, group, head); a unit copies that head's K and
+  V for every run of the group;
 - K (``offset_stride == 1``): the (block, head) K region is a contiguous matrix of
   ``block_size * elem_size``-byte rows. A *tile* is 64 bytes of it (64 / row_bytes whole
   rows) or one row. Every tile of a group moves the same bytes, so the group is compiled once
   into *passes* (a 64-byte dst chunk fed from one 64-byte src chunk: byte permutation, load
-  mask, store mask), and each layer / head / tile is ``load, vpermb, masked store`` per pass
-  (AVX-512 VBMI, checked at run time). Without it, a scalar loop copies, per channel row,
-  every run of the pair while the row is in cache (``simd=False`` forces it);
+  mask, store mask), and each tile is ``load, vpermb, masked store`` per pass (AVX-512
+  VBMI, checked at run time). Without it, a scalar loop copies, per channel row, every run
+  of the pair while the row is in cache (``simd=False`` forces it);
 - V (``[block_size, head_dim]`` rows) and the flash layout: a run of tokens is one
-  contiguous copy per head (flash: for all heads);
-- a software prefetch of exactly the lines each moved token touches, 4 moves ahead of the
-  copy (``prefetch=False`` turns it off): on the development VM this beat prefetching whole
-  blocks several groups ahead by 1.4-2x on cold SmolLM2 bs16 compaction;
-- layers are claimed one at a time by the calling thread and by ``num_threads - 1`` detached
-  helpers; a helper that starts late finds nothing left, so a busy core does not hold up the
-  call.
+  contiguous copy per head (flash: one unit per group, all heads at once);
+- the cache lines of every unit are listed once per call (the same offsets in every layer),
+  and a prefetch cursor walks that list 128 lines ahead of the copy (``prefetch=False``
+  turns it off). Moving one token of transposed K reads or rewrites a line per channel
+  row, in 2-32 KiB regions scattered over the pool, where the hardware prefetchers barely
+  start: the copy is bound by misses in flight, not by instructions;
+- layers are claimed one at a time by the threads of an OpenMP team. The library is built
+  with ``-fopenmp`` only when torch's own OpenMP runtime (GNU ``libgomp.so.1``) is loaded:
+  the dynamic loader then binds the library to that same runtime, so the team is torch's
+  intra-op pool. Separate threads would compete with torch's, which spin a while after
+  every op: on the 2-core development VM a pthread helper made the repack slower, the
+  shared pool took SmolLM2 bs16 compaction from 4.7 to 2.5 ms.
 
 Measured rates are in ``bench/RESULTS.md`` (``vtoken bench repack``).
 
@@ -51,8 +58,6 @@ import torch
 from kernels.layout import PartStrides
 
 _SOURCE = r"""
-#include <pthread.h>
-#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -67,7 +72,8 @@ _SOURCE = r"""
    planner emits them: ascending holes paired with ascending sources) and split into runs of
    consecutive src offsets -> consecutive dst offsets. */
 typedef struct {
-    int64_t src_block, dst_block, first_run, num_runs, first_pass, num_passes, first_move;
+    int64_t src_block, dst_block, first_run, num_runs, first_pass, num_passes;
+    int64_t first_line, num_lines;
 } group_t;
 typedef struct { int64_t src_off, dst_off, len; } run_t;
 
@@ -87,26 +93,15 @@ typedef struct {
     const group_t *groups;
     const run_t *runs;
     const pass_t *passes;          /* NULL: scalar K rows */
+    const int64_t *lines;          /* per group: (byte offset << 1) | is_dst, from a head base */
     int64_t num_groups, block_size, kv_heads, head_dim, elem_size;
     int64_t tile_bytes, tiles;     /* K tiles per (block, head) for the pass path */
     const int64_t *parts;          /* [2][5]: base, block, offset, head, dim (elements) */
     int64_t num_layers;
-    const int64_t *src, *dst;      /* the moves, for the prefetch */
-    int64_t num_moves;
-    int prefetch;
-    /* Layers are claimed one at a time, so a thread that starts late (the other core busy)
-       leaves its share to the others instead of holding up the call. */
-    int64_t next_layer, layers_done; /* atomic */
-    int refs;                        /* atomic: owners of this heap block */
-    void *owned[3];                  /* freed with the job by its last owner */
+    int64_t unit_heads;            /* heads per unit loop: 1 when a run covers all heads */
+    int64_t distance;              /* prefetch distance in cache lines; 0: off */
+    int64_t next_layer;            /* atomic: layers are claimed one at a time */
 } job_t;
-
-static void release(job_t *j) {
-    if (__atomic_sub_fetch(&j->refs, 1, __ATOMIC_ACQ_REL) == 0) {
-        for (int i = 0; i < 3; ++i) free(j->owned[i]);
-        free(j);
-    }
-}
 
 #define ROW_RUNS(T)                                                                  \
     do {                                                                             \
@@ -134,11 +129,12 @@ static void release(job_t *j) {
     } while (0)
 
 #if HAVE_X86
+/* Tile by tile (every pass of a tile while its lines are in L1). */
 __attribute__((target("avx512f,avx512bw,avx512vbmi")))
 static void apply_passes(const job_t *j, char *dst, const char *src, const group_t *g) {
     const pass_t *p = j->passes + g->first_pass;
-    const int64_t tb = j->tile_bytes, tiles = j->tiles;
-    for (int64_t i = 0; i < g->num_passes; ++i, ++p) {
+    const int64_t tb = j->tile_bytes, tiles = j->tiles, np = g->num_passes;
+    if (np == 1) {
         const __m512i idx = _mm512_loadu_si512((const void *)p->idx);
         const __mmask64 lm = p->load_mask, sm = p->mask;
         const char *s = src + p->src_off;
@@ -146,7 +142,17 @@ static void apply_passes(const job_t *j, char *dst, const char *src, const group
         for (int64_t t = 0; t < tiles; ++t, s += tb, d += tb)
             _mm512_mask_storeu_epi8(
                 d, sm, _mm512_permutexvar_epi8(idx, _mm512_maskz_loadu_epi8(lm, s)));
+        return;
     }
+    for (int64_t t = 0; t < tiles; ++t, src += tb, dst += tb)
+        for (int64_t i = 0; i < np; ++i) {
+            const pass_t *q = p + i;
+            _mm512_mask_storeu_epi8(
+                dst + q->dst_off, q->mask,
+                _mm512_permutexvar_epi8(_mm512_loadu_si512((const void *)q->idx),
+                                        _mm512_maskz_loadu_epi8(q->load_mask,
+                                                                src + q->src_off)));
+        }
 }
 
 /* V runs: n contiguous bytes (n >= 1), no call overhead for the short runs of a compaction. */
@@ -166,109 +172,126 @@ static void apply_passes(const job_t *j, char *dst, const char *src, const group
 static void copy_bytes(char *d, const char *s, int64_t n) { memcpy(d, s, (size_t)n); }
 #endif
 
-/* One part (K or V) of one group in one layer, all heads. */
-static void copy_part(const job_t *j, char *cache, const int64_t *p, const group_t *g) {
-    const int64_t es = j->elem_size, hd = j->head_dim, os = p[2], hs = p[3], ds = p[4];
+static int contiguous_heads(const job_t *j, const int64_t *p) {
+    return p[4] == 1 && p[3] == j->head_dim && p[2] == j->kv_heads * j->head_dim;
+}
+
+/* One part (K or V) of one group, one head (all heads when a token's heads are contiguous). */
+static void copy_part(const job_t *j, char *dst_head, const char *src_head, const int64_t *p,
+                      const group_t *g) {
+    const int64_t es = j->elem_size, hd = j->head_dim, os = p[2], ds = p[4];
     const run_t *rs = j->runs + g->first_run;
     const int64_t nr = g->num_runs;
-    char *dst_block = cache + (p[0] + g->dst_block * p[1]) * es;
-    const char *src_block = cache + (p[0] + g->src_block * p[1]) * es;
-    /* Tokens whose heads are contiguous (flash): a run is one memcpy for all heads. */
-    if (ds == 1 && hs == hd && os == j->kv_heads * hd) {
+    char *dp = dst_head + p[0] * es;
+    const char *sp = src_head + p[0] * es;
+    if (contiguous_heads(j, p)) {  /* flash: a run is one copy for all heads */
         for (int64_t r = 0; r < nr; ++r)
-            memcpy(dst_block + rs[r].dst_off * os * es, src_block + rs[r].src_off * os * es,
+            memcpy(dp + rs[r].dst_off * os * es, sp + rs[r].src_off * os * es,
                    (size_t)(rs[r].len * os * es));
-        return;
-    }
-    for (int64_t h = 0; h < j->kv_heads; ++h) {
-        char *dp = dst_block + h * hs * es;
-        const char *sp = src_block + h * hs * es;
-        if (os == 1 && j->passes) {
-            apply_passes(j, dp, sp, g);
-        } else if (os == 1) {  /* transposed K: per channel row, every run of the pair */
-            switch (es) {
-                case 1: ROW_RUNS(uint8_t); break;
-                case 2: ROW_RUNS(uint16_t); break;
-                case 4: ROW_RUNS(uint32_t); break;
-                default: ROW_RUNS(uint64_t); break;
-            }
-        } else if (ds == 1 && os == hd && j->passes) {  /* V rows: a run is contiguous */
-            for (int64_t r = 0; r < nr; ++r)
-                copy_bytes(dp + rs[r].dst_off * os * es, sp + rs[r].src_off * os * es,
-                           rs[r].len * hd * es);
-        } else if (ds == 1 && os == hd) {
-            for (int64_t r = 0; r < nr; ++r)
-                memcpy(dp + rs[r].dst_off * os * es, sp + rs[r].src_off * os * es,
-                       (size_t)(rs[r].len * hd * es));
-        } else if (ds == 1) {
-            for (int64_t r = 0; r < nr; ++r)
-                for (int64_t k = 0; k < rs[r].len; ++k)
-                    memcpy(dp + (rs[r].dst_off + k) * os * es, sp + (rs[r].src_off + k) * os * es,
-                           (size_t)(hd * es));
-        } else {
-            switch (es) {
-                case 1: ELEMS(uint8_t); break;
-                case 2: ELEMS(uint16_t); break;
-                case 4: ELEMS(uint32_t); break;
-                default: ELEMS(uint64_t); break;
-            }
+    } else if (os == 1 && j->passes) {
+        apply_passes(j, dp, sp, g);
+    } else if (os == 1) {  /* transposed K: per channel row, every run of the pair */
+        switch (es) {
+            case 1: ROW_RUNS(uint8_t); break;
+            case 2: ROW_RUNS(uint16_t); break;
+            case 4: ROW_RUNS(uint32_t); break;
+            default: ROW_RUNS(uint64_t); break;
+        }
+    } else if (ds == 1 && os == hd && j->passes) {  /* V rows: a run is contiguous */
+        for (int64_t r = 0; r < nr; ++r)
+            copy_bytes(dp + rs[r].dst_off * os * es, sp + rs[r].src_off * os * es,
+                       rs[r].len * hd * es);
+    } else if (ds == 1) {
+        for (int64_t r = 0; r < nr; ++r)
+            for (int64_t k = 0; k < rs[r].len; ++k)
+                memcpy(dp + (rs[r].dst_off + k) * os * es, sp + (rs[r].src_off + k) * os * es,
+                       (size_t)(hd * es));
+    } else {
+        switch (es) {
+            case 1: ELEMS(uint8_t); break;
+            case 2: ELEMS(uint16_t); break;
+            case 4: ELEMS(uint32_t); break;
+            default: ELEMS(uint64_t); break;
         }
     }
 }
 
-/* Software prefetch of exactly the lines one moved token touches (K: one per channel row
-   of each head, V: its row), PREFETCH_MOVES moves ahead of the copy: a cpu_attn (block, head)
-   row is a page or less, where the hardware prefetchers stop, and groups jump between
-   blocks. Measured on the development VM, this per-move distance keeps more misses in flight
-   than prefetching whole blocks several groups ahead. */
-#define PREFETCH_MOVES 4
-static void prefetch_token(const job_t *j, const char *cache, const int64_t *p, int64_t slot,
-                           int write) {
-    const int64_t es = j->elem_size, bs = j->block_size;
-    const char *start = cache + (p[0] + (slot / bs) * p[1] + (slot % bs) * p[2]) * es;
-    const int64_t step = p[4] * es >= 64 ? p[4] * es : 64;
-    const int64_t span = ((j->head_dim - 1) * p[4] + 1) * es;
-    for (int64_t h = 0; h < j->kv_heads; ++h, start += p[3] * es)
-        for (int64_t b = 0; b < span; b += step) {
-            if (write) __builtin_prefetch(start + b, 1, 3);
-            else __builtin_prefetch(start + b, 0, 3);
-        }
+/* The prefetch cursor walks the same (layer, group, head) units as the copy, `distance`
+   cache lines ahead of it: each unit first tops the cursor up to `distance` lines past its
+   own last line, then copies. A (block, head) K region is 2-32 KiB, inside which the
+   hardware prefetchers barely start, and consecutive units jump between blocks. */
+typedef struct {
+    const job_t *j;
+    int64_t layer, last_layer, group, head, line;
+    const char *src, *dst; /* head bases of the cursor's unit */
+} cursor_t;
+
+static void cursor_bases(cursor_t *c) {
+    const job_t *j = c->j;
+    const group_t *g = j->groups + c->group;
+    const int64_t *p = j->parts, es = j->elem_size;
+    char *cache = j->layers[c->layer];
+    c->src = cache + (g->src_block * p[1] + c->head * p[3]) * es;
+    c->dst = cache + (g->dst_block * p[1] + c->head * p[3]) * es;
 }
 
-static void prefetch_move(const job_t *j, const char *cache, int64_t m) {
-    for (int part = 0; part < 2; ++part) {
-        prefetch_token(j, cache, j->parts + 5 * part, j->src[m], 0);
-        prefetch_token(j, cache, j->parts + 5 * part, j->dst[m], 1);
+/* Advance past finished units; 0 when the cursor ran off its last layer. */
+static int cursor_valid(cursor_t *c) {
+    const job_t *j = c->j;
+    if (c->layer > c->last_layer) return 0;
+    while (c->line >= j->groups[c->group].num_lines) {
+        c->line = 0;
+        if (++c->head == j->unit_heads) {
+            c->head = 0;
+            if (++c->group == j->num_groups) {
+                c->group = 0;
+                if (++c->layer > c->last_layer) return 0;
+            }
+        }
+        cursor_bases(c);
+    }
+    return 1;
+}
+
+#if HAVE_X86
+__attribute__((target("prfchw")))
+#endif
+static void prefetch_lines(cursor_t *c, int64_t count) {
+    for (; count > 0; --count, ++c->line) {
+        if (!cursor_valid(c)) return;
+        const int64_t x = c->j->lines[c->j->groups[c->group].first_line + c->line];
+        if (x & 1) __builtin_prefetch(c->dst + (x >> 1), 1, 3);
+        else __builtin_prefetch(c->src + (x >> 1), 0, 3);
     }
 }
 
-static void *run_job(void *arg) {
-    const job_t *j = (const job_t *)arg;
-    job_t *jw = (job_t *)arg;
+static void run_job(job_t *jw) {
+    const job_t *j = jw;
+    const int64_t *p = j->parts, es = j->elem_size;
     for (;;) {
         const int64_t l = __atomic_fetch_add(&jw->next_layer, 1, __ATOMIC_RELAXED);
         if (l >= j->num_layers) break;
         char *cache = j->layers[l];
-        int64_t ahead = 0; /* moves prefetched so far */
-        for (int64_t g = 0; g < j->num_groups; ++g) {
-            const group_t *cur = j->groups + g;
-            if (j->prefetch) {
-                const int64_t until = g + 1 < j->num_groups ? cur[1].first_move : j->num_moves;
-                for (; ahead < until + PREFETCH_MOVES && ahead < j->num_moves; ++ahead)
-                    prefetch_move(j, cache, ahead);
+        cursor_t c = {j, l, l + 1 < j->num_layers ? l + 1 : l, 0, 0, 0, 0, 0};
+        cursor_bases(&c);
+        int64_t issued = 0, consumed = 0;
+        for (int64_t gi = 0; gi < j->num_groups; ++gi) {
+            const group_t *g = j->groups + gi;
+            char *dst = cache + g->dst_block * p[1] * es;
+            const char *src = cache + g->src_block * p[1] * es;
+            for (int64_t h = 0; h < j->unit_heads; ++h) {
+                consumed += g->num_lines;
+                if (j->distance && issued < consumed + j->distance) {
+                    prefetch_lines(&c, consumed + j->distance - issued);
+                    issued = consumed + j->distance;
+                }
+                char *dh = dst + h * p[3] * es;
+                const char *sh = src + h * p[3] * es;
+                copy_part(j, dh, sh, p, g);
+                copy_part(j, dh, sh, p + 5, g);
             }
-            copy_part(j, cache, j->parts, cur);
-            copy_part(j, cache, j->parts + 5, cur);
         }
-        __atomic_fetch_add(&jw->layers_done, 1, __ATOMIC_RELEASE);
     }
-    return 0;
-}
-
-static void *worker(void *arg) {
-    run_job(arg);
-    release((job_t *)arg);
-    return 0;
 }
 
 static int simd_available(void) {
@@ -330,13 +353,77 @@ static pass_t *build_passes(group_t *groups, int64_t ng, const run_t *runs, int6
     return passes;
 }
 
+/* The cache lines of one unit, in the order the copy touches them. */
+typedef struct { int64_t *items, count, cap, last[2]; } lines_t;
+
+static int add_range(lines_t *s, int side, int64_t start, int64_t len) {
+    for (int64_t line = start >> 6; line <= (start + len - 1) >> 6; ++line) {
+        if (s->last[side] == line) continue;
+        if (s->count == s->cap) {
+            int64_t *more = (int64_t *)realloc(s->items, (size_t)(2 * s->cap) * sizeof(int64_t));
+            if (!more) return -1;
+            s->items = more;
+            s->cap *= 2;
+        }
+        s->items[s->count++] = ((line << 6) << 1) | side;
+        s->last[side] = line;
+    }
+    return 0;
+}
+
+static int64_t *build_lines(const job_t *j, group_t *groups, const run_t *runs) {
+    lines_t s = {(int64_t *)malloc(1024 * sizeof(int64_t)), 0, 1024, {-1, -1}};
+    if (!s.items) return 0;
+    const int64_t es = j->elem_size, hd = j->head_dim;
+    for (int64_t gi = 0; gi < j->num_groups; ++gi) {
+        group_t *g = groups + gi;
+        g->first_line = s.count;
+        for (int part = 0; part < 2; ++part) {
+            const int64_t *p = j->parts + 5 * part, base = p[0] * es, os = p[2], ds = p[4];
+            s.last[0] = s.last[1] = -1;
+            const run_t *rs = runs + g->first_run;
+            int rc = 0;
+            if (contiguous_heads(j, p) || (ds == 1 && os == hd)) {  /* a run is contiguous */
+                const int64_t run_bytes = (contiguous_heads(j, p) ? os : hd) * es;
+                for (int64_t r = 0; r < g->num_runs && !rc; ++r) {
+                    const int64_t n = rs[r].len * run_bytes;
+                    rc = add_range(&s, 1, base + rs[r].dst_off * os * es, n) |
+                         add_range(&s, 0, base + rs[r].src_off * os * es, n);
+                }
+            } else if (os == 1) {  /* transposed K: the run's bytes of every channel row */
+                for (int64_t d = 0; d < hd && !rc; ++d) {
+                    const int64_t row = base + d * ds * es;
+                    for (int64_t r = 0; r < g->num_runs && !rc; ++r)
+                        rc = add_range(&s, 1, row + rs[r].dst_off * es, rs[r].len * es) |
+                             add_range(&s, 0, row + rs[r].src_off * es, rs[r].len * es);
+                }
+            }
+            if (rc) { free(s.items); return 0; }
+        }
+        g->num_lines = s.count - g->first_line;
+    }
+    return s.items;
+}
+
+/* Lines in flight ahead of the copy. On the development VM (AMD EPYC, 48 KiB L1D) 64-512
+   were within 5% of each other, 0 (hardware prefetch only) up to 1.5x slower. */
+#define PREFETCH_LINES 128
+
+int vtoken_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* options: bit 0 disables the SIMD K path, bit 1 the software prefetch. Returns 0, or -1
    when out of memory (nothing was copied). */
 int vtoken_repack(char **layers, int64_t num_layers, const int64_t *src, const int64_t *dst,
                   int64_t num_moves, int64_t block_size, int64_t kv_heads, int64_t head_dim,
                   int64_t elem_size, const int64_t *parts, int64_t num_threads, int64_t options) {
     if (num_moves <= 0 || num_layers <= 0) return 0;
-    group_t *groups = (group_t *)malloc((size_t)num_moves * sizeof(group_t));
+    group_t *groups = (group_t *)calloc((size_t)num_moves, sizeof(group_t));
     run_t *runs = (run_t *)malloc((size_t)num_moves * sizeof(run_t));
     if (!groups || !runs) { free(groups); free(runs); return -1; }
     int64_t ng = 0, nr = 0;
@@ -344,7 +431,7 @@ int vtoken_repack(char **layers, int64_t num_layers, const int64_t *src, const i
         const int64_t sb = src[m] / block_size, so = src[m] % block_size;
         const int64_t db = dst[m] / block_size, dof = dst[m] % block_size;
         if (ng == 0 || groups[ng - 1].src_block != sb || groups[ng - 1].dst_block != db) {
-            group_t g = {sb, db, nr, 0, 0, 0, m};
+            group_t g = {sb, db, nr, 0, 0, 0, 0, 0};
             groups[ng++] = g;
         } else {
             run_t *last = runs + nr - 1;
@@ -368,52 +455,51 @@ int vtoken_repack(char **layers, int64_t num_layers, const int64_t *src, const i
     if (!(options & 1) && parts[2] == 1 && parts[4] == block_size &&
         tile_bytes <= 64 * MAX_CHUNKS && simd_available())
         passes = build_passes(groups, ng, runs, elem_size, row_bytes, rows_per_tile, tile_bytes);
-    job_t *job = (job_t *)calloc(1, sizeof(job_t));
-    if (!job) { free(passes); free(groups); free(runs); return -1; }
-    job_t j = {layers, groups, runs, passes, ng, block_size, kv_heads, head_dim, elem_size,
-               tile_bytes, head_dim / rows_per_tile, parts, num_layers, src, dst, num_moves,
-               !(options & 2),
-               0, 0, 1, {passes, groups, runs}};
-    *job = j;
+    job_t j = {layers, groups, runs, passes, 0, ng, block_size, kv_heads, head_dim, elem_size,
+               tile_bytes, head_dim / rows_per_tile, parts, num_layers, kv_heads,
+               (options & 2) ? 0 : PREFETCH_LINES, 0};
+    if (contiguous_heads(&j, parts) && contiguous_heads(&j, parts + 5)) j.unit_heads = 1;
+    int64_t *lines = 0;
+    if (j.distance && !(lines = build_lines(&j, groups, runs))) j.distance = 0;
+    j.lines = lines;
     if (num_threads > num_layers) num_threads = num_layers;
-    if (num_threads > 64) num_threads = 64;
-    for (int64_t t = 1; t < num_threads; ++t) {
-        pthread_t thread;
-        __atomic_add_fetch(&job->refs, 1, __ATOMIC_ACQ_REL);
-        if (pthread_create(&thread, 0, worker, job)) {
-            __atomic_sub_fetch(&job->refs, 1, __ATOMIC_ACQ_REL);
-            break;
-        }
-        pthread_detach(thread);
-    }
-    run_job(job);
-    /* Only layers another thread has claimed are waited for. */
-    while (__atomic_load_n(&job->layers_done, __ATOMIC_ACQUIRE) < num_layers) sched_yield();
-    release(job);
+    if (num_threads < 1) num_threads = 1;
+#ifdef _OPENMP
+    /* The OpenMP runtime is torch's own (same soname, already loaded), so these are the
+       threads torch's ops run on, not extra ones competing with them for cores. */
+#pragma omp parallel num_threads((int)num_threads) if (num_threads > 1)
+#endif
+    run_job(&j);
+    free(lines); free(passes); free(groups); free(runs);
     return 0;
 }
 """
 
-# Below this many moved bytes a second thread costs more (about 50 us to start) than it saves.
-_MIN_BYTES_PER_THREAD = 1 << 20
-_MAX_THREADS = 8
+# Below this many moved bytes per thread, splitting the layers costs more than it saves.
+_MIN_BYTES_PER_THREAD = 256 << 10
 
 
 def default_threads(moved_bytes: int) -> int:
-    """Threads for a repack of ``moved_bytes``: ``VTOKEN_REPACK_THREADS`` if set, else 1 on
-    machines of 2 CPUs or fewer, else up to torch's thread count, one per MiB moved, <= 8.
+    """Threads for a repack of ``moved_bytes``: ``VTOKEN_REPACK_THREADS`` if set, else torch's
+    intra-op thread count (the same pool, see the module docstring), one per 256 KiB moved.
 
-    Measured on the 2-core shared development VM: a second thread took SmolLM2 bs16
-    compaction from 5.3 to 2.9 ms when the other core was idle, and made the median worse
-    (5.9 -> 8.4 ms) under load average 4-7 from other sessions.
+    Only a library built with OpenMP uses more than one (``load_library``).
     """
     forced = os.environ.get("VTOKEN_REPACK_THREADS")
     if forced:
         return max(1, int(forced))
-    if (os.cpu_count() or 1) <= 2:
-        return 1
     by_size = max(1, moved_bytes // _MIN_BYTES_PER_THREAD)
-    return max(1, min(torch.get_num_threads(), by_size, _MAX_THREADS))
+    return max(1, min(torch.get_num_threads(), by_size))
+
+
+def _torch_uses_gnu_openmp() -> bool:
+    """Whether GNU ``libgomp.so.1`` is loaded in this process (torch's CPU wheels bring it):
+    a library built with ``-fopenmp`` then shares its runtime and thread pool."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return any("libgomp" in line for line in maps)
+    except OSError:
+        return False
 
 
 def _cache_dir() -> Path:
@@ -421,41 +507,54 @@ def _cache_dir() -> Path:
     return Path(root) / "vtoken" / "kernels"
 
 
+def _build(compiler: str, flags: list[str], library: Path) -> None:
+    """Compile ``_SOURCE`` into ``library`` (atomic: concurrent workers may race to build)."""
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
+        source = Path(tmp) / "repack.c"
+        source.write_text(_SOURCE)
+        built = Path(tmp) / "repack.so"
+        command = [compiler, "-O3", "-shared", "-fPIC", *flags, "-o", str(built), str(source)]
+        subprocess.run(command, check=True, capture_output=True, timeout=120)
+        os.replace(built, library)
+
+
 @functools.lru_cache(maxsize=1)
 def load_library() -> ctypes.CDLL | None:
-    """The compiled repack library, built on first use; ``None`` without a C compiler."""
+    """The compiled repack library, built on first use; ``None`` without a C compiler.
+
+    Built with ``-fopenmp`` when torch runs on GNU OpenMP (else single-threaded), falling
+    back to a plain build if the compiler has no OpenMP.
+    """
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
-    digest = hashlib.sha256((_SOURCE + sys.platform).encode()).hexdigest()[:16]
-    library = _cache_dir() / f"repack_{digest}.so"
-    try:
-        if not library.exists():
-            library.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
-                source = Path(tmp) / "repack.c"
-                source.write_text(_SOURCE)
-                built = Path(tmp) / "repack.so"
-                command = [
-                    compiler,
-                    "-O3",
-                    "-shared",
-                    "-fPIC",
-                    "-pthread",
-                    "-o",
-                    str(built),
-                    str(source),
-                ]
-                subprocess.run(command, check=True, capture_output=True, timeout=120)
-                os.replace(built, library)  # atomic: concurrent workers may race to build
-        handle = ctypes.CDLL(str(library))
-    except (OSError, subprocess.SubprocessError):
+    options = [["-fopenmp"], []] if _torch_uses_gnu_openmp() else [[]]
+    handle = None
+    for flags in options:
+        digest = hashlib.sha256((_SOURCE + sys.platform + " ".join(flags)).encode())
+        library = _cache_dir() / f"repack_{digest.hexdigest()[:16]}.so"
+        try:
+            if not library.exists():
+                _build(compiler, flags, library)
+            handle = ctypes.CDLL(str(library))
+            break
+        except (OSError, subprocess.SubprocessError):
+            continue
+    if handle is None:
         return None
     handle.vtoken_repack.restype = ctypes.c_int
     handle.vtoken_repack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     handle.vtoken_repack.argtypes += [ctypes.c_void_p] + [ctypes.c_int64] * 5
     handle.vtoken_repack.argtypes += [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    handle.vtoken_openmp.restype = ctypes.c_int
     return handle
+
+
+def uses_openmp() -> bool:
+    """Whether the loaded library splits layers over torch's OpenMP pool."""
+    library = load_library()
+    return library is not None and bool(library.vtoken_openmp())
 
 
 def cpu_repack(

@@ -233,10 +233,20 @@ def test_default_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VTOKEN_REPACK_THREADS", "3")
     assert _repack_cpu.default_threads(1) == 3
     monkeypatch.delenv("VTOKEN_REPACK_THREADS")
-    monkeypatch.setattr(_repack_cpu.os, "cpu_count", lambda: 2)
-    assert _repack_cpu.default_threads(1 << 30) == 1
-    monkeypatch.setattr(_repack_cpu.os, "cpu_count", lambda: 64)
     monkeypatch.setattr(_repack_cpu.torch, "get_num_threads", lambda: 32)
     assert _repack_cpu.default_threads(100) == 1
-    assert _repack_cpu.default_threads(3 << 20) == 3
-    assert _repack_cpu.default_threads(1 << 30) == 8
+    assert _repack_cpu.default_threads(3 << 18) == 3
+    assert _repack_cpu.default_threads(1 << 30) == 32
+
+
+def test_library_shares_torchs_openmp_runtime() -> None:
+    """Built with OpenMP exactly when torch runs on GNU libgomp, and then bound to torch's
+    copy of it (one libgomp mapped): the repack's threads are torch's intra-op pool."""
+    from kernels import _repack_cpu
+
+    if _repack_cpu.load_library() is None:
+        pytest.skip("no C compiler")
+    with open("/proc/self/maps") as maps:
+        mapped = {line.split()[-1] for line in maps if "libgomp" in line}
+    assert _repack_cpu.uses_openmp() == bool(mapped)
+    assert len(mapped) <= 1, f"two OpenMP runtimes loaded: {sorted(mapped)}"

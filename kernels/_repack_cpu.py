@@ -21,10 +21,12 @@ How the C loop is ordered (per call, shared by all layers):
 - V (``[block_size, head_dim]`` rows) and the flash layout: a run of tokens is one
   contiguous copy per head (flash: one unit per group, all heads at once);
 - the cache lines of every unit are listed once per call (the same offsets in every layer),
-  and a prefetch cursor walks that list 128 lines ahead of the copy (``prefetch=False``
-  turns it off). Moving one token of transposed K reads or rewrites a line per channel
-  row, in 2-32 KiB regions scattered over the pool, where the hardware prefetchers barely
-  start: the copy is bound by misses in flight, not by instructions;
+  and a prefetch cursor walks that list 256 lines ahead of the copy, topped up every 8 K
+  tiles so that a large unit is fed while it is copied (``prefetch=False`` turns it off).
+  Moving one token of transposed K reads or rewrites a line per channel row, in 2-32 KiB
+  regions scattered over the pool, where the hardware prefetchers barely start: the copy
+  is bound by misses in flight and by instructions per line, so the prefetch loop is a
+  branch-free walk of an offset list;
 - layers are claimed one at a time by the threads of an OpenMP team. The library is built
   with ``-fopenmp`` only when torch's own OpenMP runtime (GNU ``libgomp.so.1``) is loaded:
   the dynamic loader then binds the library to that same runtime, so the team is torch's
@@ -131,9 +133,13 @@ typedef struct {
 #if HAVE_X86
 /* Tile by tile (every pass of a tile while its lines are in L1). */
 __attribute__((target("avx512f,avx512bw,avx512vbmi")))
-static void apply_passes(const job_t *j, char *dst, const char *src, const group_t *g) {
+static void apply_passes(const job_t *j, char *dst, const char *src, const group_t *g,
+                         int64_t first, int64_t tiles) {
     const pass_t *p = j->passes + g->first_pass;
-    const int64_t tb = j->tile_bytes, tiles = j->tiles, np = g->num_passes;
+    const int64_t tb = j->tile_bytes, np = g->num_passes;
+    dst += first * tb;
+    src += first * tb;
+    tiles -= first;
     if (np == 1) {
         const __m512i idx = _mm512_loadu_si512((const void *)p->idx);
         const __mmask64 lm = p->load_mask, sm = p->mask;
@@ -166,8 +172,9 @@ static void copy_bytes(char *d, const char *s, int64_t n) {
     }
 }
 #else
-static void apply_passes(const job_t *j, char *dst, const char *src, const group_t *g) {
-    (void)j; (void)dst; (void)src; (void)g;
+static void apply_passes(const job_t *j, char *dst, const char *src, const group_t *g,
+                         int64_t first, int64_t tiles) {
+    (void)j; (void)dst; (void)src; (void)g; (void)first; (void)tiles;
 }
 static void copy_bytes(char *d, const char *s, int64_t n) { memcpy(d, s, (size_t)n); }
 #endif
@@ -189,7 +196,7 @@ static void copy_part(const job_t *j, char *dst_head, const char *src_head, cons
             memcpy(dp + rs[r].dst_off * os * es, sp + rs[r].src_off * os * es,
                    (size_t)(rs[r].len * os * es));
     } else if (os == 1 && j->passes) {
-        apply_passes(j, dp, sp, g);
+        apply_passes(j, dp, sp, g, 0, j->tiles);
     } else if (os == 1) {  /* transposed K: per channel row, every run of the pair */
         switch (es) {
             case 1: ROW_RUNS(uint8_t); break;
@@ -257,17 +264,34 @@ static int cursor_valid(cursor_t *c) {
 __attribute__((target("prfchw")))
 #endif
 static void prefetch_lines(cursor_t *c, int64_t count) {
-    for (; count > 0; --count, ++c->line) {
-        if (!cursor_valid(c)) return;
-        const int64_t x = c->j->lines[c->j->groups[c->group].first_line + c->line];
-        if (x & 1) __builtin_prefetch(c->dst + (x >> 1), 1, 3);
-        else __builtin_prefetch(c->src + (x >> 1), 0, 3);
+    while (count > 0 && cursor_valid(c)) {
+        const group_t *g = c->j->groups + c->group;
+        const int64_t *x = c->j->lines + g->first_line + c->line;
+        int64_t n = g->num_lines - c->line;
+        if (n > count) n = count;
+        const char *base[2] = {c->src, c->dst};
+        for (int64_t i = 0; i < n; ++i)  /* write intent for both: cheaper than a branch */
+            __builtin_prefetch(base[x[i] & 1] + (x[i] >> 1), 1, 3);
+        c->line += n;
+        count -= n;
     }
 }
 
+/* Prefetch until `target` lines of the cursor's walk have been issued. */
+static void top_up(const job_t *j, cursor_t *c, int64_t *issued, int64_t target) {
+    if (j->distance && *issued < target) {
+        prefetch_lines(c, target - *issued);
+        *issued = target;
+    }
+}
+
+/* K tiles between two top-ups of the prefetch cursor: a unit of a large block (bs 128:
+   hundreds of lines) is fed while it is copied, not in one burst before it. */
+#define TILES_PER_TOP_UP 8
+
 static void run_job(job_t *jw) {
     const job_t *j = jw;
-    const int64_t *p = j->parts, es = j->elem_size;
+    const int64_t *p = j->parts, es = j->elem_size, tiles = j->tiles, ahead = j->distance;
     for (;;) {
         const int64_t l = __atomic_fetch_add(&jw->next_layer, 1, __ATOMIC_RELAXED);
         if (l >= j->num_layers) break;
@@ -280,14 +304,22 @@ static void run_job(job_t *jw) {
             char *dst = cache + g->dst_block * p[1] * es;
             const char *src = cache + g->src_block * p[1] * es;
             for (int64_t h = 0; h < j->unit_heads; ++h) {
-                consumed += g->num_lines;
-                if (j->distance && issued < consumed + j->distance) {
-                    prefetch_lines(&c, consumed + j->distance - issued);
-                    issued = consumed + j->distance;
-                }
+                const int64_t first_line = consumed, lines = g->num_lines;
+                consumed += lines;
                 char *dh = dst + h * p[3] * es;
                 const char *sh = src + h * p[3] * es;
-                copy_part(j, dh, sh, p, g);
+                if (p[2] == 1 && j->passes) {  /* K on the pass path, fed as it goes */
+                    for (int64_t t = 0; t < tiles; t += TILES_PER_TOP_UP) {
+                        const int64_t end = t + TILES_PER_TOP_UP < tiles ? t + TILES_PER_TOP_UP
+                                                                         : tiles;
+                        top_up(j, &c, &issued, first_line + lines * end / tiles + ahead);
+                        apply_passes(j, dh + p[0] * es, sh + p[0] * es, g, t, end);
+                    }
+                } else {
+                    top_up(j, &c, &issued, consumed + ahead);
+                    copy_part(j, dh, sh, p, g);
+                }
+                top_up(j, &c, &issued, consumed + ahead);
                 copy_part(j, dh, sh, p + 5, g);
             }
         }
@@ -405,9 +437,10 @@ static int64_t *build_lines(const job_t *j, group_t *groups, const run_t *runs) 
     return s.items;
 }
 
-/* Lines in flight ahead of the copy. On the development VM (AMD EPYC, 48 KiB L1D) 64-512
-   were within 5% of each other, 0 (hardware prefetch only) up to 1.5x slower. */
-#define PREFETCH_LINES 128
+/* How far the prefetch cursor runs ahead of the copy, in lines. On the development VM (AMD
+   EPYC, 48 KiB L1D, 1 thread, cold): 256 was best or within noise of the best in every case
+   tried; 64 up to 1.4x slower (SmolLM2 bs16 compaction), no prefetch up to 1.5x slower. */
+#define PREFETCH_LINES 256
 
 int vtoken_openmp(void) {
 #ifdef _OPENMP

@@ -388,16 +388,22 @@ static pass_t *build_passes(group_t *groups, int64_t ng, const run_t *runs, int6
 /* The cache lines of one unit, in the order the copy touches them. */
 typedef struct { int64_t *items, count, cap, last[2]; } lines_t;
 
+static int push_line(lines_t *s, int side, int64_t offset) {
+    if (s->count == s->cap) {
+        int64_t *more = (int64_t *)realloc(s->items, (size_t)(2 * s->cap) * sizeof(int64_t));
+        if (!more) return -1;
+        s->items = more;
+        s->cap *= 2;
+    }
+    s->items[s->count++] = (offset << 1) | side;
+    return 0;
+}
+
+/* The lines of bytes [start, start + len), skipping one this side listed last. */
 static int add_range(lines_t *s, int side, int64_t start, int64_t len) {
     for (int64_t line = start >> 6; line <= (start + len - 1) >> 6; ++line) {
         if (s->last[side] == line) continue;
-        if (s->count == s->cap) {
-            int64_t *more = (int64_t *)realloc(s->items, (size_t)(2 * s->cap) * sizeof(int64_t));
-            if (!more) return -1;
-            s->items = more;
-            s->cap *= 2;
-        }
-        s->items[s->count++] = ((line << 6) << 1) | side;
+        if (push_line(s, side, line << 6)) return -1;
         s->last[side] = line;
     }
     return 0;
@@ -422,6 +428,20 @@ static int64_t *build_lines(const job_t *j, group_t *groups, const run_t *runs) 
                     rc = add_range(&s, 1, base + rs[r].dst_off * os * es, n) |
                          add_range(&s, 0, base + rs[r].src_off * os * es, n);
                 }
+            } else if (os == 1 && j->passes) {  /* K tiles: the chunks the passes touch */
+                int64_t chunks[2][MAX_CHUNKS], count[2] = {0, 0};
+                const pass_t *q = j->passes + g->first_pass;
+                for (int64_t i = 0; i < g->num_passes; ++i)
+                    for (int side = 0; side < 2; ++side) {
+                        const int64_t off = side ? q[i].dst_off : q[i].src_off;
+                        int64_t k = 0;
+                        while (k < count[side] && chunks[side][k] != off) ++k;
+                        if (k == count[side]) chunks[side][count[side]++] = off;
+                    }
+                for (int64_t t = 0; t < j->tiles && !rc; ++t)
+                    for (int side = 1; side >= 0 && !rc; --side)
+                        for (int64_t k = 0; k < count[side] && !rc; ++k)
+                            rc = push_line(&s, side, base + t * j->tile_bytes + chunks[side][k]);
             } else if (os == 1) {  /* transposed K: the run's bytes of every channel row */
                 for (int64_t d = 0; d < hd && !rc; ++d) {
                     const int64_t row = base + d * ds * es;

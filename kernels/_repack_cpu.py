@@ -32,7 +32,7 @@ How the C loop is ordered (per call, shared by all layers):
   the dynamic loader then binds the library to that same runtime, so the team is torch's
   intra-op pool. Separate threads would compete with torch's, which spin a while after
   every op: on the 2-core development VM a pthread helper made the repack slower, the
-  shared pool took SmolLM2 bs16 compaction from 4.7 to 2.5 ms.
+  shared pool took SmolLM2 bs16 compaction from 4.5 to 2.5 ms on 2 threads.
 
 Measured rates are in ``bench/RESULTS.md`` (``vtoken bench repack``).
 

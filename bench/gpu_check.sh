@@ -32,7 +32,7 @@ else
   echo "pytest missing: tests not run" | tee "$OUT/tests.txt"; status=1
 fi
 echo "== repack benchmark"
-timeout 180 "$PY" -c "from pathlib import Path; from bench.repack import cli; cli(Path('$OUT/repack-gpu.json'), 'smollm2,llama8b', '16,32,128', 'compact50,compact80,trickle,scattered', 10, 'bfloat16', 'cuda', False)" || status=1
+timeout 180 "$PY" -c "from pathlib import Path; from bench.repack import cli; cli(Path('$OUT/repack-gpu.json'), 'smollm2,llama8b', '16,32,128', 'compact50,compact80,trickle,trickle1,scattered', 10, 'bfloat16', 'cuda', False)" || status=1
 echo "== scores benchmark"
 timeout 120 "$PY" -c "from pathlib import Path; from bench.scores import cli; cli(Path('$OUT/scores-gpu.json'), 'smollm2,llama8b', '1024,4096,16384', '1,32', 20, 'bfloat16', 'cuda')" || status=1
 echo "== CUDA graph replay across repack"

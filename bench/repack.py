@@ -7,6 +7,8 @@ tables whose evictions follow the issue:
                             (the last 32 tokens kept, as H2O's recent window)
     trickle                 a decode batch of 8 requests of 1024 compact tokens, each
                             evicting 16 tokens (<= 16 moves per request, as H2O per step)
+    trickle1                the same step for a batch of one request (16 moves): fixed
+                            costs, not memory traffic, decide it
     scattered               8 requests of 512 tokens on blocks drawn at random from a pool
                             twice their size, 30% evicted at random
 
@@ -42,7 +44,7 @@ if TYPE_CHECKING:
 
 SHAPES = {"smollm2": (30, 3, 64), "llama8b": (32, 8, 128)}  # layers, kv_heads, head_dim
 BLOCK_SIZES = (16, 32, 128)
-PATTERNS = ("compact50", "compact80", "trickle", "scattered")
+PATTERNS = ("compact50", "compact80", "trickle", "trickle1", "scattered")
 
 
 def _request_moves(
@@ -65,8 +67,8 @@ def make_moves(pattern: str, block_size: int, seed: int = 0) -> tuple[np.ndarray
     rng = np.random.default_rng(seed)
     if pattern.startswith("compact"):
         requests, num_tokens, pool_factor = 1, 4096, 1.25
-    elif pattern == "trickle":
-        requests, num_tokens, pool_factor = 8, 1024, 1.25
+    elif pattern.startswith("trickle"):
+        requests, num_tokens, pool_factor = (1 if pattern == "trickle1" else 8), 1024, 1.25
     elif pattern == "scattered":
         requests, num_tokens, pool_factor = 8, 512, 2.0
     else:
@@ -80,7 +82,7 @@ def make_moves(pattern: str, block_size: int, seed: int = 0) -> tuple[np.ndarray
         older = num_tokens - 32  # the recent window is never evicted
         if pattern.startswith("compact"):
             evict = rng.choice(older, int(num_tokens * int(pattern[-2:]) / 100), replace=False)
-        elif pattern == "trickle":
+        elif pattern.startswith("trickle"):
             evict = rng.choice(older, 16, replace=False)
         else:
             evict = rng.choice(older, int(0.3 * num_tokens), replace=False)

@@ -48,6 +48,7 @@ import dataclasses
 import functools
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -95,14 +96,17 @@ typedef struct {
     const group_t *groups;
     const run_t *runs;
     const pass_t *passes;          /* NULL: scalar K rows */
-    const int64_t *lines;          /* per group: (byte offset << 1) | is_dst, from a head base */
+    const int64_t *lines;          /* per group: (offset << 2) | part << 1 | is_dst, in bytes
+                                      from the (block, head) base of that part */
     int64_t num_groups, block_size, kv_heads, head_dim, elem_size;
     int64_t tile_bytes, tiles;     /* K tiles per (block, head) for the pass path */
     const int64_t *parts;          /* [2][5]: base, block, offset, head, dim (elements) */
     int64_t num_layers;
     int64_t unit_heads;            /* heads per unit loop: 1 when a run covers all heads */
     int64_t distance;              /* prefetch distance in cache lines; 0: off */
+    int64_t num_threads;           /* requested; the cursor crosses layers only when 1 */
     int64_t next_layer;            /* atomic: layers are claimed one at a time */
+    int64_t threads_ran;           /* atomic: team members that ran */
 } job_t;
 
 #define ROW_RUNS(T)                                                                  \
@@ -183,19 +187,24 @@ static int contiguous_heads(const job_t *j, const int64_t *p) {
     return p[4] == 1 && p[3] == j->head_dim && p[2] == j->kv_heads * j->head_dim;
 }
 
-/* One part (K or V) of one group, one head (all heads when a token's heads are contiguous). */
-static void copy_part(const job_t *j, char *dst_head, const char *src_head, const int64_t *p,
-                      const group_t *g) {
+/* Where part p (K or V) of head h of a block starts. */
+static char *part_base(const job_t *j, char *cache, const int64_t *p, int64_t block, int64_t h) {
+    return cache + (p[0] + block * p[1] + h * p[3]) * j->elem_size;
+}
+
+/* One part (K or V) of one group, one head (all heads when the unit is all heads). */
+static void copy_part(const job_t *j, char *cache, const int64_t *p, const group_t *g,
+                      int64_t h) {
     const int64_t es = j->elem_size, hd = j->head_dim, os = p[2], ds = p[4];
     const run_t *rs = j->runs + g->first_run;
     const int64_t nr = g->num_runs;
-    char *dp = dst_head + p[0] * es;
-    const char *sp = src_head + p[0] * es;
-    if (contiguous_heads(j, p)) {  /* flash: a run is one copy for all heads */
+    char *dp = part_base(j, cache, p, g->dst_block, h);
+    const char *sp = part_base(j, cache, p, g->src_block, h);
+    if (j->unit_heads == 1 && contiguous_heads(j, p)) {  /* flash: one copy for all heads */
         for (int64_t r = 0; r < nr; ++r)
             memcpy(dp + rs[r].dst_off * os * es, sp + rs[r].src_off * os * es,
                    (size_t)(rs[r].len * os * es));
-    } else if (os == 1 && j->passes) {
+    } else if (os == 1 && ds == j->block_size && j->passes) {
         apply_passes(j, dp, sp, g, 0, j->tiles);
     } else if (os == 1) {  /* transposed K: per channel row, every run of the pair */
         switch (es) {
@@ -204,10 +213,13 @@ static void copy_part(const job_t *j, char *dst_head, const char *src_head, cons
             case 4: ROW_RUNS(uint32_t); break;
             default: ROW_RUNS(uint64_t); break;
         }
-    } else if (ds == 1 && os == hd && j->passes) {  /* V rows: a run is contiguous */
-        for (int64_t r = 0; r < nr; ++r)
-            copy_bytes(dp + rs[r].dst_off * os * es, sp + rs[r].src_off * os * es,
-                       rs[r].len * hd * es);
+    } else if (ds == 1 && os == hd) {  /* V rows: a run is contiguous */
+        for (int64_t r = 0; r < nr; ++r) {
+            char *d = dp + rs[r].dst_off * os * es;
+            const char *from = sp + rs[r].src_off * os * es;
+            if (j->passes) copy_bytes(d, from, rs[r].len * hd * es);  /* AVX-512 is there */
+            else memcpy(d, from, (size_t)(rs[r].len * hd * es));
+        }
     } else if (ds == 1) {
         for (int64_t r = 0; r < nr; ++r)
             for (int64_t k = 0; k < rs[r].len; ++k)
@@ -230,16 +242,18 @@ static void copy_part(const job_t *j, char *dst_head, const char *src_head, cons
 typedef struct {
     const job_t *j;
     int64_t layer, last_layer, group, head, line;
-    const char *src, *dst; /* head bases of the cursor's unit */
+    const char *base[4]; /* src K, dst K, src V, dst V of the cursor's unit */
 } cursor_t;
 
 static void cursor_bases(cursor_t *c) {
     const job_t *j = c->j;
     const group_t *g = j->groups + c->group;
-    const int64_t *p = j->parts, es = j->elem_size;
     char *cache = j->layers[c->layer];
-    c->src = cache + (g->src_block * p[1] + c->head * p[3]) * es;
-    c->dst = cache + (g->dst_block * p[1] + c->head * p[3]) * es;
+    for (int part = 0; part < 2; ++part) {
+        const int64_t *p = j->parts + 5 * part;
+        c->base[2 * part] = part_base(j, cache, p, g->src_block, c->head);
+        c->base[2 * part + 1] = part_base(j, cache, p, g->dst_block, c->head);
+    }
 }
 
 /* Advance past finished units; 0 when the cursor ran off its last layer. */
@@ -269,9 +283,8 @@ static void prefetch_lines(cursor_t *c, int64_t count) {
         const int64_t *x = c->j->lines + g->first_line + c->line;
         int64_t n = g->num_lines - c->line;
         if (n > count) n = count;
-        const char *base[2] = {c->src, c->dst};
-        for (int64_t i = 0; i < n; ++i)  /* write intent for both: cheaper than a branch */
-            __builtin_prefetch(base[x[i] & 1] + (x[i] >> 1), 1, 3);
+        for (int64_t i = 0; i < n; ++i)  /* write intent for all: cheaper than a branch */
+            __builtin_prefetch(c->base[x[i] & 3] + (x[i] >> 2), 1, 3);
         c->line += n;
         count -= n;
     }
@@ -291,36 +304,37 @@ static void top_up(const job_t *j, cursor_t *c, int64_t *issued, int64_t target)
 
 static void run_job(job_t *jw) {
     const job_t *j = jw;
-    const int64_t *p = j->parts, es = j->elem_size, tiles = j->tiles, ahead = j->distance;
+    const int64_t *k = j->parts, tiles = j->tiles, ahead = j->distance;
+    __atomic_fetch_add(&jw->threads_ran, 1, __ATOMIC_RELAXED);
     for (;;) {
         const int64_t l = __atomic_fetch_add(&jw->next_layer, 1, __ATOMIC_RELAXED);
         if (l >= j->num_layers) break;
         char *cache = j->layers[l];
-        cursor_t c = {j, l, l + 1 < j->num_layers ? l + 1 : l, 0, 0, 0, 0, 0};
+        /* One thread runs into the next layer; with several, another thread owns it. */
+        const int64_t last = j->num_threads == 1 && l + 1 < j->num_layers ? l + 1 : l;
+        cursor_t c = {j, l, last, 0, 0, 0, {0, 0, 0, 0}};
         cursor_bases(&c);
         int64_t issued = 0, consumed = 0;
         for (int64_t gi = 0; gi < j->num_groups; ++gi) {
             const group_t *g = j->groups + gi;
-            char *dst = cache + g->dst_block * p[1] * es;
-            const char *src = cache + g->src_block * p[1] * es;
             for (int64_t h = 0; h < j->unit_heads; ++h) {
                 const int64_t first_line = consumed, lines = g->num_lines;
                 consumed += lines;
-                char *dh = dst + h * p[3] * es;
-                const char *sh = src + h * p[3] * es;
-                if (p[2] == 1 && j->passes) {  /* K on the pass path, fed as it goes */
+                if (k[2] == 1 && j->passes) {  /* K on the pass path, fed as it goes */
+                    char *dk = part_base(j, cache, k, g->dst_block, h);
+                    const char *sk = part_base(j, cache, k, g->src_block, h);
                     for (int64_t t = 0; t < tiles; t += TILES_PER_TOP_UP) {
                         const int64_t end = t + TILES_PER_TOP_UP < tiles ? t + TILES_PER_TOP_UP
                                                                          : tiles;
                         top_up(j, &c, &issued, first_line + lines * end / tiles + ahead);
-                        apply_passes(j, dh + p[0] * es, sh + p[0] * es, g, t, end);
+                        apply_passes(j, dk, sk, g, t, end);
                     }
                 } else {
                     top_up(j, &c, &issued, consumed + ahead);
-                    copy_part(j, dh, sh, p, g);
+                    copy_part(j, cache, k, g, h);
                 }
                 top_up(j, &c, &issued, consumed + ahead);
-                copy_part(j, dh, sh, p + 5, g);
+                copy_part(j, cache, k + 5, g, h);
             }
         }
     }
@@ -388,22 +402,22 @@ static pass_t *build_passes(group_t *groups, int64_t ng, const run_t *runs, int6
 /* The cache lines of one unit, in the order the copy touches them. */
 typedef struct { int64_t *items, count, cap, last[2]; } lines_t;
 
-static int push_line(lines_t *s, int side, int64_t offset) {
+static int push_line(lines_t *s, int part, int side, int64_t offset) {
     if (s->count == s->cap) {
         int64_t *more = (int64_t *)realloc(s->items, (size_t)(2 * s->cap) * sizeof(int64_t));
         if (!more) return -1;
         s->items = more;
         s->cap *= 2;
     }
-    s->items[s->count++] = (offset << 1) | side;
+    s->items[s->count++] = (offset << 2) | (part << 1) | side;
     return 0;
 }
 
 /* The lines of bytes [start, start + len), skipping one this side listed last. */
-static int add_range(lines_t *s, int side, int64_t start, int64_t len) {
+static int add_range(lines_t *s, int part, int side, int64_t start, int64_t len) {
     for (int64_t line = start >> 6; line <= (start + len - 1) >> 6; ++line) {
         if (s->last[side] == line) continue;
-        if (push_line(s, side, line << 6)) return -1;
+        if (push_line(s, part, side, line << 6)) return -1;
         s->last[side] = line;
     }
     return 0;
@@ -417,18 +431,19 @@ static int64_t *build_lines(const job_t *j, group_t *groups, const run_t *runs) 
         group_t *g = groups + gi;
         g->first_line = s.count;
         for (int part = 0; part < 2; ++part) {
-            const int64_t *p = j->parts + 5 * part, base = p[0] * es, os = p[2], ds = p[4];
+            const int64_t *p = j->parts + 5 * part, os = p[2], ds = p[4];
             s.last[0] = s.last[1] = -1;
             const run_t *rs = runs + g->first_run;
             int rc = 0;
-            if (contiguous_heads(j, p) || (ds == 1 && os == hd)) {  /* a run is contiguous */
-                const int64_t run_bytes = (contiguous_heads(j, p) ? os : hd) * es;
+            const int all_heads = j->unit_heads == 1 && contiguous_heads(j, p);
+            if (all_heads || (ds == 1 && os == hd)) {  /* a run is contiguous */
+                const int64_t run_bytes = (all_heads ? os : hd) * es;
                 for (int64_t r = 0; r < g->num_runs && !rc; ++r) {
                     const int64_t n = rs[r].len * run_bytes;
-                    rc = add_range(&s, 1, base + rs[r].dst_off * os * es, n) |
-                         add_range(&s, 0, base + rs[r].src_off * os * es, n);
+                    rc = add_range(&s, part, 1, rs[r].dst_off * os * es, n) |
+                         add_range(&s, part, 0, rs[r].src_off * os * es, n);
                 }
-            } else if (os == 1 && j->passes) {  /* K tiles: the chunks the passes touch */
+            } else if (os == 1 && ds == j->block_size && j->passes) {  /* K tiles */
                 int64_t chunks[2][MAX_CHUNKS], count[2] = {0, 0};
                 const pass_t *q = j->passes + g->first_pass;
                 for (int64_t i = 0; i < g->num_passes; ++i)
@@ -441,13 +456,13 @@ static int64_t *build_lines(const job_t *j, group_t *groups, const run_t *runs) 
                 for (int64_t t = 0; t < j->tiles && !rc; ++t)
                     for (int side = 1; side >= 0 && !rc; --side)
                         for (int64_t k = 0; k < count[side] && !rc; ++k)
-                            rc = push_line(&s, side, base + t * j->tile_bytes + chunks[side][k]);
+                            rc = push_line(&s, part, side, t * j->tile_bytes + chunks[side][k]);
             } else if (os == 1) {  /* transposed K: the run's bytes of every channel row */
                 for (int64_t d = 0; d < hd && !rc; ++d) {
-                    const int64_t row = base + d * ds * es;
+                    const int64_t row = d * ds * es;
                     for (int64_t r = 0; r < g->num_runs && !rc; ++r)
-                        rc = add_range(&s, 1, row + rs[r].dst_off * es, rs[r].len * es) |
-                             add_range(&s, 0, row + rs[r].src_off * es, rs[r].len * es);
+                        rc = add_range(&s, part, 1, row + rs[r].dst_off * es, rs[r].len * es) |
+                             add_range(&s, part, 0, row + rs[r].src_off * es, rs[r].len * es);
                 }
             }
             if (rc) { free(s.items); return 0; }
@@ -470,12 +485,12 @@ int vtoken_openmp(void) {
 #endif
 }
 
-/* options: bit 0 disables the SIMD K path, bit 1 the software prefetch. Returns 0, or -1
-   when out of memory (nothing was copied). */
+/* options: bit 0 disables the SIMD K path, bit 1 the software prefetch. Returns the number of
+   threads that ran (>= 1; 1 for no moves), or -1 when out of memory (nothing was copied). */
 int vtoken_repack(char **layers, int64_t num_layers, const int64_t *src, const int64_t *dst,
                   int64_t num_moves, int64_t block_size, int64_t kv_heads, int64_t head_dim,
                   int64_t elem_size, const int64_t *parts, int64_t num_threads, int64_t options) {
-    if (num_moves <= 0 || num_layers <= 0) return 0;
+    if (num_moves <= 0 || num_layers <= 0) return 1;
     group_t *groups = (group_t *)calloc((size_t)num_moves, sizeof(group_t));
     run_t *runs = (run_t *)malloc((size_t)num_moves * sizeof(run_t));
     if (!groups || !runs) { free(groups); free(runs); return -1; }
@@ -508,15 +523,18 @@ int vtoken_repack(char **layers, int64_t num_layers, const int64_t *src, const i
     if (!(options & 1) && parts[2] == 1 && parts[4] == block_size &&
         tile_bytes <= 64 * MAX_CHUNKS && simd_available())
         passes = build_passes(groups, ng, runs, elem_size, row_bytes, rows_per_tile, tile_bytes);
+    if (num_threads > num_layers) num_threads = num_layers;
+    if (num_threads < 1) num_threads = 1;
+#ifndef _OPENMP
+    num_threads = 1;
+#endif
     job_t j = {layers, groups, runs, passes, 0, ng, block_size, kv_heads, head_dim, elem_size,
                tile_bytes, head_dim / rows_per_tile, parts, num_layers, kv_heads,
-               (options & 2) ? 0 : PREFETCH_LINES, 0};
+               (options & 2) ? 0 : PREFETCH_LINES, num_threads, 0, 0};
     if (contiguous_heads(&j, parts) && contiguous_heads(&j, parts + 5)) j.unit_heads = 1;
     int64_t *lines = 0;
     if (j.distance && !(lines = build_lines(&j, groups, runs))) j.distance = 0;
     j.lines = lines;
-    if (num_threads > num_layers) num_threads = num_layers;
-    if (num_threads < 1) num_threads = 1;
 #ifdef _OPENMP
     /* The OpenMP runtime is torch's own (same soname, already loaded), so these are the
        threads torch's ops run on, not extra ones competing with them for cores. */
@@ -524,7 +542,7 @@ int vtoken_repack(char **layers, int64_t num_layers, const int64_t *src, const i
 #endif
     run_job(&j);
     free(lines); free(passes); free(groups); free(runs);
-    return 0;
+    return (int)j.threads_ran;
 }
 """
 
@@ -545,14 +563,29 @@ def default_threads(moved_bytes: int) -> int:
     return max(1, min(torch.get_num_threads(), by_size))
 
 
-def _torch_uses_gnu_openmp() -> bool:
-    """Whether GNU ``libgomp.so.1`` is loaded in this process (torch's CPU wheels bring it):
-    a library built with ``-fopenmp`` then shares its runtime and thread pool."""
+_OPENMP_RUNTIME = re.compile(r"^lib(gomp|omp|iomp5)([-.][^/]*)?\.so(\.\d+)*$")
+
+
+def _openmp_runtimes() -> set[str]:
+    """Paths of the OpenMP runtimes mapped into this process (Linux; empty elsewhere)."""
     try:
         with open("/proc/self/maps") as maps:
-            return any("libgomp" in line for line in maps)
+            paths = {line.split()[-1] for line in maps if "/" in line}
     except OSError:
+        return set()
+    return {path for path in paths if _OPENMP_RUNTIME.match(os.path.basename(path))}
+
+
+def _is_gcc(compiler: str) -> bool:
+    """GCC's ``-fopenmp`` links ``libgomp.so.1``; clang's links LLVM's ``libomp``."""
+    try:
+        banner = subprocess.run(
+            [compiler, "--version"], capture_output=True, text=True, timeout=30
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
         return False
+    banner = banner.lower()
+    return "clang" not in banner and "free software foundation" in banner
 
 
 def _cache_dir() -> Path:
@@ -572,42 +605,63 @@ def _build(compiler: str, flags: list[str], library: Path) -> None:
         os.replace(built, library)
 
 
-@functools.lru_cache(maxsize=1)
-def load_library() -> ctypes.CDLL | None:
-    """The compiled repack library, built on first use; ``None`` without a C compiler.
+@dataclasses.dataclass(frozen=True)
+class _Library:
+    handle: ctypes.CDLL
+    threads: bool  # layers may be split over torch's OpenMP pool
 
-    Built with ``-fopenmp`` when torch runs on GNU OpenMP (else single-threaded), falling
-    back to a plain build if the compiler has no OpenMP.
-    """
+
+@functools.lru_cache(maxsize=1)
+def _load() -> _Library | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
-    options = [["-fopenmp"], []] if _torch_uses_gnu_openmp() else [[]]
-    handle = None
+    runtimes = _openmp_runtimes()
+    # -fopenmp only when it binds to the runtime torch already loaded: GNU libgomp by its
+    # soname, with GCC (clang would bring LLVM's libomp as a second runtime).
+    shared = [os.path.basename(path) for path in runtimes] == ["libgomp.so.1"]
+    options = [["-fopenmp"], []] if shared and _is_gcc(compiler) else [[]]
     for flags in options:
-        digest = hashlib.sha256((_SOURCE + sys.platform + " ".join(flags)).encode())
-        library = _cache_dir() / f"repack_{digest.hexdigest()[:16]}.so"
+        key = _SOURCE + sys.platform + os.path.realpath(compiler) + " ".join(flags)
+        library = _cache_dir() / f"repack_{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+        failed = library.with_suffix(".failed")  # a build that failed once is not retried
+        if failed.exists():
+            continue
         try:
             if not library.exists():
                 _build(compiler, flags, library)
             handle = ctypes.CDLL(str(library))
-            break
-        except (OSError, subprocess.SubprocessError):
+        except subprocess.SubprocessError:
+            failed.parent.mkdir(parents=True, exist_ok=True)
+            failed.touch()
             continue
-    if handle is None:
-        return None
-    handle.vtoken_repack.restype = ctypes.c_int
-    handle.vtoken_repack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-    handle.vtoken_repack.argtypes += [ctypes.c_void_p] + [ctypes.c_int64] * 5
-    handle.vtoken_repack.argtypes += [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-    handle.vtoken_openmp.restype = ctypes.c_int
-    return handle
+        except OSError:
+            continue
+        handle.vtoken_repack.restype = ctypes.c_int
+        handle.vtoken_repack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+        handle.vtoken_repack.argtypes += [ctypes.c_void_p] + [ctypes.c_int64] * 5
+        handle.vtoken_repack.argtypes += [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+        handle.vtoken_openmp.restype = ctypes.c_int
+        # Threads only if loading it mapped no runtime of its own.
+        threads = bool(handle.vtoken_openmp()) and _openmp_runtimes() == runtimes
+        return _Library(handle, threads)
+    return None
+
+
+def load_library() -> ctypes.CDLL | None:
+    """The compiled repack library, built on first use; ``None`` without a C compiler.
+
+    Built with ``-fopenmp`` when torch runs on GNU OpenMP and the compiler is GCC (else
+    single-threaded), falling back to a plain build if that fails.
+    """
+    library = _load()
+    return None if library is None else library.handle
 
 
 def uses_openmp() -> bool:
     """Whether the loaded library splits layers over torch's OpenMP pool."""
-    library = load_library()
-    return library is not None and bool(library.vtoken_openmp())
+    library = _load()
+    return library is not None and library.threads
 
 
 def cpu_repack(
@@ -621,24 +675,27 @@ def cpu_repack(
     num_threads: int | None = None,
     simd: bool = True,
     prefetch: bool = True,
-) -> bool:
-    """Move slots in every layer with the C loop; ``False`` when the library is unavailable.
+) -> int:
+    """Move slots in every layer with the C loop. Returns the number of threads that ran,
+    0 when the library is unavailable (or out of memory: nothing was copied).
 
     ``src_slots``/``dst_slots``: contiguous int64 CPU ``[num_moves]``; caches: contiguous,
     one dtype, checked by the caller.
     """
-    library = load_library()
+    library = _load()
     if library is None:
-        return False
+        return 0
     num_moves = src_slots.numel()
     elem_size = kv_caches[0].element_size()
     moved_bytes = num_moves * len(kv_caches) * 2 * kv_heads * head_dim * elem_size
     if num_threads is None:
         num_threads = default_threads(moved_bytes)
+    if not library.threads:
+        num_threads = 1
     pointers = (ctypes.c_void_p * len(kv_caches))(*(c.data_ptr() for c in kv_caches))
     strides = [value for part in parts for value in dataclasses.astuple(part)]
     packed = (ctypes.c_int64 * 10)(*strides)
-    status = library.vtoken_repack(
+    status = library.handle.vtoken_repack(
         pointers,
         len(kv_caches),
         src_slots.data_ptr(),
@@ -652,4 +709,4 @@ def cpu_repack(
         num_threads,
         (0 if simd else 1) | (0 if prefetch else 2),
     )
-    return status == 0
+    return max(status, 0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -239,14 +241,61 @@ def test_default_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _repack_cpu.default_threads(1 << 30) == 32
 
 
-def test_library_shares_torchs_openmp_runtime() -> None:
-    """Built with OpenMP exactly when torch runs on GNU libgomp, and then bound to torch's
-    copy of it (one libgomp mapped): the repack's threads are torch's intra-op pool."""
+def test_library_runs_on_torchs_openmp_pool() -> None:
+    """With torch on GNU libgomp (torch's CPU wheels), the library is built with OpenMP,
+    maps no runtime of its own, and really splits layers over the requested threads."""
     from kernels import _repack_cpu
 
     if _repack_cpu.load_library() is None:
         pytest.skip("no C compiler")
-    with open("/proc/self/maps") as maps:
-        mapped = {line.split()[-1] for line in maps if "libgomp" in line}
-    assert _repack_cpu.uses_openmp() == bool(mapped)
-    assert len(mapped) <= 1, f"two OpenMP runtimes loaded: {sorted(mapped)}"
+    runtimes = _repack_cpu._openmp_runtimes()
+    assert len(runtimes) == 1, f"OpenMP runtimes mapped: {sorted(runtimes)}"
+    torch_gomp = [os.path.basename(path) for path in runtimes] == ["libgomp.so.1"]
+    assert _repack_cpu.uses_openmp() == torch_gomp
+    layout, block_size, kv_heads, head_dim = KVLayout.CPU_ATTN, 16, 2, 64
+    caches = [layout.new_cache(4, block_size, kv_heads, head_dim).normal_() for _ in range(4)]
+    parts = layout.part_strides(caches[0])
+    assert parts is not None
+    src, dst = torch.tensor([40, 41, 50]), torch.tensor([1, 2, 3])
+    ran = _repack_cpu.cpu_repack(caches, src, dst, parts, block_size, kv_heads, head_dim, 3)
+    assert ran == (3 if torch_gomp else 1)
+    assert _repack_cpu.cpu_repack(caches, src, dst, parts, block_size, kv_heads, head_dim, 1) == 1
+
+
+@pytest.mark.parametrize(("simd", "prefetch", "threads"), CPU_PATHS)
+def test_cpu_path_with_k_and_v_strided_differently(
+    simd: bool, prefetch: bool, threads: int
+) -> None:
+    """K and V with their own block/head strides and different head contiguity (K: flash
+    rows of all heads; V: one row per head, blocks padded) are each moved through their own
+    strides."""
+    from kernels._repack_cpu import cpu_repack, load_library
+    from kernels.layout import PartStrides
+
+    if load_library() is None:
+        pytest.skip("no C compiler")
+    num_blocks, block_size, kv_heads, head_dim = 6, 16, 3, 32
+    k_size = num_blocks * block_size * kv_heads * head_dim
+    v_block = kv_heads * block_size * head_dim + 40
+    keys = PartStrides(0, block_size * kv_heads * head_dim, kv_heads * head_dim, head_dim, 1)
+    values = PartStrides(k_size, v_block, head_dim, block_size * head_dim, 1)
+    flat = torch.randn(k_size + num_blocks * v_block).to(torch.bfloat16)
+    src = torch.tensor([80, 81, 82, 95, 64, 33])
+    dst = torch.tensor([3, 4, 5, 17, 18, 40])
+    expected = flat.clone()
+    heads = torch.arange(kv_heads).view(-1, 1)
+    dims = torch.arange(head_dim).view(1, -1)
+    for part in (keys, values):
+
+        def offsets(slots: torch.Tensor, part: PartStrides = part) -> torch.Tensor:
+            blocks, within = slots // block_size, slots % block_size
+            start = part.base + blocks * part.block_stride + within * part.offset_stride
+            return start.view(-1, 1, 1) + heads * part.head_stride + dims * part.dim_stride
+
+        expected[offsets(dst)] = flat[offsets(src)]
+    got = flat.clone()
+    sizes = (block_size, kv_heads, head_dim)
+    assert cpu_repack(
+        [got], src, dst, (keys, values), *sizes, threads, simd=simd, prefetch=prefetch
+    )
+    assert torch.equal(got, expected)

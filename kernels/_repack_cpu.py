@@ -6,18 +6,20 @@ element of a moved token is its own index, in its own channel row.
 
 How the C loop is ordered (per call, shared by all layers):
 
-- moves are grouped by (src block, dst block) pair: the planner pairs ascending holes with
-  ascending sources, so consecutive moves mostly share a pair; within a group, runs of
-  consecutive src offsets -> consecutive dst offsets are merged;
+- moves are grouped by destination block: the planner pairs ascending holes with ascending
+  sources, so consecutive moves mostly share one; within a group, runs of consecutive src
+  offsets of one source block -> consecutive dst offsets are merged;
 - the work is a sequence of *units* (layer, group, head); a unit copies that head's K and
   V for every run of the group;
 - K (``offset_stride == 1``): the (block, head) K region is a contiguous matrix of
   ``block_size * elem_size``-byte rows. A *tile* is 64 bytes of it (64 / row_bytes whole
   rows) or one row. Every tile of a group moves the same bytes, so the group is compiled once
-  into *passes* (a 64-byte dst chunk fed from one 64-byte src chunk: byte permutation, load
-  mask, store mask), and each tile is ``load, vpermb, masked store`` per pass (AVX-512
-  VBMI, checked at run time). Without it, a scalar loop copies, per channel row, every run
-  of the pair while the row is in cache (``simd=False`` forces it);
+  into *passes* (a 64-byte dst chunk fed from one 64-byte chunk of one source block: byte
+  permutation, load mask, store mask). Per tile, the passes of one dst chunk are merged in a
+  register (load, masked ``vpermb`` each) and stored once (AVX-512 VBMI, checked at run
+  time): a destination block filled from five source blocks is written once per tile, not
+  five times. Without VBMI, a scalar loop copies, per channel row, every run of the group
+  while the row is in cache (``simd=False`` forces it);
 - V (``[block_size, head_dim]`` rows) and the flash layout: a run of tokens is one
   contiguous copy per head (flash: one unit per group, all heads at once);
 - the cache lines of every unit are listed once per call (the same offsets in every layer),
@@ -71,24 +73,27 @@ _SOURCE = r"""
 #define HAVE_X86 0
 #endif
 
-/* Moves are grouped by (src block, dst block) pair (consecutive moves of one pair, as the
-   planner emits them: ascending holes paired with ascending sources) and split into runs of
-   consecutive src offsets -> consecutive dst offsets. */
+/* Moves are grouped by destination block (consecutive moves into one block, as the planner
+   emits them: ascending holes paired with ascending sources) and split into runs of
+   consecutive src offsets of one source block -> consecutive dst offsets. */
 typedef struct {
-    int64_t src_block, dst_block, first_run, num_runs, first_pass, num_passes;
-    int64_t first_line, num_lines;
+    int64_t dst_block, first_run, num_runs, first_pass, num_passes, first_line, num_lines;
 } group_t;
-typedef struct { int64_t src_off, dst_off, len; } run_t;
+typedef struct { int64_t src_block, src_off, dst_off, len; } run_t;
 
 /* Transposed K of one (block, head) is a contiguous [head_dim, block_size] matrix of R-byte
    rows. A tile is T bytes of it: 64 / R whole rows when R divides 64, else one row. Every
    tile of a group moves the same bytes, so a pass (one 64-byte dst chunk fed from one
-   64-byte src chunk of the tile) is a byte permutation + mask, built once per call and
-   applied to every tile of every head of every layer: load, vpermb, masked store. */
+   64-byte src chunk of one source block) is a byte permutation + mask, built once per call
+   and applied to every tile of every head of every layer: the passes of one dst chunk are
+   merged in a register (load, masked vpermb each) and stored once, under their union mask. */
 typedef struct {
     uint8_t idx[64];
     uint64_t mask, load_mask;
-    int64_t dst_off, src_off;
+    uint64_t store_mask;           /* on the last pass of a dst chunk: the chunk's union */
+    int64_t dst_off;               /* dst chunk in the tile */
+    int64_t src_rel;               /* src chunk, in bytes from the dst (block, head) base */
+    int64_t last;                  /* the last pass of its dst chunk: store */
 } pass_t;
 
 typedef struct {
@@ -96,8 +101,8 @@ typedef struct {
     const group_t *groups;
     const run_t *runs;
     const pass_t *passes;          /* NULL: scalar K rows */
-    const int64_t *lines;          /* per group: (offset << 2) | part << 1 | is_dst, in bytes
-                                      from the (block, head) base of that part */
+    const int64_t *lines;          /* per group: (offset << 1) | part, in bytes from the dst
+                                      (block, head) base of that part (sources: negative too) */
     int64_t num_groups, block_size, kv_heads, head_dim, elem_size;
     int64_t tile_bytes, tiles;     /* K tiles per (block, head) for the pass path */
     const int64_t *parts;          /* [2][5]: base, block, offset, head, dim (elements) */
@@ -112,9 +117,10 @@ typedef struct {
 #define ROW_RUNS(T)                                                                  \
     do {                                                                             \
         for (int64_t d = 0; d < hd; ++d) {                                           \
-            T *t = (T *)dp + d * ds; const T *s = (const T *)sp + d * ds;            \
+            T *t = (T *)dp + d * ds;                                                 \
             for (int64_t r = 0; r < nr; ++r) {                                       \
                 const run_t *u = rs + r;                                             \
+                const T *s = (const T *)(dp + SRC_REL(u)) + d * ds;                  \
                 T *tt = t + u->dst_off; const T *ss = s + u->src_off;                \
                 if (u->len * (int64_t)sizeof(T) > 64) {                              \
                     memcpy(tt, ss, (size_t)u->len * sizeof(T)); continue;            \
@@ -129,7 +135,7 @@ typedef struct {
         for (int64_t r = 0; r < nr; ++r)                                             \
             for (int64_t k = 0; k < rs[r].len; ++k) {                                \
                 T *t = (T *)dp + (rs[r].dst_off + k) * os;                           \
-                const T *s = (const T *)sp + (rs[r].src_off + k) * os;               \
+                const T *s = (const T *)(dp + SRC_REL(rs + r)) + (rs[r].src_off + k) * os; \
                 for (int64_t d = 0; d < hd; ++d) t[d * ds] = s[d * ds];              \
             }                                                                        \
     } while (0)
@@ -137,32 +143,35 @@ typedef struct {
 #if HAVE_X86
 /* Tile by tile (every pass of a tile while its lines are in L1). */
 __attribute__((target("avx512f,avx512bw,avx512vbmi")))
-static void apply_passes(const job_t *j, char *dst, const char *src, const group_t *g,
-                         int64_t first, int64_t tiles) {
+static void apply_passes(const job_t *j, char *dst, const group_t *g, int64_t first,
+                         int64_t tiles) {
     const pass_t *p = j->passes + g->first_pass;
     const int64_t tb = j->tile_bytes, np = g->num_passes;
     dst += first * tb;
-    src += first * tb;
     tiles -= first;
     if (np == 1) {
         const __m512i idx = _mm512_loadu_si512((const void *)p->idx);
         const __mmask64 lm = p->load_mask, sm = p->mask;
-        const char *s = src + p->src_off;
+        const char *s = dst + p->src_rel;
         char *d = dst + p->dst_off;
         for (int64_t t = 0; t < tiles; ++t, s += tb, d += tb)
             _mm512_mask_storeu_epi8(
                 d, sm, _mm512_permutexvar_epi8(idx, _mm512_maskz_loadu_epi8(lm, s)));
         return;
     }
-    for (int64_t t = 0; t < tiles; ++t, src += tb, dst += tb)
+    for (int64_t t = 0; t < tiles; ++t, dst += tb) {
+        __m512i acc = _mm512_setzero_si512();
         for (int64_t i = 0; i < np; ++i) {
             const pass_t *q = p + i;
-            _mm512_mask_storeu_epi8(
-                dst + q->dst_off, q->mask,
-                _mm512_permutexvar_epi8(_mm512_loadu_si512((const void *)q->idx),
-                                        _mm512_maskz_loadu_epi8(q->load_mask,
-                                                                src + q->src_off)));
+            acc = _mm512_mask_permutexvar_epi8(
+                acc, q->mask, _mm512_loadu_si512((const void *)q->idx),
+                _mm512_maskz_loadu_epi8(q->load_mask, dst + q->src_rel));
+            if (q->last) {
+                _mm512_mask_storeu_epi8(dst + q->dst_off, q->store_mask, acc);
+                acc = _mm512_setzero_si512();
+            }
         }
+    }
 }
 
 /* V runs: n contiguous bytes (n >= 1), no call overhead for the short runs of a compaction. */
@@ -176,9 +185,9 @@ static void copy_bytes(char *d, const char *s, int64_t n) {
     }
 }
 #else
-static void apply_passes(const job_t *j, char *dst, const char *src, const group_t *g,
-                         int64_t first, int64_t tiles) {
-    (void)j; (void)dst; (void)src; (void)g; (void)first; (void)tiles;
+static void apply_passes(const job_t *j, char *dst, const group_t *g, int64_t first,
+                         int64_t tiles) {
+    (void)j; (void)dst; (void)g; (void)first; (void)tiles;
 }
 static void copy_bytes(char *d, const char *s, int64_t n) { memcpy(d, s, (size_t)n); }
 #endif
@@ -199,13 +208,14 @@ static void copy_part(const job_t *j, char *cache, const int64_t *p, const group
     const run_t *rs = j->runs + g->first_run;
     const int64_t nr = g->num_runs;
     char *dp = part_base(j, cache, p, g->dst_block, h);
-    const char *sp = part_base(j, cache, p, g->src_block, h);
+    /* A run's source (block, head), relative to the destination's: same strides. */
+#define SRC_REL(u) (((u)->src_block - g->dst_block) * p[1] * es)
     if (j->unit_heads == 1 && contiguous_heads(j, p)) {  /* flash: one copy for all heads */
         for (int64_t r = 0; r < nr; ++r)
-            memcpy(dp + rs[r].dst_off * os * es, sp + rs[r].src_off * os * es,
+            memcpy(dp + rs[r].dst_off * os * es, dp + SRC_REL(rs + r) + rs[r].src_off * os * es,
                    (size_t)(rs[r].len * os * es));
     } else if (os == 1 && ds == j->block_size && j->passes) {
-        apply_passes(j, dp, sp, g, 0, j->tiles);
+        apply_passes(j, dp, g, 0, j->tiles);
     } else if (os == 1) {  /* transposed K: per channel row, every run of the pair */
         switch (es) {
             case 1: ROW_RUNS(uint8_t); break;
@@ -216,15 +226,15 @@ static void copy_part(const job_t *j, char *cache, const int64_t *p, const group
     } else if (ds == 1 && os == hd) {  /* V rows: a run is contiguous */
         for (int64_t r = 0; r < nr; ++r) {
             char *d = dp + rs[r].dst_off * os * es;
-            const char *from = sp + rs[r].src_off * os * es;
+            const char *from = dp + SRC_REL(rs + r) + rs[r].src_off * os * es;
             if (j->passes) copy_bytes(d, from, rs[r].len * hd * es);  /* AVX-512 is there */
             else memcpy(d, from, (size_t)(rs[r].len * hd * es));
         }
     } else if (ds == 1) {
         for (int64_t r = 0; r < nr; ++r)
             for (int64_t k = 0; k < rs[r].len; ++k)
-                memcpy(dp + (rs[r].dst_off + k) * os * es, sp + (rs[r].src_off + k) * os * es,
-                       (size_t)(hd * es));
+                memcpy(dp + (rs[r].dst_off + k) * os * es,
+                       dp + SRC_REL(rs + r) + (rs[r].src_off + k) * os * es, (size_t)(hd * es));
     } else {
         switch (es) {
             case 1: ELEMS(uint8_t); break;
@@ -233,6 +243,7 @@ static void copy_part(const job_t *j, char *cache, const int64_t *p, const group
             default: ELEMS(uint64_t); break;
         }
     }
+#undef SRC_REL
 }
 
 /* The prefetch cursor walks the same (layer, group, head) units as the copy, `distance`
@@ -242,18 +253,15 @@ static void copy_part(const job_t *j, char *cache, const int64_t *p, const group
 typedef struct {
     const job_t *j;
     int64_t layer, last_layer, group, head, line;
-    const char *base[4]; /* src K, dst K, src V, dst V of the cursor's unit */
+    const char *base[2]; /* dst K, dst V (block, head) bases of the cursor's unit */
 } cursor_t;
 
 static void cursor_bases(cursor_t *c) {
     const job_t *j = c->j;
     const group_t *g = j->groups + c->group;
     char *cache = j->layers[c->layer];
-    for (int part = 0; part < 2; ++part) {
-        const int64_t *p = j->parts + 5 * part;
-        c->base[2 * part] = part_base(j, cache, p, g->src_block, c->head);
-        c->base[2 * part + 1] = part_base(j, cache, p, g->dst_block, c->head);
-    }
+    for (int part = 0; part < 2; ++part)
+        c->base[part] = part_base(j, cache, j->parts + 5 * part, g->dst_block, c->head);
 }
 
 /* Advance past finished units; 0 when the cursor ran off its last layer. */
@@ -284,7 +292,7 @@ static void prefetch_lines(cursor_t *c, int64_t count) {
         int64_t n = g->num_lines - c->line;
         if (n > count) n = count;
         for (int64_t i = 0; i < n; ++i)  /* write intent for all: cheaper than a branch */
-            __builtin_prefetch(c->base[x[i] & 3] + (x[i] >> 2), 1, 3);
+            __builtin_prefetch(c->base[x[i] & 1] + (x[i] >> 1), 1, 3);
         c->line += n;
         count -= n;
     }
@@ -314,7 +322,7 @@ static void run_job(job_t *jw) {
         char *cache = j->layers[l];
         /* One thread runs into the next layer; with several, another thread owns it. */
         const int64_t last = j->num_threads == 1 && l + 1 < j->num_layers ? l + 1 : l;
-        cursor_t c = {j, l, last, 0, 0, 0, {0, 0, 0, 0}};
+        cursor_t c = {j, l, last, 0, 0, 0, {0, 0}};
         cursor_bases(&c);
         int64_t issued = 0, consumed = 0;
         for (int64_t gi = 0; gi < j->num_groups; ++gi) {
@@ -324,13 +332,12 @@ static void run_job(job_t *jw) {
                 consumed += lines;
                 if (k[2] == 1 && j->passes) {  /* K on the pass path, fed as it goes */
                     char *dk = part_base(j, cache, k, g->dst_block, h);
-                    const char *sk = part_base(j, cache, k, g->src_block, h);
                     int64_t step = lines ? (LINES_PER_TOP_UP * tiles) / lines : tiles;
                     if (step < 1) step = 1;
                     for (int64_t t = 0; t < tiles; t += step) {
                         const int64_t end = t + step < tiles ? t + step : tiles;
                         top_up(j, &c, &issued, first_line + lines * end / tiles + ahead);
-                        apply_passes(j, dk, sk, g, t, end);
+                        apply_passes(j, dk, g, t, end);
                     }
                 } else {
                     top_up(j, &c, &issued, consumed + ahead);
@@ -355,27 +362,35 @@ static int simd_available(void) {
 
 #define MAX_CHUNKS 16 /* tiles up to 1 KiB */
 
-/* Passes of every group; NULL when out of memory. */
+/* Passes of every group, ordered by dst chunk; NULL when out of memory. `block_bytes`: the
+   K block stride in bytes. */
 static pass_t *build_passes(group_t *groups, int64_t ng, const run_t *runs, int64_t es,
-                            int64_t row_bytes, int64_t rows_per_tile, int64_t tile_bytes) {
-    const int64_t nch = (tile_bytes + 63) / 64;
+                            int64_t row_bytes, int64_t rows_per_tile, int64_t tile_bytes,
+                            int64_t block_bytes) {
     int64_t cap = 64, np = 0;
     pass_t *passes = (pass_t *)malloc((size_t)cap * sizeof(pass_t));
     if (!passes) return 0;
-    int slot[MAX_CHUNKS * MAX_CHUNKS];
     for (int64_t gi = 0; gi < ng; ++gi) {
         group_t *g = groups + gi;
         g->first_pass = np;
-        for (int64_t i = 0; i < nch * nch; ++i) slot[i] = -1;
+        int64_t hit = -1; /* the pass used last: consecutive bytes mostly share it */
         for (int64_t r = 0; r < g->num_runs; ++r) {
             const run_t *u = runs + g->first_run + r;
+            const int64_t rel = (u->src_block - g->dst_block) * block_bytes;
             for (int64_t k = 0; k < u->len; ++k)
                 for (int64_t row = 0; row < rows_per_tile; ++row)
                     for (int64_t e = 0; e < es; ++e) {
                         const int64_t db = row * row_bytes + (u->dst_off + k) * es + e;
                         const int64_t sb = row * row_bytes + (u->src_off + k) * es + e;
-                        const int64_t key = (db >> 6) * nch + (sb >> 6);
-                        if (slot[key] < 0) {
+                        const int64_t dst_off = (db >> 6) * 64, src_rel = rel + (sb >> 6) * 64;
+                        if (hit < 0 || passes[hit].dst_off != dst_off ||
+                            passes[hit].src_rel != src_rel) {
+                            for (hit = g->first_pass; hit < np; ++hit)
+                                if (passes[hit].dst_off == dst_off &&
+                                    passes[hit].src_rel == src_rel)
+                                    break;
+                        }
+                        if (hit == np) {
                             if (np == cap) {
                                 const size_t bytes = (size_t)(2 * cap) * sizeof(pass_t);
                                 pass_t *more = (pass_t *)realloc(passes, bytes);
@@ -383,21 +398,36 @@ static pass_t *build_passes(group_t *groups, int64_t ng, const run_t *runs, int6
                                 passes = more;
                                 cap *= 2;
                             }
-                            pass_t *p = passes + np;
+                            pass_t *p = passes + np++;
                             memset(p, 0, sizeof(pass_t));
-                            p->dst_off = (db >> 6) * 64;
-                            p->src_off = (sb >> 6) * 64;
-                            const int64_t valid = tile_bytes - p->src_off;
+                            p->dst_off = dst_off;
+                            p->src_rel = src_rel;
+                            const int64_t valid = tile_bytes - (sb >> 6) * 64;
                             p->load_mask = valid >= 64 ? ~0ULL : ((1ULL << valid) - 1);
-                            slot[key] = (int)(np - g->first_pass);
-                            ++np;
                         }
-                        pass_t *p = passes + g->first_pass + slot[key];
-                        p->idx[db & 63] = (uint8_t)(sb & 63);
-                        p->mask |= 1ULL << (db & 63);
+                        passes[hit].idx[db & 63] = (uint8_t)(sb & 63);
+                        passes[hit].mask |= 1ULL << (db & 63);
                     }
         }
         g->num_passes = np - g->first_pass;
+        /* Order by dst chunk (stable insertion sort: a group has few passes), then mark the
+           last pass of each chunk with the chunk's union mask. */
+        pass_t *first = passes + g->first_pass;
+        for (int64_t i = 1; i < g->num_passes; ++i) {
+            pass_t key = first[i];
+            int64_t k = i - 1;
+            for (; k >= 0 && first[k].dst_off > key.dst_off; --k) first[k + 1] = first[k];
+            first[k + 1] = key;
+        }
+        uint64_t union_mask = 0;
+        for (int64_t i = 0; i < g->num_passes; ++i) {
+            union_mask |= first[i].mask;
+            if (i + 1 == g->num_passes || first[i + 1].dst_off != first[i].dst_off) {
+                first[i].last = 1;
+                first[i].store_mask = union_mask;
+                union_mask = 0;
+            }
+        }
     }
     return passes;
 }
@@ -405,14 +435,14 @@ static pass_t *build_passes(group_t *groups, int64_t ng, const run_t *runs, int6
 /* The cache lines of one unit, in the order the copy touches them. */
 typedef struct { int64_t *items, count, cap, last[2]; } lines_t;
 
-static int push_line(lines_t *s, int part, int side, int64_t offset) {
+static int push_line(lines_t *s, int part, int64_t offset) {
     if (s->count == s->cap) {
         int64_t *more = (int64_t *)realloc(s->items, (size_t)(2 * s->cap) * sizeof(int64_t));
         if (!more) return -1;
         s->items = more;
         s->cap *= 2;
     }
-    s->items[s->count++] = (offset << 2) | (part << 1) | side;
+    s->items[s->count++] = offset * 2 + part;
     return 0;
 }
 
@@ -420,7 +450,7 @@ static int push_line(lines_t *s, int part, int side, int64_t offset) {
 static int add_range(lines_t *s, int part, int side, int64_t start, int64_t len) {
     for (int64_t line = start >> 6; line <= (start + len - 1) >> 6; ++line) {
         if (s->last[side] == line) continue;
-        if (push_line(s, part, side, line << 6)) return -1;
+        if (push_line(s, part, line * 64)) return -1;
         s->last[side] = line;
     }
     return 0;
@@ -434,7 +464,7 @@ static int64_t *build_lines(const job_t *j, group_t *groups, const run_t *runs) 
         group_t *g = groups + gi;
         g->first_line = s.count;
         for (int part = 0; part < 2; ++part) {
-            const int64_t *p = j->parts + 5 * part, os = p[2], ds = p[4];
+            const int64_t *p = j->parts + 5 * part, os = p[2], ds = p[4], block = p[1] * es;
             s.last[0] = s.last[1] = -1;
             const run_t *rs = runs + g->first_run;
             int rc = 0;
@@ -443,29 +473,37 @@ static int64_t *build_lines(const job_t *j, group_t *groups, const run_t *runs) 
                 const int64_t run_bytes = (all_heads ? os : hd) * es;
                 for (int64_t r = 0; r < g->num_runs && !rc; ++r) {
                     const int64_t n = rs[r].len * run_bytes;
+                    const int64_t rel = (rs[r].src_block - g->dst_block) * block;
                     rc = add_range(&s, part, 1, rs[r].dst_off * os * es, n) |
-                         add_range(&s, part, 0, rs[r].src_off * os * es, n);
+                         add_range(&s, part, 0, rel + rs[r].src_off * os * es, n);
                 }
             } else if (os == 1 && ds == j->block_size && j->passes) {  /* K tiles */
-                int64_t chunks[2][MAX_CHUNKS], count[2] = {0, 0};
+                /* Per tile: each dst chunk once, then each source chunk once. */
                 const pass_t *q = j->passes + g->first_pass;
-                for (int64_t i = 0; i < g->num_passes; ++i)
-                    for (int side = 0; side < 2; ++side) {
-                        const int64_t off = side ? q[i].dst_off : q[i].src_off;
-                        int64_t k = 0;
-                        while (k < count[side] && chunks[side][k] != off) ++k;
-                        if (k == count[side]) chunks[side][count[side]++] = off;
-                    }
+                const int64_t n = g->num_passes;
+                int64_t *chunks = (int64_t *)malloc((size_t)(2 * n) * sizeof(int64_t));
+                int64_t count = 0;
+                if (!chunks) rc = -1;
+                for (int64_t i = 0; i < n && !rc; ++i)
+                    if (q[i].last) chunks[count++] = q[i].dst_off;
+                for (int64_t i = 0; i < n && !rc; ++i) {
+                    int64_t seen = 0;
+                    while (seen < i && q[seen].src_rel != q[i].src_rel) ++seen;
+                    if (seen == i) chunks[count++] = q[i].src_rel;
+                }
                 for (int64_t t = 0; t < j->tiles && !rc; ++t)
-                    for (int side = 1; side >= 0 && !rc; --side)
-                        for (int64_t k = 0; k < count[side] && !rc; ++k)
-                            rc = push_line(&s, part, side, t * j->tile_bytes + chunks[side][k]);
+                    for (int64_t i = 0; i < count && !rc; ++i)
+                        rc = push_line(&s, part, t * j->tile_bytes + chunks[i]);
+                free(chunks);
             } else if (os == 1) {  /* transposed K: the run's bytes of every channel row */
                 for (int64_t d = 0; d < hd && !rc; ++d) {
                     const int64_t row = d * ds * es;
-                    for (int64_t r = 0; r < g->num_runs && !rc; ++r)
+                    for (int64_t r = 0; r < g->num_runs && !rc; ++r) {
+                        const int64_t rel = (rs[r].src_block - g->dst_block) * block;
                         rc = add_range(&s, part, 1, row + rs[r].dst_off * es, rs[r].len * es) |
-                             add_range(&s, part, 0, row + rs[r].src_off * es, rs[r].len * es);
+                             add_range(&s, part, 0, rel + row + rs[r].src_off * es,
+                                       rs[r].len * es);
+                    }
                 }
             }
             if (rc) { free(s.items); return 0; }
@@ -501,17 +539,18 @@ int vtoken_repack(char **layers, int64_t num_layers, const int64_t *src, const i
     for (int64_t m = 0; m < num_moves; ++m) {
         const int64_t sb = src[m] / block_size, so = src[m] % block_size;
         const int64_t db = dst[m] / block_size, dof = dst[m] % block_size;
-        if (ng == 0 || groups[ng - 1].src_block != sb || groups[ng - 1].dst_block != db) {
-            group_t g = {sb, db, nr, 0, 0, 0, 0, 0};
+        if (ng == 0 || groups[ng - 1].dst_block != db) {
+            group_t g = {db, nr, 0, 0, 0, 0, 0};
             groups[ng++] = g;
         } else {
             run_t *last = runs + nr - 1;
-            if (last->src_off + last->len == so && last->dst_off + last->len == dof) {
+            if (last->src_block == sb && last->src_off + last->len == so &&
+                last->dst_off + last->len == dof) {
                 last->len++;
                 continue;
             }
         }
-        run_t r = {so, dof, 1};
+        run_t r = {sb, so, dof, 1};
         runs[nr++] = r;
         groups[ng - 1].num_runs++;
     }
@@ -525,7 +564,8 @@ int vtoken_repack(char **layers, int64_t num_layers, const int64_t *src, const i
     pass_t *passes = 0;
     if (!(options & 1) && parts[2] == 1 && parts[4] == block_size &&
         tile_bytes <= 64 * MAX_CHUNKS && simd_available())
-        passes = build_passes(groups, ng, runs, elem_size, row_bytes, rows_per_tile, tile_bytes);
+        passes = build_passes(groups, ng, runs, elem_size, row_bytes, rows_per_tile, tile_bytes,
+                              parts[1] * elem_size);
     if (num_threads > num_layers) num_threads = num_layers;
     if (num_threads < 1) num_threads = 1;
 #ifndef _OPENMP

@@ -667,18 +667,20 @@ def _load() -> _Library | None:
     for flags in options:
         key = _SOURCE + sys.platform + os.path.realpath(compiler) + " ".join(flags)
         library = _cache_dir() / f"repack_{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
-        failed = library.with_suffix(".failed")  # a build that failed once is not retried
-        if failed.exists():
+        # A compiler without OpenMP fails the same way every time: try that build once.
+        failed = library.with_suffix(".failed")
+        if flags and failed.exists():
             continue
         try:
             if not library.exists():
                 _build(compiler, flags, library)
             handle = ctypes.CDLL(str(library))
-        except subprocess.SubprocessError:
-            failed.parent.mkdir(parents=True, exist_ok=True)
-            failed.touch()
+        except subprocess.CalledProcessError:
+            if flags:
+                failed.parent.mkdir(parents=True, exist_ok=True)
+                failed.touch()
             continue
-        except OSError:
+        except (OSError, subprocess.SubprocessError):
             continue
         handle.vtoken_repack.restype = ctypes.c_int
         handle.vtoken_repack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -299,3 +300,46 @@ def test_cpu_path_with_k_and_v_strided_differently(
         [got], src, dst, (keys, values), *sizes, threads, simd=simd, prefetch=prefetch
     )
     assert torch.equal(got, expected)
+
+
+def test_compiler_without_openmp_falls_back_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A compiler that rejects -fopenmp gives a single-threaded library, and later loads do
+    not try the OpenMP build again."""
+    import shutil
+    import stat
+
+    from kernels import _repack_cpu
+
+    real = shutil.which("cc") or shutil.which("gcc")
+    if real is None or not _repack_cpu.uses_openmp():
+        pytest.skip("needs a C compiler and torch on GNU OpenMP")
+    calls = tmp_path / "calls"
+    fake = tmp_path / "cc"
+    fake.write_text(
+        "#!/bin/sh\n"
+        f'case " $* " in *" -fopenmp "*) echo openmp >> "{calls}"; exit 1;; esac\n'
+        f'exec "{real}" "$@"\n'
+    )
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CC", str(fake))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    try:
+        for _ in range(2):
+            _repack_cpu._load.cache_clear()
+            library = _repack_cpu._load()
+            assert library is not None and not library.threads
+        assert calls.read_text().split() == ["openmp"]
+        layout, block_size, kv_heads, head_dim = KVLayout.CPU_ATTN, 16, 1, 32
+        cache = layout.new_cache(3, block_size, kv_heads, head_dim).normal_()
+        expected = cache.clone()
+        src, dst = torch.tensor([33, 40]), torch.tensor([1, 2])
+        reference_repack([expected], src, dst, layout)
+        parts = layout.part_strides(cache)
+        assert parts is not None
+        sizes = (block_size, kv_heads, head_dim)
+        assert _repack_cpu.cpu_repack([cache], src, dst, parts, *sizes, num_threads=2) == 1
+        assert torch.equal(cache, expected)
+    finally:
+        _repack_cpu._load.cache_clear()

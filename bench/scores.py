@@ -3,14 +3,14 @@
 For each shape, seq_len and q_len (1: decode; 32: a SnapKV observation window): the
 dispatcher's ``attention_scores`` for one request and one layer, against attention over
 the same paged keys: SDPA (GQA, causal offset mask) on K and V gathered through the block
-table, which does the same gather work. ``ratio = scores_ms / attention_ms``.
+table, which does the same gather work. ``ratio = scores_ms / attention_ms``. Both are
+timed as ``vtoken bench repack`` times its functions (``bench.repack.measure_interleaved``):
+repetitions interleaved, each call warmed by an untimed one right before, medians.
 """
 
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -20,22 +20,6 @@ if TYPE_CHECKING:
     import torch
 
 SHAPES = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}  # q_heads, kv_heads, head_dim
-
-
-def _measure(device: torch.device, reps: int, function: Callable[[], Any]) -> float:
-    import torch
-
-    function()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        begin = time.perf_counter()
-        function()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - begin) * 1e3)
-    return min(times)
 
 
 def sdpa_attention(
@@ -65,6 +49,7 @@ def run_case(
 ) -> dict[str, Any]:
     import torch
 
+    from bench.repack import measure_interleaved
     from kernels.attention_scores import attention_scores
     from kernels.layout import KVLayout
 
@@ -75,12 +60,16 @@ def run_case(
     cache = layout.new_cache(num_blocks, block_size, kv_heads, head_dim, dtype, device).normal_()
     block_table = torch.randperm(num_blocks, device=device)[: num_blocks // 2].int()
     query = torch.randn(q_len, q_heads, head_dim, device=device, dtype=dtype)
-    scores_ms = _measure(
-        device, reps, lambda: attention_scores(query, cache, block_table, seq_len, layout)
+    times = measure_interleaved(
+        {
+            "scores": lambda: attention_scores(query, cache, block_table, seq_len, layout),
+            "attention": lambda: sdpa_attention(query, cache, block_table, seq_len, layout),
+        },
+        device,
+        reps,
+        cold=False,
     )
-    attention_ms = _measure(
-        device, reps, lambda: sdpa_attention(query, cache, block_table, seq_len, layout)
-    )
+    scores_ms, attention_ms = times["scores"], times["attention"]
     return {
         "shape": shape,
         "q_heads": q_heads,
@@ -102,7 +91,7 @@ def cli(
     ),
     seq_lens: Annotated[str, typer.Option(help="Comma list of sequence lengths.")] = "1024,4096",
     q_lens: Annotated[str, typer.Option(help="Comma list of query lengths.")] = "1,32",
-    reps: Annotated[int, typer.Option(help="Timed repetitions per measurement.")] = 5,
+    reps: Annotated[int, typer.Option(help="Timed repetitions per measurement.")] = 11,
     dtype: Annotated[str, typer.Option(help="Query and KV cache dtype.")] = "bfloat16",
     device: Annotated[str, typer.Option(help="cpu, cuda, or auto.")] = "auto",
 ) -> None:
@@ -123,6 +112,12 @@ def cli(
                     f"  attention {case['attention_ms']:8.3f} ms  ratio {case['ratio']:.2f}"
                 )
     name = torch.cuda.get_device_name() if chosen.type == "cuda" else "cpu"
-    result = {"device": name, "attention": "sdpa over gathered pages", "cases": cases}
+    result = {
+        "device": name,
+        "attention": "sdpa over gathered pages",
+        "statistic": "median of interleaved warm repetitions",
+        "reps": reps,
+        "cases": cases,
+    }
     if json_path is not None:
         json_path.write_text(json.dumps(result, indent=1) + "\n")

@@ -360,7 +360,8 @@ static int simd_available(void) {
 #endif
 }
 
-#define MAX_CHUNKS 16 /* tiles up to 1 KiB */
+#define MAX_CHUNKS 16 /* the pass path takes tiles up to 16 chunks (1 KiB); longer K rows
+                         take the scalar loop, whose setup does not grow with the row */
 
 /* Passes of every group, ordered by dst chunk; NULL when out of memory. `block_bytes`: the
    K block stride in bytes. */

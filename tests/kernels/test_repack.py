@@ -263,6 +263,37 @@ def test_library_runs_on_torchs_openmp_pool() -> None:
     assert _repack_cpu.cpu_repack(caches, src, dst, parts, block_size, kv_heads, head_dim, 1) == 1
 
 
+@pytest.mark.parametrize("offset_bytes", [0, 16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_path_values_streamed_only_when_lines_are_aligned(
+    offset_bytes: int, threads: int
+) -> None:
+    """V rows of whole lines are stored non-temporally, which needs 64-byte aligned rows: a
+    layer 16 bytes off alignment (a view into a larger buffer) takes the plain stores, for
+    every layer of the call (an aligned streaming store there would fault)."""
+    from kernels._repack_cpu import cpu_repack, load_library
+
+    if load_library() is None:
+        pytest.skip("no C compiler")
+    layout, num_blocks, block_size, kv_heads, head_dim = KVLayout.CPU_ATTN, 10, 16, 3, 64
+    shape = (num_blocks, kv_heads, block_size, 2 * head_dim)
+    numel = num_blocks * kv_heads * block_size * 2 * head_dim
+    caches = []
+    for index in range(3):
+        buffer = torch.randn(numel + 64, generator=torch.Generator().manual_seed(index))
+        start = (offset_bytes // 2) if index == 1 else 0  # bf16: 2 bytes per element
+        caches.append(buffer.to(torch.bfloat16)[start : start + numel].view(shape))
+    assert (caches[1].data_ptr() % 64 == 0) == (offset_bytes == 0)
+    src, dst = _planner_like_moves(num_blocks, block_size, 8 * block_size, 0.6, seed=3)
+    expected = [cache.clone() for cache in caches]
+    reference_repack(expected, src, dst, layout)
+    parts = layout.part_strides(caches[0])
+    assert parts is not None
+    assert cpu_repack(caches, src, dst, parts, block_size, kv_heads, head_dim, threads)
+    for got, want in zip(caches, expected, strict=True):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize(("simd", "prefetch", "threads"), CPU_PATHS)
 def test_cpu_path_with_k_and_v_strided_differently(
     simd: bool, prefetch: bool, threads: int

@@ -15,7 +15,10 @@ tables whose evictions follow the issue:
 Method: every timed call of the dispatcher (``repack_ms``), the plain copy of the same
 number of bytes (one contiguous uint8 buffer into another, ``copy_gbps``), the baseline
 (``kernels.reference_repack``, plain torch indexing on every layer, ``baseline_ms``) and
-advanced indexing on the layout's K/V views (``view_index_ms``, informational) is prepared
+advanced indexing on the layout's K/V views (``view_index_ms``, informational) and, on the
+CPU, the memory floor of the moves (``floor_ms``: only touching the cache lines the repack
+must read or write, ``bench/memory_floor.py``; ``floor_ratio = floor_ms / repack_ms``,
+``traffic_mb`` the DRAM bytes those lines take) is prepared
 the same way: cold by default (a 96 MiB buffer, 3x the last-level cache, is written first, so
 nothing starts cached), or with ``--warm`` an untimed call of the same function right before.
 Repetitions are interleaved (repack, copy, baseline, view, repack, ...) and each figure is the
@@ -182,7 +185,9 @@ def run_case(
 ) -> dict[str, Any]:
     import torch
 
+    from bench import memory_floor
     from kernels import reference_repack, repack
+    from kernels._repack_cpu import default_threads
     from kernels.layout import KVLayout
 
     layers, kv_heads, head_dim = SHAPES[shape]
@@ -199,18 +204,19 @@ def run_case(
     # The plain copy: one contiguous buffer of the moved bytes into another.
     buffer = torch.ones(moved_bytes, dtype=torch.uint8, device=device)
     target = torch.empty_like(buffer)
-    times = measure_interleaved(
-        {
-            "repack": lambda: repack(caches, src, dst, layout),
-            "copy": lambda: target.copy_(buffer),
-            "baseline": lambda: reference_repack(caches, src, dst, layout),
-            "view_index": lambda: torch_indexing_baseline(caches, src, dst, layout),
-        },
-        device,
-        reps,
-        cold,
-        prime=("repack", "copy"),
-    )
+    functions: dict[str, Callable[[], object]] = {
+        "repack": lambda: repack(caches, src, dst, layout),
+        "copy": lambda: target.copy_(buffer),
+        "baseline": lambda: reference_repack(caches, src, dst, layout),
+        "view_index": lambda: torch_indexing_baseline(caches, src, dst, layout),
+    }
+    # CPU: the least memory work of these moves (see bench/memory_floor.py), same threads.
+    floor = memory_floor.plan(caches, src, dst, layout) if device.type == "cpu" else None
+    touch = floor.runner(caches, default_threads(moved_bytes)) if floor is not None else None
+    if touch is not None:
+        functions["floor"] = touch
+    prime = tuple(name for name in ("repack", "copy", "floor") if name in functions)
+    times = measure_interleaved(functions, device, reps, cold, prime=prime)
     # Sources are never destinations, so every pass leaves dst == src; check it after the
     # dispatcher runs last, in every layer.
     repack(caches, src, dst, layout)
@@ -248,6 +254,10 @@ def run_case(
         "baseline_min_ms": round(times["baseline_min"], 4),
         "ratio_min": round(times["copy_min"] / times["repack_min"], 4),
         "speedup_min": round(times["baseline_min"] / times["repack_min"], 2),
+        # The least memory work of the moves (CPU): floor_ratio near 1 = traffic-bound.
+        "floor_ms": round(times["floor"], 4) if "floor" in times else None,
+        "floor_ratio": round(times["floor"] / repack_ms, 3) if "floor" in times else None,
+        "traffic_mb": round(floor.traffic_bytes(layers) / 1e6, 1) if floor else None,
     }
 
 
@@ -299,6 +309,7 @@ def cli(
                     f"  copy {case['copy_gbps']:6.2f} GB/s  ratio {case['ratio']:.3f}"
                     f"  baseline {case['baseline_ms']:8.3f} ms  speedup {case['speedup']:.1f}x"
                     f"  (view indexing {case['view_index_speedup']:.1f}x)"
+                    + (f"  floor {case['floor_ratio']:.2f}" if case["floor_ratio"] else "")
                 )
     name = torch.cuda.get_device_name() if chosen.type == "cuda" else "cpu"
     result = {

@@ -552,14 +552,6 @@ static int64_t *build_lines(const job_t *j, group_t *groups, const run_t *runs) 
    64 was up to 1.4x slower than 256, no prefetch up to 1.5x slower. */
 #define PREFETCH_LINES 512
 
-int vtoken_openmp(void) {
-#ifdef _OPENMP
-    return 1;
-#else
-    return 0;
-#endif
-}
-
 /* options: bit 0 disables the SIMD K path, bit 1 the software prefetch. Returns the number of
    threads that ran (>= 1; 1 for no moves), or -1 when out of memory (nothing was copied). */
 int vtoken_repack(char **layers, int64_t num_layers, const int64_t *src, const int64_t *dst,
@@ -671,14 +663,14 @@ def _cache_dir() -> Path:
     return Path(root) / "vtoken" / "kernels"
 
 
-def _build(compiler: str, flags: list[str], library: Path) -> None:
-    """Compile ``_SOURCE`` into ``library`` (atomic: concurrent workers may race to build)."""
+def _build(compiler: str, flags: list[str], source: str, library: Path) -> None:
+    """Compile ``source`` into ``library`` (atomic: concurrent workers may race to build)."""
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
-        source = Path(tmp) / "repack.c"
-        source.write_text(_SOURCE)
+        path = Path(tmp) / "source.c"
+        path.write_text(source)
         built = Path(tmp) / "repack.so"
-        command = [compiler, "-O3", "-shared", "-fPIC", *flags, "-o", str(built), str(source)]
+        command = [compiler, "-O3", "-shared", "-fPIC", *flags, "-o", str(built), str(path)]
         subprocess.run(command, check=True, capture_output=True, timeout=120)
         os.replace(built, library)
 
@@ -689,26 +681,30 @@ class _Library:
     threads: bool  # layers may be split over torch's OpenMP pool
 
 
-@functools.lru_cache(maxsize=1)
-def _load() -> _Library | None:
+def compile_library(source: str, stem: str) -> _Library | None:
+    """Build C ``source`` with the system compiler (cached by content under
+    ``~/.cache/vtoken/kernels``) and load it; ``None`` without a working compiler.
+
+    Built with ``-fopenmp`` only when that binds it to torch's own runtime: GNU ``libgomp``,
+    the one OpenMP runtime loaded, and GCC (clang would bring LLVM's ``libomp`` as a second
+    one). ``threads`` is true when it was, and loading it mapped no other runtime.
+    """
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
     runtimes = _openmp_runtimes()
-    # -fopenmp only when it binds to the runtime torch already loaded: GNU libgomp by its
-    # soname, with GCC (clang would bring LLVM's libomp as a second runtime).
     shared = [os.path.basename(path) for path in runtimes] == ["libgomp.so.1"]
     options = [["-fopenmp"], []] if shared and _is_gcc(compiler) else [[]]
     for flags in options:
-        key = _SOURCE + sys.platform + os.path.realpath(compiler) + " ".join(flags)
-        library = _cache_dir() / f"repack_{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+        key = source + sys.platform + os.path.realpath(compiler) + " ".join(flags)
+        library = _cache_dir() / f"{stem}_{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
         # A compiler without OpenMP fails the same way every time: try that build once.
         failed = library.with_suffix(".failed")
         if flags and failed.exists():
             continue
         try:
             if not library.exists():
-                _build(compiler, flags, library)
+                _build(compiler, flags, source, library)
             handle = ctypes.CDLL(str(library))
         except subprocess.CalledProcessError:
             if flags:
@@ -717,15 +713,24 @@ def _load() -> _Library | None:
             continue
         except (OSError, subprocess.SubprocessError):
             continue
-        handle.vtoken_repack.restype = ctypes.c_int
-        handle.vtoken_repack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-        handle.vtoken_repack.argtypes += [ctypes.c_void_p] + [ctypes.c_int64] * 5
-        handle.vtoken_repack.argtypes += [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-        handle.vtoken_openmp.restype = ctypes.c_int
         # Threads only if loading it mapped no runtime of its own.
-        threads = bool(handle.vtoken_openmp()) and _openmp_runtimes() == runtimes
-        return _Library(handle, threads)
+        return _Library(handle, bool(flags) and _openmp_runtimes() == runtimes)
     return None
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> _Library | None:
+    library = compile_library(_SOURCE, "repack")
+    if library is not None:
+        function = library.handle.vtoken_repack
+        function.restype = ctypes.c_int
+        function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+        function.argtypes += [ctypes.c_int64] * 5 + [
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int64,
+        ]
+    return library
 
 
 def load_library() -> ctypes.CDLL | None:

@@ -32,3 +32,50 @@ def test_run_case_reports_the_issue_fields() -> None:
     assert case["speedup"] == pytest.approx(case["baseline_ms"] / case["repack_ms"], rel=1e-2)
     for key in ("layers", "kv_heads", "head_dim", "block_size", "copy_gbps", "baseline_ms"):
         assert case[key] > 0
+    if case["floor_ms"] is not None:  # a C compiler: the memory floor ran beside them
+        assert case["floor_ratio"] == pytest.approx(case["floor_ms"] / case["repack_ms"], rel=1e-2)
+        assert case["traffic_mb"] > 2 * case["moved_bytes"] / 1e6  # transposed K: whole lines
+
+
+def test_memory_floor_touches_exactly_the_repacks_lines() -> None:
+    """The floor's line sets (transposed K rewritten in part, V rows of whole lines, sources
+    read) and the C loop: partial lines keep their bytes, whole lines are zeroed, nothing
+    else changes."""
+    from bench import memory_floor
+    from kernels.layout import KVLayout
+
+    layout, block_size, kv_heads, head_dim = KVLayout.CPU_ATTN, 16, 2, 64
+    caches = [
+        layout.new_cache(6, block_size, kv_heads, head_dim, torch.bfloat16).normal_()
+        for _ in range(2)
+    ]
+    src, dst = torch.tensor([80, 81, 40]), torch.tensor([3, 4, 17])
+    floor = memory_floor.plan(caches, src, dst, layout)
+    assert floor is not None
+    row_bytes = 2 * head_dim * block_size * 2  # one (block, head): K then V, bf16
+    k_bytes = head_dim * block_size * 2
+    # K: 2 channel rows of 16 tokens per line, 32 lines per (block, head), 2 dst blocks.
+    assert floor.partial.size == 2 * kv_heads * head_dim // 2
+    # V: a token's row of 64 bf16 is two whole lines; 3 tokens, 2 heads.
+    assert floor.whole.size == 3 * kv_heads * 2
+    # Sources: 2 K regions (blocks 5 and 2) + 3 V rows, per head.
+    assert floor.reads.size == kv_heads * (2 * head_dim // 2 + 3 * 2)
+    assert not np.isin(floor.reads, np.concatenate([floor.partial, floor.whole])).any()
+    assert np.all(floor.whole % row_bytes >= k_bytes) and np.all(
+        floor.partial % row_bytes < k_bytes
+    )
+    lines = 2 * floor.partial.size + floor.whole.size + floor.reads.size
+    assert floor.traffic_bytes(len(caches)) == 64 * lines * len(caches)
+
+    run = floor.runner(caches, threads=2)
+    if run is None:
+        pytest.skip("no C compiler")
+    before = [cache.clone() for cache in caches]
+    run()
+    for cache, old in zip(caches, before, strict=True):
+        raw, old_raw = cache.view(-1).view(torch.uint8), old.view(-1).view(torch.uint8)
+        zeroed = torch.zeros_like(raw, dtype=torch.bool)
+        for start in floor.whole.tolist():
+            zeroed[start : start + 64] = True
+        assert torch.all(raw[zeroed] == 0)
+        assert torch.equal(raw[~zeroed], old_raw[~zeroed])

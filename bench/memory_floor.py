@@ -5,9 +5,10 @@ changes in part (a line of transposed K takes 2-4 bytes per moved token: the lin
 for ownership, then written back) and write the lines it overwrites whole (V rows of whole,
 aligned lines, which the CPU path streams). The floor does exactly that and nothing else:
 one byte rewritten per partly-changed line, a streamed zero line per whole line, one load
-per read line, each kind in address order, prefetched as far ahead as the repack prefetches
-and split over the same threads by layer. ``floor_ms / repack_ms`` near 1 means the repack
-is bound by the traffic its move pattern causes in this layout, not by how it copies.
+per read line, each kind in address order, prefetched as the repack prefetches (as far
+ahead, non-temporal hint) and split over the same threads by layer. ``floor_ms /
+repack_ms`` near 1 means the repack is bound by the traffic its move pattern causes in
+this layout, not by how it copies.
 
 It zero-fills the whole destination lines: run the repack again before checking values.
 """
@@ -44,7 +45,7 @@ void vtoken_floor(char **layers, int64_t num_layers, const int64_t *partial,
     for (int64_t l = 0; l < num_layers; ++l) {
         char *base = layers[l];
         for (int64_t i = 0; i < num_partial; ++i) {
-            if (i + ahead < num_partial) __builtin_prefetch(base + partial[i + ahead], 1, 3);
+            if (i + ahead < num_partial) __builtin_prefetch(base + partial[i + ahead], 0, 0);
             volatile char *p = base + partial[i];
             *p = *p;
         }
@@ -58,7 +59,7 @@ void vtoken_floor(char **layers, int64_t num_layers, const int64_t *partial,
 #endif
         }
         for (int64_t i = 0; i < num_reads; ++i) {
-            if (i + ahead < num_reads) __builtin_prefetch(base + reads[i + ahead], 0, 3);
+            if (i + ahead < num_reads) __builtin_prefetch(base + reads[i + ahead], 0, 0);
             (void)*(volatile const char *)(base + reads[i]);
         }
 #if defined(__x86_64__)

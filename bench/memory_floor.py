@@ -3,7 +3,8 @@
 A repack must load every cache line that holds a byte it moves, rewrite every line it
 changes in part (a line of transposed K takes 2-4 bytes per moved token: the line is read
 for ownership, then written back) and write the lines it overwrites whole (V rows of whole,
-aligned lines, which the CPU path streams). The floor does exactly that and nothing else:
+aligned lines, which the CPU path streams; rarely a K line whose every token moves, which
+the repack still reads first). The floor does exactly that and nothing else:
 one byte rewritten per partly-changed line, a streamed zero line per whole line, one load
 per read line, each kind in address order, prefetched as the repack prefetches (as far
 ahead, non-temporal hint) and split over the same threads by layer. ``floor_ms /

@@ -582,15 +582,16 @@ static int check_moves(const int64_t *src, const int64_t *dst, int64_t n, int64_
     return status;
 }
 
-/* options: bit 0 disables the SIMD K path, bit 1 the software prefetch. num_slots > 0: check
-   the moves first (check_moves). Returns the number of threads that ran (>= 1; 1 for no
-   moves), -1 when out of memory or a BAD_* code (nothing was copied in either case). */
+/* options: bit 0 disables the SIMD K path, bit 1 the software prefetch. num_slots >= 0: check
+   the moves first (check_moves); -1: trust them. Returns the number of threads that ran
+   (>= 1; 1 for no moves), -1 when out of memory or a BAD_* code (nothing was copied in
+   either case). */
 int vtoken_repack(char **layers, int64_t num_layers, const int64_t *src, const int64_t *dst,
                   int64_t num_moves, int64_t block_size, int64_t kv_heads, int64_t head_dim,
                   int64_t elem_size, const int64_t *parts, int64_t num_threads, int64_t options,
                   int64_t num_slots) {
     if (num_moves <= 0 || num_layers <= 0) return 1;
-    if (num_slots > 0) {
+    if (num_slots >= 0) {
         const int status = check_moves(src, dst, num_moves, num_slots);
         if (status) return status;
     }
@@ -796,13 +797,13 @@ def cpu_repack(
     num_threads: int | None = None,
     simd: bool = True,
     prefetch: bool = True,
-    num_slots: int = 0,
+    num_slots: int | None = None,
 ) -> int:
     """Move slots in every layer with the C loop. Returns the number of threads that ran,
     0 when the library is unavailable (or out of memory: nothing was copied).
 
     ``src_slots``/``dst_slots``: contiguous int64 CPU ``[num_moves]``; caches: contiguous,
-    one dtype, checked by the caller. ``num_slots`` > 0: the C loop first checks the moves
+    one dtype, checked by the caller. ``num_slots`` given: the C loop first checks the moves
     as ``kernels.check_repack_args`` does (in range, no destination twice or also a source)
     and raises ``ValueError`` without copying.
     """
@@ -837,10 +838,10 @@ def cpu_repack(
         packed,
         num_threads,
         (0 if simd else 1) | (0 if prefetch else 2),
-        num_slots,
+        -1 if num_slots is None else num_slots,
     )
     if status < -1:
         from kernels.repack import slot_problem_message
 
-        raise ValueError(slot_problem_message(status, num_slots))
+        raise ValueError(slot_problem_message(status, num_slots or 0))
     return max(status, 0)

@@ -85,6 +85,10 @@ class KVLayout(StrEnum):
             raise ValueError(f"{self.value} cache must be {rank}-D, got shape {tuple(cache.shape)}")
         if self is KVLayout.FLASH and cache.shape[0] != 2:
             raise ValueError(f"flash cache dim 0 must be 2 (K, V), got {cache.shape[0]}")
+        if self.block_size(cache) < 1:
+            raise ValueError(
+                f"{self.value} cache needs block_size >= 1, got shape {tuple(cache.shape)}"
+            )
         if self is not KVLayout.FLASH and cache.shape[3] % 2:
             raise ValueError(f"cpu_attn cache last dim must be 2 * head_dim, got {cache.shape[3]}")
         if self is KVLayout.CPU_ATTN_AMX and (cache.shape[2] % 16 or cache.shape[3] % 64):

@@ -191,7 +191,7 @@ def repack(
     from kernels._repack_cpu import cpu_repack
 
     # The C loop checks the slot values itself (microseconds, against tens through numpy).
-    num_slots = _num_slots(first, layout) if check else 0
+    num_slots = _num_slots(first, layout) if check else None
     src, dst = src_slots.contiguous(), dst_slots.contiguous()
     if not cpu_repack(kv_caches, src, dst, parts, *sizes, num_slots=num_slots):
         if check:  # no library, or out of memory before its check

@@ -135,6 +135,18 @@ def test_slot_checks_agree_on_cpu_and_device_paths() -> None:
     assert len(verdicts) == 4  # out of range, dst twice, dst also a source, valid
 
 
+def test_moves_into_a_cache_without_slots_are_rejected() -> None:
+    """No blocks: every slot is out of range, whichever backend checks it."""
+    for layout in (KVLayout.FLASH, KVLayout.CPU_ATTN):
+        cache = layout.new_cache(0, 16, 1, 32)
+        for backend in _backends(layout):
+            with pytest.raises(ValueError, match=r"out of range \[0, 0\)"):
+                repack([cache], torch.tensor([5]), torch.tensor([10**6]), layout, backend=backend)
+    with pytest.raises(ValueError, match="block_size >= 1"):
+        check_repack_args([KVLayout.CPU_ATTN.new_cache(4, 0, 1, 32)], *[torch.tensor([1])] * 2,
+                          KVLayout.CPU_ATTN)  # fmt: skip
+
+
 def test_check_rejects_bad_caches() -> None:
     layout = KVLayout.CPU_ATTN
     a = layout.new_cache(4, 16, 1, 32)
@@ -308,9 +320,10 @@ def test_library_runs_on_torchs_openmp_pool() -> None:
 def test_cpu_path_values_streamed_only_when_lines_are_aligned(
     offset_bytes: int, threads: int
 ) -> None:
-    """V rows of whole lines are stored non-temporally, which needs 64-byte aligned rows: a
-    layer 16 bytes off alignment (a view into a larger buffer) takes the plain stores, for
-    every layer of the call (an aligned streaming store there would fault)."""
+    """V rows of whole lines are stored non-temporally (on the SIMD path: AVX-512 VBMI), which
+    needs 64-byte aligned rows: a layer 16 bytes off alignment (a view into a larger buffer)
+    takes the plain stores, for every layer of the call (an aligned streaming store there
+    would fault)."""
     from kernels._repack_cpu import cpu_repack, load_library
 
     if load_library() is None:

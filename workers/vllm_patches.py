@@ -4,7 +4,8 @@
 its engine was built with ``additional_config={"vtoken": {...}}``:
 
 scheduler side (engine-core process)
-  ``Scheduler.__init__``              validate config, refuse unsupported features, turn
+  ``Scheduler.__init__``              validate config, refuse unsupported engines
+                                      (``check_engine``: device, runner, scheduler class), turn
                                       prefix caching off, attach ``VTokenScheduler``
   ``Scheduler.schedule``              attach ``StepOps`` to the ``SchedulerOutput``
   ``Scheduler.update_from_output``    policies evict and repacks commit (before vLLM's
@@ -12,6 +13,7 @@ scheduler side (engine-core process)
   ``KVCacheManager.allocate_slots``   physical counts drive block allocation
   ``KVCacheManager.free``             finish / abort / preemption free table + ballast
 worker side (every worker process; V1 runner, CPU)
+  V2 ``GPUModelRunner.__init__``      refuse a vToken engine (V2 is not wired)
   ``GPUModelRunner.execute_model``    repack + truncate before, scores after the forward
   ``GPUModelRunner._prepare_inputs``  physical ``seq_lens`` and slot mapping
   ``GPUModelRunner.sample_tokens``    attach ``StepScores`` to the ``ModelRunnerOutput``
@@ -89,6 +91,9 @@ def install() -> None:
     _wrap(GPUModelRunner, "_prepare_inputs", _prepare_inputs)
     _wrap(GPUModelRunner, "sample_tokens", _sample_tokens)
     _wrap(CPUAttentionBackendImpl, "forward", _attention_forward)
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as ModelRunnerV2
+
+    _wrap(ModelRunnerV2, "__init__", _refuse_runner)
     from vllm.v1.engine.core import EngineCore
 
     EngineCore.vtoken_counters = _engine_core_counters  # type: ignore[attr-defined]
@@ -122,29 +127,72 @@ def scheduler_state(scheduler: Any) -> VTokenScheduler | None:
     return getattr(scheduler.kv_cache_manager, "vtoken", None)
 
 
-def _check_engine(vllm_config: Any, kv_cache_config: Any) -> None:
-    """Refuse what vToken does not support, with the setting to change."""
+SUPPORTED_SCHEDULER = "vllm.v1.core.sched.scheduler.Scheduler"
+SUPPORTED_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"
+SUPPORTED_RUNNER = "vllm.v1.worker.cpu_model_runner.CPUModelRunner"
+WHERE_VTOKEN_RUNS = (
+    "vToken runs on vLLM 0.32's CPU build with the V1 model runner "
+    f"({SUPPORTED_RUNNER}), the synchronous {SUPPORTED_SCHEDULER} and one worker; "
+    "to serve without vToken, drop additional_config['vtoken']"
+)
+
+
+class UnsupportedEngineError(ValueError):
+    """An engine with a vToken config uses a runner, scheduler or feature vToken does
+    not wrap. Raised at engine construction, before any request or KV copy."""
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def check_engine(vllm_config: Any, scheduler_cls: type, kv_cache_config: Any = None) -> None:
+    """Raise ``UnsupportedEngineError`` naming every setting to change, unless vToken's
+    wrappers cover this engine: CPU device, V1 model runner, exactly vLLM's synchronous
+    ``Scheduler`` (a subclass such as ``AsyncScheduler`` inherits the wrappers but not
+    their assumptions), the CPU worker, one worker, no speculative decoding or KV
+    connector, and (when ``kv_cache_config`` is known) one full-attention KV group.
+
+    Running anywhere else would be silent corruption: the scheduler side would free and
+    reassign blocks that an unwrapped runner still reads and writes."""
     problems = []
-    if vllm_config.scheduler_config.async_scheduling:
+    device = vllm_config.device_config.device_type
+    if device != "cpu":
+        problems.append(
+            f"device {device!r} (the CUDA runner hooks are not wired yet; use the CPU build)"
+        )
+    if vllm_config.use_v2_model_runner:
+        problems.append("vLLM's V2 model runner (set VLLM_USE_V2_MODEL_RUNNER=0)")
+    if _qualname(scheduler_cls) != SUPPORTED_SCHEDULER:
+        problems.append(
+            f"scheduler class {_qualname(scheduler_cls)} (drop scheduler_cls and pass"
+            " async_scheduling=False)"
+        )
+    elif vllm_config.scheduler_config.async_scheduling:
         problems.append("async scheduling (pass async_scheduling=False)")
+    worker_cls = vllm_config.parallel_config.worker_cls
+    if worker_cls not in ("auto", SUPPORTED_WORKER):
+        problems.append(f"worker class {worker_cls} (leave worker_cls at 'auto')")
     if vllm_config.speculative_config is not None:
-        problems.append("speculative decoding")
+        problems.append("speculative decoding (drop speculative_config)")
     if vllm_config.kv_transfer_config is not None:
-        problems.append("KV connectors (kv_transfer_config)")
-    if len(kv_cache_config.kv_cache_groups) != 1:
+        problems.append("KV connectors (drop kv_transfer_config)")
+    if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
         problems.append("models with several KV cache groups (hybrid or sliding window)")
     parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size != 1 or parallel.tensor_parallel_size != 1:
         problems.append("pipeline or tensor parallelism (scores come from one worker)")
     if problems:
-        raise ValueError("vToken does not support " + "; ".join(problems))
+        raise UnsupportedEngineError(
+            "vToken cannot run in this engine: " + "; ".join(problems) + ". " + WHERE_VTOKEN_RUNS
+        )
 
 
 def _scheduler_init(original: Callable[..., Any]) -> Callable[..., Any]:
     def __init__(self: Any, vllm_config: Any, kv_cache_config: Any, *args: Any, **kw: Any):
         config = parse_config(vllm_config.additional_config)
         if config is not None:
-            _check_engine(vllm_config, kv_cache_config)
+            check_engine(vllm_config, type(self), kv_cache_config)
             config.layer_ids(vllm_config.model_config.get_num_layers(vllm_config.parallel_config))
             if vllm_config.cache_config.enable_prefix_caching:
                 logger.warning("vToken: prefix caching is turned off for this engine")
@@ -261,10 +309,14 @@ def worker_state(runner: Any) -> VTokenWorker | None:
 def _make_worker(runner: Any, config: VTokenConfig) -> VTokenWorker:
     from kernels import KVLayout
 
-    if runner.device.type != "cpu":
-        raise NotImplementedError(
-            "vToken's engine path is implemented for the CPU V1 runner; GPU runners"
-            " (V1 flash layout, V2) are not wired yet"
+    # Defence in depth: the scheduler side refused unsupported engines at start; a
+    # runner that still reaches this point must be the one these hooks were written for.
+    vllm_config = runner.vllm_config
+    check_engine(vllm_config, vllm_config.scheduler_config.get_scheduler_cls())
+    if _qualname(type(runner)) != SUPPORTED_RUNNER or runner.device.type != "cpu":
+        raise UnsupportedEngineError(
+            f"vToken cannot run in model runner {_qualname(type(runner))} on"
+            f" {runner.device.type!r}. {WHERE_VTOKEN_RUNS}"
         )
     layers = runner.vllm_config.compilation_config.static_forward_context
     attention = {name: layer for name, layer in layers.items() if hasattr(layer, "impl")}
@@ -279,6 +331,21 @@ def _make_worker(runner: Any, config: VTokenConfig) -> VTokenWorker:
             raise ValueError(f"vToken: cannot read a layer index from {name!r}")
         layer.vtoken_capture = (state, int(match.group(1)))
     return state
+
+
+def _refuse_runner(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``__init__`` of a runner vToken does not wrap (V2): refuse a vToken engine before
+    the runner exists, so no step can run with scheduler-side tables it ignores."""
+
+    def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        if parse_config(vllm_config.additional_config) is not None:
+            raise UnsupportedEngineError(
+                f"vToken cannot run in model runner {_qualname(type(self))}"
+                f" (set VLLM_USE_V2_MODEL_RUNNER=0). {WHERE_VTOKEN_RUNS}"
+            )
+        original(self, vllm_config, *args, **kwargs)
+
+    return __init__
 
 
 def _execute_model(original: Callable[..., Any]) -> Callable[..., Any]:

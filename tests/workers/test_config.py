@@ -93,24 +93,6 @@ def test_step_messages_survive_pickle():
     assert pickle.loads(pickle.dumps(scores)).attention["a"].step_scores.tolist() == [1, 1, 1]
 
 
-def test_unsupported_engine_settings_are_refused():
-    """On CPU vLLM itself forces async scheduling off, so this is checked on a fake config."""
-    from types import SimpleNamespace
-
-    from workers.vllm_patches import _check_engine
-
-    config = SimpleNamespace(
-        scheduler_config=SimpleNamespace(async_scheduling=True),
-        speculative_config=object(),
-        kv_transfer_config=None,
-        parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=2),
-    )
-    kv_cache_config = SimpleNamespace(kv_cache_groups=[object(), object()])
-    expected = "async scheduling.*speculative.*several KV cache groups.*tensor parallelism"
-    with pytest.raises(ValueError, match=expected):
-        _check_engine(config, kv_cache_config)
-
-
 def test_messages_ride_vllms_pickled_step_objects():
     """Workers in other processes get the SchedulerOutput pickled (shm broadcast), and the
     driver worker's ModelRunnerOutput comes back pickled: the attributes must survive."""

@@ -1,0 +1,122 @@
+"""A vToken engine starts only where its hooks are wired, and refuses at construction.
+
+The CUDA and V2 cases run against real ``VllmConfig`` objects (V2 needs Triton with a
+backend, which vLLM's CPU build lacks, so only that property is faked); the scheduler
+class case runs end to end on the CPU engine.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.workers.conftest import token_prompts
+from workers.engine import make_llm
+from workers.vllm_patches import UnsupportedEngineError, check_engine
+
+pytestmark = pytest.mark.slow
+
+ASYNC_SCHEDULER = "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
+VTOKEN = {"policy": "streaming_llm", "budget_tokens": 48}
+
+
+def _vllm_config(model: str, **engine_args):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(
+        model=model,
+        skip_tokenizer_init=True,
+        max_model_len=512,
+        block_size=32,
+        enforce_eager=True,
+        async_scheduling=False,
+        additional_config={"vtoken": VTOKEN},
+        **engine_args,
+    ).create_engine_config()
+
+
+def _scheduler():
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    return Scheduler
+
+
+def test_the_cpu_v1_engine_passes(tiny_llama_path):
+    check_engine(_vllm_config(tiny_llama_path), _scheduler())
+
+
+def test_cuda_device_is_refused(tiny_llama_path):
+    config = _vllm_config(tiny_llama_path)
+    config.device_config.device_type = "cuda"
+    with pytest.raises(UnsupportedEngineError, match="device 'cuda'.*CPU build"):
+        check_engine(config, _scheduler())
+
+
+def test_v2_model_runner_is_refused(tiny_llama_path, monkeypatch):
+    from vllm.config import VllmConfig
+
+    config = _vllm_config(tiny_llama_path)
+    monkeypatch.setattr(VllmConfig, "use_v2_model_runner", property(lambda self: True))
+    with pytest.raises(UnsupportedEngineError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        check_engine(config, _scheduler())
+
+
+def test_v2_runner_refuses_a_vtoken_config_before_it_exists(tiny_llama_path):
+    """Defence in depth on the worker side: the V2 runner class is wrapped too."""
+    from vllm.v1.worker.cpu.model_runner import CPUModelRunner as CPUModelRunnerV2
+
+    from workers.vllm_patches import install
+
+    install()
+    runner = object.__new__(CPUModelRunnerV2)
+    with pytest.raises(UnsupportedEngineError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        CPUModelRunnerV2.__init__(runner, _vllm_config(tiny_llama_path), None)
+    assert not hasattr(runner, "vllm_config")  # vLLM's own __init__ never ran
+
+
+def test_subclass_of_the_scheduler_is_refused(tiny_llama_path):
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    with pytest.raises(UnsupportedEngineError, match="scheduler class .*AsyncScheduler"):
+        check_engine(_vllm_config(tiny_llama_path), AsyncScheduler)
+
+
+def test_several_problems_are_named_together(tiny_llama_path):
+    config = _vllm_config(tiny_llama_path)
+    config.device_config.device_type = "cuda"
+    config.parallel_config.worker_cls = "my.Worker"
+    with pytest.raises(UnsupportedEngineError, match="device 'cuda'.*worker class my.Worker"):
+        check_engine(config, _scheduler())
+
+
+def test_async_scheduler_engine_refuses_to_start(tiny_llama_path):
+    """No request is needed: ``LLM(...)`` itself raises."""
+    with pytest.raises(UnsupportedEngineError, match="AsyncScheduler.*async_scheduling=False"):
+        make_llm(
+            tiny_llama_path,
+            VTOKEN,
+            max_model_len=512,
+            skip_tokenizer_init=True,
+            scheduler_cls=ASYNC_SCHEDULER,
+        )
+
+
+def test_async_scheduler_engine_without_vtoken_serves(tiny_llama_path):
+    from vllm import SamplingParams, TokensPrompt
+
+    from workers.engine import engine_scheduler
+
+    llm = make_llm(
+        tiny_llama_path,
+        None,
+        max_model_len=512,
+        skip_tokenizer_init=True,
+        scheduler_cls=ASYNC_SCHEDULER,
+    )
+    assert type(engine_scheduler(llm)).__name__ == "AsyncScheduler"
+    (prompt,) = token_prompts([40])
+    (output,) = llm.generate(
+        [TokensPrompt(prompt_token_ids=prompt)],
+        SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+        use_tqdm=False,
+    )
+    assert len(output.outputs[0].token_ids) == 5

@@ -45,9 +45,9 @@ demo: setup
 	$(BIN)/vtoken demo --report demo-report.json
 
 lint: $(STAMP)
-	$(BIN)/ruff check vtoken kernels policies workers controlplane bench tests
-	$(BIN)/ruff format --check vtoken kernels policies workers controlplane bench tests
-	$(BIN)/mypy vtoken kernels policies controlplane workers bench
+	$(BIN)/ruff check vtoken kernels policies workers controlplane serving bench tests
+	$(BIN)/ruff format --check vtoken kernels policies workers controlplane serving bench tests
+	$(BIN)/mypy vtoken kernels policies controlplane workers serving bench
 
 test: setup lint
 	$(BIN)/python -m pytest -x -q -p no:cacheprovider

@@ -130,7 +130,7 @@ def run_cases(
     from transformers import AutoTokenizer
 
     from bench.fragmentation import PROMPT_TOPICS, natural_prompts
-    from vtoken.models import resolve_model
+    from workers.models import resolve_model
 
     path = str(resolve_model(model))
     tokenizer = AutoTokenizer.from_pretrained(path)

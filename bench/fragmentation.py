@@ -74,8 +74,8 @@ def run_sim(
 
     from policies import make_policy
     from vtoken import ReclaimMode, StandaloneBlockPool, VTokenManager
-    from vtoken.models import resolve_model
     from workers.hf_sim import HFSimEngine
+    from workers.models import resolve_model
 
     engine = HFSimEngine(str(resolve_model(model)))
     prompts = natural_prompts(engine.tokenizer, num_prompts, prompt_tokens)
@@ -145,8 +145,8 @@ def run_vllm(
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vtoken.models import resolve_model
     from workers.engine import engine_state, internal_request_id, make_llm
+    from workers.models import resolve_model
 
     path = str(resolve_model(model))
     prompts = natural_prompts(AutoTokenizer.from_pretrained(path), num_prompts, prompt_tokens)

@@ -1,6 +1,6 @@
 """`vtoken bench repack`: the repack dispatcher vs a plain copy and torch indexing.
 
-Move patterns come from the real planner (`vtoken.planner.plan_repack`) run on token
+Move patterns come from the real planner (`vtoken.repack_planner.plan_repack`) run on token
 tables whose evictions follow the issue:
 
     compact50 / compact80   one 4096-token request, 50% / 80% of it evicted at random
@@ -53,7 +53,7 @@ PATTERNS = ("compact50", "compact80", "trickle", "trickle1", "scattered")
 def _request_moves(
     block_ids: list[int], num_tokens: int, block_size: int, evict: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    from vtoken.planner import plan_repack
+    from vtoken.repack_planner import plan_repack
     from vtoken.token_table import TokenTable
 
     table = TokenTable(block_size)

@@ -20,7 +20,7 @@ from controlplane import telemetry
 from controlplane.clock import Clock
 from controlplane.lease import ControllerLease, LeaseHeld, PlanWrite
 from controlplane.models import RoutingPlan, TenantQuota
-from controlplane.planner import PlanInputs, PlannerConfig, compute_plan
+from controlplane.placement import PlanInputs, PlannerConfig, compute_plan
 from controlplane.redis_conn import REDIS_ERRORS, Backoff
 from controlplane.store import RedisStore
 

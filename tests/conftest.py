@@ -12,6 +12,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 @pytest.fixture(scope="session")
 def smollm2_path():
-    from vtoken.models import prepare_model
+    from workers.models import prepare_model
 
     return prepare_model("smollm2")

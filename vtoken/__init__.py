@@ -2,8 +2,8 @@
 
 from vtoken.block_pool import BlockPool, NoFreeBlocksError, StandaloneBlockPool
 from vtoken.manager import RequestKV, VTokenManager
-from vtoken.planner import ReclaimMode, RepackPlan, plan_repack
 from vtoken.policy import EvictionPolicy, PolicyView, ScoreNeeds, StepAttention
+from vtoken.repack_planner import ReclaimMode, RepackPlan, plan_repack
 from vtoken.reports import BlockReport, request_report, tenant_reports
 from vtoken.token_table import TokenTable
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from vtoken.block_pool import BlockPool, NoFreeBlocksError
-from vtoken.planner import ReclaimMode, RepackPlan, plan_repack
 from vtoken.policy import EvictionPolicy, PolicyView, StepAttention
 from vtoken.reclaimer import Reclaimer
+from vtoken.repack_planner import ReclaimMode, RepackPlan, plan_repack
 from vtoken.reports import BlockReport, request_report, tenant_reports
 from vtoken.token_table import TokenTable
 

@@ -18,7 +18,7 @@ import torch
 import kernels
 from kernels import KVLayout
 from vtoken.block_pool import BlockPool
-from vtoken.planner import RepackPlan
+from vtoken.repack_planner import RepackPlan
 from vtoken.token_table import TokenTable
 
 

@@ -12,8 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from vtoken.planner import ReclaimMode
 from vtoken.policy import EvictionPolicy
+from vtoken.repack_planner import ReclaimMode
 
 CONFIG_KEY = "vtoken"
 REQUEST_KEY = "vtoken_policy"

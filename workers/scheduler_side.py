@@ -44,8 +44,8 @@ import numpy as np
 from pydantic import ValidationError
 
 from vtoken.manager import VTokenManager
-from vtoken.planner import ReclaimMode
 from vtoken.policy import ScoreNeeds, StepAttention
+from vtoken.repack_planner import ReclaimMode
 from workers.config import REQUEST_KEY, PolicySpec, VTokenConfig
 from workers.counters import RequestCounters, TenantCounters, as_dict, finished_copy
 from workers.messages import StepOps, StepScores

@@ -12,7 +12,7 @@ from controlplane.clock import SystemClock
 from controlplane.controller import Controller, ControllerConfig
 from controlplane.keys import KeySpace
 from controlplane.lease import ControllerLease, PlanWrite
-from controlplane.planner import PlannerConfig
+from controlplane.placement import PlannerConfig
 from controlplane.redis_conn import REDIS_ERRORS, RedisConfig, connect
 from controlplane.router import RouterConfig, RouterCore, RouteSource
 from controlplane.store import RedisStore

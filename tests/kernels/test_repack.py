@@ -165,7 +165,7 @@ def test_check_rejects_bad_caches() -> None:
 def test_planner_moves_keep_every_live_token(layout: KVLayout) -> None:
     """The repack planner's moves, applied by the dispatcher, keep each live token's bytes."""
     token_table = pytest.importorskip("vtoken.token_table")
-    planner = pytest.importorskip("vtoken.planner")
+    planner = pytest.importorskip("vtoken.repack_planner")
     rng = np.random.default_rng(0)
     block_size, num_tokens, pool_blocks = 16, 300, 40
     table = token_table.TokenTable(block_size)

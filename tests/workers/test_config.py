@@ -7,8 +7,8 @@ import pickle
 import numpy as np
 import pytest
 
-from vtoken.planner import ReclaimMode
 from vtoken.policy import ScoreNeeds, StepAttention
+from vtoken.repack_planner import ReclaimMode
 from workers.config import VTokenConfig, parse_config
 from workers.messages import StepOps, StepScores
 from workers.vllm_patches import UnsupportedVLLMError, _version_guard, check_version

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from vtoken.planner import ReclaimMode
+from vtoken.repack_planner import ReclaimMode
 from workers.config import VTokenConfig
 from workers.scheduler_side import VTokenScheduler
 

@@ -156,7 +156,7 @@ def serve_command(
     ] = Path("deploy/serve-local.yaml"),
 ) -> None:
     """Run the applications of a Ray Serve config file until interrupted."""
-    from workers.serve_config import run_serve_config
+    from serving.config import run_serve_config
 
     try:
         run_serve_config(config)
@@ -170,7 +170,7 @@ def demo(
     replicas: Annotated[int, typer.Option(min=1, max=4)] = 2,
 ) -> None:
     """Redis + Ray + vLLM replicas on this machine, three tenants, a final report."""
-    from workers.demo import run_demo
+    from serving.demo import run_demo
 
     run_demo(report, replicas)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from controlplane.models import EngineCounters
+from serving.engine_host import cache_salt, counters_from_snapshot, request_spec
 from workers.config import PolicySpec
-from workers.replica import cache_salt, counters_from_snapshot, request_spec
 
 
 def test_request_spec_enforces_the_tenant_cap_and_pressure():

@@ -1,4 +1,4 @@
-"""The HTTP front door: OpenAI-compatible completions, tenant admission, the admin API.
+"""The request pipeline behind the ingress: OpenAI-compatible completions and tenant admission.
 
 Every request: authenticate the tenant from ``Authorization: Bearer <key>``; validate the
 body; tokenize (so admission knows the prompt size and an oversize prompt is a 400 before
@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
 from pydantic import BaseModel, ValidationError
@@ -45,7 +45,6 @@ THROTTLE_REASONS = {
     "prompt_token_rate": "over its prompt-token rate",
 }
 
-api = FastAPI(title="vtoken", description="OpenAI-compatible serving with per-tenant KV quotas")
 tracer = trace.get_tracer("vtoken.ingress")
 
 
@@ -55,12 +54,6 @@ class HTTPError(Exception):
     def __init__(self, status: int, message: str, kind: str, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.kind, self.headers = status, message, kind, headers
-
-
-@api.exception_handler(HTTPError)
-async def _http_error(_: Request, error: HTTPError) -> JSONResponse:
-    body = {"error": {"message": error.message, "type": error.kind, "code": error.status}}
-    return JSONResponse(body, status_code=error.status, headers=error.headers)
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 
 from controlplane.models import ReplicaReport, RoutingPlan, TenantQuota
-from controlplane.planner import PlanInputs, PlannerConfig, PlanResult, compute_plan
+from controlplane.placement import PlanInputs, PlannerConfig, PlanResult, compute_plan
 from tests.controlplane.builders import quota, report
 
 CONFIG = PlannerConfig(high_watermark=0.9, low_watermark=0.75, hot_tenant_fraction=0.25)

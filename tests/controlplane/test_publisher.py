@@ -9,10 +9,10 @@ import pytest
 
 from controlplane.clock import SystemClock
 from controlplane.models import EngineCounters, TenantUsage
+from controlplane.publisher import PublisherConfig, ReportPublisher
 from controlplane.redis_conn import RedisConfig, connect
 from controlplane.store import RedisStore
 from tests.redis_server import RedisServer, free_port, unique_keys
-from workers.publisher import PublisherConfig, ReportPublisher
 
 
 @pytest.fixture(scope="module")

@@ -196,7 +196,7 @@ def local_cluster(num_replicas: int, vtoken: dict[str, Any]) -> Iterator[str]:
     from ray import serve
 
     from controlplane.local_redis import LocalRedis, free_port
-    from workers.serve_app import build_app
+    from serving.app import build_app
 
     with (
         tempfile.TemporaryDirectory(prefix="vtoken-demo-") as folder,

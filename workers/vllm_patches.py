@@ -18,6 +18,9 @@ worker side (every worker process; V1 runner, CPU)
   ``GPUModelRunner._prepare_inputs``  physical ``seq_lens`` and slot mapping
   ``GPUModelRunner.sample_tokens``    attach ``StepScores`` to the ``ModelRunnerOutput``
   ``CPUAttentionBackendImpl.forward`` hand queries of scored layers to the worker state
+engine construction
+  ``LLMEngine`` / ``AsyncLLM`` / ``EngineCore.__init__``   refuse unsupported engines
+                                      (``check_engine``) in the constructing process
 engine core
   ``EngineCore.vtoken_counters``      (added) a utility returning the counters
 
@@ -80,8 +83,16 @@ def install() -> None:
         return
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
     from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.engine.llm_engine import LLMEngine
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    # Front ends and engine core refuse before any process, model or KV cache is built;
+    # the scheduler checks again with the KV cache config (every way of building an engine
+    # passes one of these).
+    for engine_cls in (LLMEngine, AsyncLLM, EngineCore):
+        _wrap(engine_cls, "__init__", _refuse_unsupported_engine)
     _wrap(Scheduler, "__init__", _scheduler_init)
     _wrap(Scheduler, "schedule", _schedule)
     _wrap(Scheduler, "update_from_output", _update_from_output)
@@ -94,8 +105,6 @@ def install() -> None:
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner as ModelRunnerV2
 
     _wrap(ModelRunnerV2, "__init__", _refuse_runner)
-    from vllm.v1.engine.core import EngineCore
-
     EngineCore.vtoken_counters = _engine_core_counters  # type: ignore[attr-defined]
     EngineCore.vtoken_request_counters = _engine_core_request_counters  # type: ignore[attr-defined]
     setattr(Scheduler, _INSTALLED_FLAG, True)
@@ -162,7 +171,10 @@ def check_engine(vllm_config: Any, scheduler_cls: type, kv_cache_config: Any = N
             f"device {device!r} (the CUDA runner hooks are not wired yet; use the CPU build)"
         )
     if vllm_config.use_v2_model_runner:
-        problems.append("vLLM's V2 model runner (set VLLM_USE_V2_MODEL_RUNNER=0)")
+        problems.append(
+            "vLLM's V2 model runner (set VLLM_USE_V2_MODEL_RUNNER=0; watermarking and"
+            " HiSparse force V2)"
+        )
     if _qualname(scheduler_cls) != SUPPORTED_SCHEDULER:
         problems.append(
             f"scheduler class {_qualname(scheduler_cls)} (drop scheduler_cls and pass"
@@ -182,10 +194,26 @@ def check_engine(vllm_config: Any, scheduler_cls: type, kv_cache_config: Any = N
     parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size != 1 or parallel.tensor_parallel_size != 1:
         problems.append("pipeline or tensor parallelism (scores come from one worker)")
+    if parallel.data_parallel_size != 1:
+        problems.append("data parallelism (run one engine per replica instead)")
     if problems:
         raise UnsupportedEngineError(
             "vToken cannot run in this engine: " + "; ".join(problems) + ". " + WHERE_VTOKEN_RUNS
         )
+
+
+def _refuse_unsupported_engine(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``__init__(vllm_config, ...)`` of ``LLMEngine``, ``AsyncLLM`` and ``EngineCore``:
+    with a vToken config, ``check_engine`` against the scheduler class vLLM will build,
+    in the caller's process (so ``LLM(...)`` raises ``UnsupportedEngineError`` itself even
+    when the engine core would run in another process)."""
+
+    def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        if parse_config(vllm_config.additional_config) is not None:
+            check_engine(vllm_config, vllm_config.scheduler_config.get_scheduler_cls())
+        original(self, vllm_config, *args, **kwargs)
+
+    return __init__
 
 
 def _scheduler_init(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -88,6 +88,85 @@ def test_several_problems_are_named_together(tiny_llama_path):
         check_engine(config, _scheduler())
 
 
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda c: setattr(c, "speculative_config", object()), "speculative decoding"),
+        (lambda c: setattr(c, "kv_transfer_config", object()), "KV connectors"),
+        (lambda c: setattr(c.parallel_config, "tensor_parallel_size", 2), "tensor parallelism"),
+        (
+            lambda c: setattr(c.parallel_config, "pipeline_parallel_size", 2),
+            "pipeline or tensor parallelism",
+        ),
+        (lambda c: setattr(c.parallel_config, "data_parallel_size", 2), "data parallelism"),
+        (
+            lambda c: setattr(c.scheduler_config, "async_scheduling", True),
+            "async scheduling .pass async_scheduling=False",
+        ),
+    ],
+)
+def test_unsupported_features_are_refused(tiny_llama_path, change, message):
+    config = _vllm_config(tiny_llama_path)
+    change(config)
+    with pytest.raises(UnsupportedEngineError, match=message):
+        check_engine(config, _scheduler())
+
+
+def test_several_kv_cache_groups_are_refused(tiny_llama_path):
+    from types import SimpleNamespace
+
+    groups = SimpleNamespace(kv_cache_groups=[object(), object()])
+    with pytest.raises(UnsupportedEngineError, match="several KV cache groups"):
+        check_engine(_vllm_config(tiny_llama_path), _scheduler(), groups)
+
+
+def test_worker_side_refuses_a_runner_it_does_not_wrap(tiny_llama_path):
+    """Defence in depth: before its first copy the worker checks its own runner class."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from workers.config import parse_config
+    from workers.vllm_patches import _make_worker
+
+    config = _vllm_config(tiny_llama_path)
+    runner = SimpleNamespace(vllm_config=config, device=torch.device("cpu"))
+    with pytest.raises(UnsupportedEngineError, match="model runner types.SimpleNamespace"):
+        _make_worker(runner, parse_config(config.additional_config))
+
+
+class ForeignScheduler:
+    """A scheduler class that is not vLLM's ``Scheduler`` (its wrappers never run)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        raise AssertionError("an unsupported vToken engine must be refused before this")
+
+
+def test_a_scheduler_outside_vllms_class_tree_is_refused_at_construction(tiny_llama_path):
+    with pytest.raises(UnsupportedEngineError, match="scheduler class .*ForeignScheduler"):
+        make_llm(
+            tiny_llama_path,
+            VTOKEN,
+            max_model_len=512,
+            skip_tokenizer_init=True,
+            scheduler_cls=ForeignScheduler,
+        )
+
+
+def test_refusal_reaches_the_caller_with_an_engine_core_process(tiny_llama_path, monkeypatch):
+    """With the engine core in its own process, ``LLM(...)`` still raises the clear error
+    (not vLLM's generic "Engine core initialization failed")."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    with pytest.raises(UnsupportedEngineError, match="AsyncScheduler"):
+        make_llm(
+            tiny_llama_path,
+            VTOKEN,
+            max_model_len=512,
+            skip_tokenizer_init=True,
+            scheduler_cls=ASYNC_SCHEDULER,
+        )
+
+
 def test_async_scheduler_engine_refuses_to_start(tiny_llama_path):
     """No request is needed: ``LLM(...)`` itself raises."""
     with pytest.raises(UnsupportedEngineError, match="AsyncScheduler.*async_scheduling=False"):

@@ -1,7 +1,8 @@
-"""Every span, attribute and metric name the control plane emits, in one place.
+"""Every tracer, span, event, attribute and metric name vtoken emits, in one place.
 
 Library code uses `opentelemetry-api` only; the SDK and exporter are configured at process
-start. Tracers are injected; `NOOP_TRACER` is the default when none is given.
+start. Tracers are injected: each process builds its own from a `TRACER_*` name where it
+constructs the class that traces; `NOOP_TRACER` is the default when none is given.
 """
 
 from __future__ import annotations
@@ -10,7 +11,16 @@ from opentelemetry import trace
 
 NOOP_TRACER: trace.Tracer = trace.NoOpTracer()
 
-# Span names.
+# Tracer (instrumentation scope) names, one per process kind.
+TRACER_INGRESS = "vtoken.ingress"
+TRACER_ROUTER = "vtoken.router"
+TRACER_REPLICA = "vtoken.replica"
+TRACER_CONTROLLER = "vtoken.controller"
+
+# Span names: one request's trace is ingress > admission, route, replica.generate.
+SPAN_INGRESS = "vtoken.ingress"
+SPAN_ROUTE = "vtoken.route"
+SPAN_REPLICA_GENERATE = "vtoken.replica.generate"
 SPAN_CONTROLLER_CYCLE = "vtoken.controller.cycle"
 SPAN_PLAN_COMPUTE = "vtoken.controller.plan"
 SPAN_PLAN_WRITE = "vtoken.controller.plan_write"
@@ -33,6 +43,16 @@ ATTR_RESERVED_BLOCKS = "vtoken.admission.reserved_blocks"
 ATTR_RETRY_AFTER_S = "vtoken.admission.retry_after_s"
 ATTR_ROUTE_SOURCE = "vtoken.route.source"
 ATTR_ERROR_KIND = "vtoken.error.kind"
+ATTR_COMPLETION_TOKENS = "vtoken.request.completion_tokens"
+
+# Span events of `SPAN_REPLICA_GENERATE` and their attributes.
+EVENT_REQUEST_BUDGET = "vtoken.request_budget"
+"""The request's own eviction budget (tokens, or a keep ratio), under `ATTR_BUDGET`."""
+ATTR_BUDGET = "vtoken.budget"
+EVENT_KV = "vtoken.kv"
+"""What vToken did to the request's KV: one attribute per counter, `ATTR_KV_PREFIX + name`
+(evicted_tokens, repack_moves, live_tokens, allocated_blocks, ideal_blocks)."""
+ATTR_KV_PREFIX = "vtoken.kv."
 
 # Metric names (instruments are created by the process that owns the meter).
 METRIC_ADMISSIONS = "vtoken.admissions"

@@ -35,7 +35,6 @@ PLAN_POLL_S = 1.0
 COUNTERS_TIMEOUT_S = 2.0
 PLAN_READ_ERRORS: tuple[type[Exception], ...] = (*REDIS_ERRORS, ValueError)
 COUNTERS_MAX_AGE_PERIODS = 5  # older counters are not published: the replica goes stale
-tracer = trace.get_tracer("vtoken.replica")
 
 
 class ReplicaSettings(BaseModel):
@@ -135,7 +134,12 @@ def cache_salt(tenant_id: str) -> str:
 class EngineHost:
     """Owns one ``AsyncLLM``; usable without Ray Serve (tests, benchmarks)."""
 
-    def __init__(self, settings: ReplicaSettings, replica_id: str) -> None:
+    def __init__(
+        self,
+        settings: ReplicaSettings,
+        replica_id: str,
+        tracer: trace.Tracer = telemetry.NOOP_TRACER,
+    ) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_space_gib))
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -145,6 +149,7 @@ class EngineHost:
 
         self.settings = settings
         self.replica_id = replica_id
+        self.tracer = tracer
         engine_args = AsyncEngineArgs(
             model=str(resolve_model(settings.model)),
             served_model_name=settings.name,
@@ -192,14 +197,15 @@ class EngineHost:
             prompt_token_ids=request.prompt_token_ids, cache_salt=cache_salt(request.tenant_id)
         )
         context = extract_context(request.trace_context)
-        with tracer.start_as_current_span("vtoken.replica.generate", context=context) as span:
+        span_name = telemetry.SPAN_REPLICA_GENERATE
+        with self.tracer.start_as_current_span(span_name, context=context) as span:
             span.set_attribute(telemetry.ATTR_TENANT_ID, request.tenant_id)
             span.set_attribute(telemetry.ATTR_REPLICA_ID, self.replica_id)
             span.set_attribute(telemetry.ATTR_REQUEST_ID, request.request_id)
             override = (params.extra_args or {}).get("vtoken_policy")
             if override is not None:
                 budget = override.get("budget_tokens", override.get("keep_ratio"))
-                span.add_event("vtoken.request_budget", {"vtoken.budget": budget})
+                span.add_event(telemetry.EVENT_REQUEST_BUDGET, {telemetry.ATTR_BUDGET: budget})
             completion_tokens = 0
             self.running += 1
             try:
@@ -217,7 +223,7 @@ class EngineHost:
                 yield GenerateChunk(error=str(error), replica_id=self.replica_id)
             finally:
                 self.running -= 1
-            span.set_attribute("vtoken.request.completion_tokens", completion_tokens)
+            span.set_attribute(telemetry.ATTR_COMPLETION_TOKENS, completion_tokens)
             if span.is_recording():  # one utility call per request, only when traced
                 await self._kv_event(span, request.request_id)
 
@@ -229,8 +235,8 @@ class EngineHost:
         if counters is not None:
             keys = ("evicted_tokens", "repack_moves", "live_tokens", "allocated_blocks")
             span.add_event(
-                "vtoken.kv",
-                {f"vtoken.kv.{k}": int(counters[k]) for k in (*keys, "ideal_blocks")},
+                telemetry.EVENT_KV,
+                {telemetry.ATTR_KV_PREFIX + k: int(counters[k]) for k in (*keys, "ideal_blocks")},
             )
 
     def extra_args(self, request: GenerateRequest) -> dict[str, Any]:
@@ -320,7 +326,8 @@ class EngineReplica:
     def __init__(self, settings: dict[str, Any]) -> None:
         configure_tracing("vtoken-replica")
         replica_id = serve.get_replica_context().replica_id.unique_id
-        self.host = EngineHost(ReplicaSettings(**settings), replica_id)
+        tracer = trace.get_tracer(telemetry.TRACER_REPLICA)
+        self.host = EngineHost(ReplicaSettings(**settings), replica_id, tracer)
         self.reporter: ReplicaReporter | None = None
         self._task: asyncio.Task | None = None
         if self.host.settings.redis_url:

@@ -22,7 +22,6 @@ from controlplane.router import RouterConfig, RouterCore
 from controlplane.store import RedisStore
 from controlplane.tracing import configure_tracing, extract_context
 
-tracer = trace.get_tracer("vtoken.router")
 DEFAULT_TENANT = "default"
 
 
@@ -39,6 +38,7 @@ class VTokenRequestRouter(FIFOMixin, RequestRouter):
         self, redis_url: str, key_prefix: str = "vtoken", max_plan_age_s: float = 5.0
     ) -> None:
         configure_tracing("vtoken-router")
+        self._tracer = trace.get_tracer(telemetry.TRACER_ROUTER)
         store = RedisStore(connect(RedisConfig(url=redis_url)), KeySpace(key_prefix))
         self._core = RouterCore(store, SystemClock(), RouterConfig(max_plan_age_s=max_plan_age_s))
         self._stop = asyncio.Event()
@@ -59,7 +59,7 @@ class VTokenRequestRouter(FIFOMixin, RequestRouter):
         fields = request_fields(pending_request)
         tenant_id = str(fields.get("tenant_id", DEFAULT_TENANT))
         context = extract_context(fields.get("trace_context"))
-        with tracer.start_as_current_span("vtoken.route", context=context) as span:
+        with self._tracer.start_as_current_span(telemetry.SPAN_ROUTE, context=context) as span:
             if self._candidates is None or self._candidates[0] is not candidate_replicas:
                 by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
                 self._candidates = (candidate_replicas, frozenset(by_id), by_id)

@@ -24,8 +24,9 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class TenantQuota(_Frozen):
-    """A tenant's limits; the controller and admission enforce them.
+class TenantLimits(_Frozen):
+    """A tenant's limits, declared once: the stored quota, the admin API's body and the
+    CLI's fields all derive from this model. The controller and admission enforce them.
 
     `kv_budget_blocks` bounds the tenant's active KV across the whole cluster (live blocks
     reported by replicas plus worst-case reservations of admitted requests).
@@ -33,12 +34,17 @@ class TenantQuota(_Frozen):
     enforces; it caps a request's worst-case KV at admission.
     """
 
-    tenant_id: TenantId
     kv_budget_blocks: int = Field(gt=0)
     weight: float = Field(default=1.0, gt=0, le=1000)
     max_concurrent_requests: int | None = Field(default=None, gt=0)
     prompt_tokens_per_s: float | None = Field(default=None, gt=0)
     eviction_budget_tokens: int | None = Field(default=None, gt=0)
+
+
+class TenantQuota(TenantLimits):
+    """A tenant's stored limits (Redis hash `vtoken:quotas`, one JSON value per tenant)."""
+
+    tenant_id: TenantId
 
 
 class TenantUsage(_Frozen):

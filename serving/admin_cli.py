@@ -11,6 +11,9 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from pydantic import ValidationError
+
+from controlplane.models import TenantLimits
 
 Url = Annotated[str, typer.Option(envvar="VTOKEN_URL", help="Server base URL.")]
 Token = Annotated[str, typer.Option(envvar="VTOKEN_ADMIN_TOKEN", help="Admin token.")]
@@ -54,25 +57,19 @@ def _admin(
     return response.json()
 
 
-QUOTA_FIELDS = (
-    "kv_budget_blocks",
-    "weight",
-    "max_concurrent_requests",
-    "prompt_tokens_per_s",
-    "eviction_budget_tokens",
-)
+QUOTA_FIELDS = tuple(TenantLimits.model_fields)
 
 
 @tenant_app.command("set")
 def tenant_set(
     tenant_id: str,
     kv_budget_blocks: Annotated[
-        int | None, typer.Option(min=1, help="Active-KV budget in blocks (new tenants: required).")
+        int | None, typer.Option(help="Active-KV budget in blocks (new tenants: required).")
     ] = None,
-    weight: Annotated[float | None, typer.Option(min=0.001)] = None,
-    max_concurrent_requests: Annotated[int | None, typer.Option(min=1)] = None,
-    prompt_tokens_per_s: Annotated[float | None, typer.Option(min=0.001)] = None,
-    eviction_budget_tokens: Annotated[int | None, typer.Option(min=1)] = None,
+    weight: float | None = None,
+    max_concurrent_requests: int | None = None,
+    prompt_tokens_per_s: float | None = None,
+    eviction_budget_tokens: int | None = None,
     api_key: Annotated[
         str | None, typer.Option(help="Add this key (a new tenant otherwise gets one).")
     ] = None,
@@ -80,7 +77,8 @@ def tenant_set(
     admin_token: Token = "",
 ) -> None:
     """Create a tenant, or change the given fields of an existing one (others are kept);
-    prints the quota (and a new tenant's generated key, once)."""
+    prints the quota (and a new tenant's generated key, once). Values are checked against
+    the quota model (``TenantLimits``) before the quota is sent."""
     given = {
         "kv_budget_blocks": kv_budget_blocks,
         "weight": weight,
@@ -94,6 +92,13 @@ def tenant_set(
     if "kv_budget_blocks" not in body:
         typer.echo(f"error: tenant {tenant_id!r} is new: --kv-budget-blocks is required", err=True)
         raise typer.Exit(2)
+    try:
+        TenantLimits.model_validate(body)
+    except ValidationError as error:
+        problem = error.errors()[0]
+        field = "--" + str(problem["loc"][0]).replace("_", "-")
+        typer.echo(f"error: {field}: {problem['msg']}", err=True)
+        raise typer.Exit(2) from None
     if api_key is not None:
         body["api_key"] = api_key
     typer.echo(

@@ -5,18 +5,22 @@ body; tokenize (so admission knows the prompt size and an oversize prompt is a 4
 any engine sees it); admit against the tenant's KV budget (429 + Retry-After when over);
 call a replica through Ray Serve (the vtoken router picks which); release the reservation
 when the answer is complete, whatever happens. Prompts and keys never reach spans or logs.
+
+:class:`IngressState` gets its Redis client, clock, tokenizer, tracer and replica handle
+from its caller (the Serve deployment in :mod:`serving.ingress` builds the real ones), so
+tests drive it with a local Redis, a fake clock and a fake replica handle.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
+import redis.asyncio as aioredis
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
@@ -24,9 +28,10 @@ from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 
 from controlplane import telemetry
-from controlplane.admission import Admission, AdmissionConfig, AdmissionOutcome
+from controlplane.admission import Admission, AdmissionConfig, AdmissionOutcome, Reservation
 from controlplane.auth import TenantKeys, bearer
-from controlplane.clock import SystemClock
+from controlplane.clock import Clock
+from controlplane.keys import KeySpace
 from controlplane.metrics import IngressMetrics
 from controlplane.models import TenantQuota
 from controlplane.openai_models import (
@@ -35,17 +40,14 @@ from controlplane.openai_models import (
     GenerateChunk,
     GenerateRequest,
 )
-from controlplane.redis_conn import RedisConfig, connect
 from controlplane.store import RedisStore
-from controlplane.tracing import configure_tracing, inject_context
+from controlplane.tracing import inject_context
 
 THROTTLE_REASONS = {
     "kv_budget": "over its KV budget",
     "max_concurrent_requests": "at its concurrent-request limit",
     "prompt_token_rate": "over its prompt-token rate",
 }
-
-tracer = trace.get_tracer("vtoken.ingress")
 
 
 class HTTPError(Exception):
@@ -58,6 +60,9 @@ class HTTPError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class IngressSettings:
+    """What the ingress serves. ``tokenizer_path`` and ``redis_url`` are read only where the
+    real dependencies are built (:class:`serving.ingress.Ingress`)."""
+
     model_name: str
     tokenizer_path: str
     max_model_len: int
@@ -67,29 +72,44 @@ class IngressSettings:
     key_prefix: str = "vtoken"
 
 
+class Tokenizer(Protocol):
+    """The part of a Hugging Face tokenizer the ingress uses."""
+
+    def __call__(self, text: str) -> Any: ...
+
+    def apply_chat_template(
+        self, conversation: list[dict[str, str]], *, add_generation_prompt: bool, tokenize: bool
+    ) -> Any: ...
+
+
 class IngressState:
-    """Everything a request handler needs; built once per ingress replica."""
+    """Everything a request handler needs; built once per ingress replica.
 
-    def __init__(self, settings: IngressSettings, replicas: Any) -> None:
-        from transformers import AutoTokenizer
+    ``replicas`` is a Ray Serve handle to the engine deployment (anything whose
+    ``options(stream=True).generate.remote(dict)`` is an async iterator of
+    :class:`GenerateChunk` dicts); ``redis`` holds quotas, keys and reservations.
+    """
 
-        from controlplane.keys import KeySpace
-
-        configure_tracing("vtoken-ingress")
+    def __init__(
+        self,
+        settings: IngressSettings,
+        replicas: Any,
+        redis: aioredis.Redis,
+        clock: Clock,
+        tokenizer: Tokenizer,
+        tracer: trace.Tracer,
+    ) -> None:
         self.settings = settings
-        self.replicas = replicas  # a Ray Serve DeploymentHandle to the engine replicas
-        self.redis = connect(RedisConfig(url=settings.redis_url))
+        self.replicas = replicas
+        self.clock = clock
+        self.tokenizer = tokenizer
+        self.tracer = tracer
         keys = KeySpace(settings.key_prefix)
-        self.store = RedisStore(self.redis, keys)
-        self.tenant_keys = TenantKeys(self.redis, keys)
+        self.store = RedisStore(redis, keys)
+        self.tenant_keys = TenantKeys(redis, keys)
         self.admission = Admission(
-            self.redis,
-            SystemClock(),
-            AdmissionConfig(block_size=settings.block_size),
-            keys,
-            tracer=tracer,
+            redis, clock, AdmissionConfig(block_size=settings.block_size), keys, tracer=tracer
         )
-        self.tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path)
         self.metrics = IngressMetrics()
 
     # ----------------------------------------------------------------- request pipeline
@@ -126,29 +146,16 @@ class IngressState:
         return ids
 
     async def serve(self, request: Request, chat: bool) -> Response:
-        with tracer.start_as_current_span("vtoken.ingress", kind=trace.SpanKind.SERVER) as span:
-            started = time.monotonic()
+        server = trace.SpanKind.SERVER
+        with self.tracer.start_as_current_span(telemetry.SPAN_INGRESS, kind=server) as span:
+            started = self.clock.now()
             quota = await self.tenant(request)
             span.set_attribute(telemetry.ATTR_TENANT_ID, quota.tenant_id)
             body = await parse_body(request, ChatCompletionRequest if chat else CompletionRequest)
             ids = await asyncio.to_thread(self.prompt_ids, body)  # tokenizing is CPU work
             request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             span.set_attribute(telemetry.ATTR_REQUEST_ID, request_id)
-            decision = await self.admission.admit(quota, request_id, len(ids), body.max_tokens)
-            self.metrics.admission(quota.tenant_id, decision.outcome.value)
-            if decision.outcome is AdmissionOutcome.THROTTLED:
-                retry = max(1, round(decision.retry_after_s))
-                why = THROTTLE_REASONS.get(decision.reason, decision.reason)
-                raise HTTPError(
-                    429,
-                    f"tenant {quota.tenant_id!r} is {why}; retry after {retry} s",
-                    "rate_limit",
-                    headers={"Retry-After": str(retry)},
-                )
-            if not decision.admitted or decision.reservation is None:
-                raise HTTPError(
-                    400, f"request cannot be admitted: {decision.reason}", "invalid_request"
-                )
+            reservation = await self.admit(quota, request_id, len(ids), body.max_tokens)
             generate = GenerateRequest(
                 request_id=request_id,
                 tenant_id=quota.tenant_id,
@@ -161,18 +168,43 @@ class IngressState:
                 eviction_budget_tokens=quota.eviction_budget_tokens,
                 trace_context=inject_context(),
             )
-            chunks = self._generate(generate, decision.reservation, started)
+            chunks = self._generate(generate, reservation, started)
+            answer = Answer(request_id, body.model, chat, created=int(started))
             if body.stream:
                 # The background task releases the reservation even when the client goes
                 # away before the stream starts (release is idempotent).
                 return StreamingResponse(
-                    sse(chunks, request_id, body.model, chat),
+                    sse(chunks, answer),
                     media_type="text/event-stream",
-                    background=BackgroundTask(self.admission.release, decision.reservation),
+                    background=BackgroundTask(self.admission.release, reservation),
                 )
-            return JSONResponse(await collect(chunks, request_id, body.model, chat))
+            return JSONResponse(await collect(chunks, answer))
 
-    async def _generate(self, request: GenerateRequest, reservation, started: float):  # type: ignore[no-untyped-def]
+    async def admit(
+        self, quota: TenantQuota, request_id: str, prompt_tokens: int, max_tokens: int
+    ) -> Reservation:
+        """The request's KV reservation; 429 with ``Retry-After`` when the tenant must wait,
+        400 when the request can never fit its quota."""
+        decision = await self.admission.admit(quota, request_id, prompt_tokens, max_tokens)
+        self.metrics.admission(quota.tenant_id, decision.outcome.value)
+        if decision.outcome is AdmissionOutcome.THROTTLED:
+            retry = max(1, round(decision.retry_after_s))
+            why = THROTTLE_REASONS.get(decision.reason, decision.reason)
+            raise HTTPError(
+                429,
+                f"tenant {quota.tenant_id!r} is {why}; retry after {retry} s",
+                "rate_limit",
+                headers={"Retry-After": str(retry)},
+            )
+        if decision.reservation is None:
+            raise HTTPError(
+                400, f"request cannot be admitted: {decision.reason}", "invalid_request"
+            )
+        return decision.reservation
+
+    async def _generate(
+        self, request: GenerateRequest, reservation: Reservation, started: float
+    ) -> AsyncIterator[GenerateChunk]:
         try:
             stream = self.replicas.options(stream=True).generate.remote(request.model_dump())
             async for raw in stream:
@@ -187,7 +219,7 @@ class IngressState:
         finally:
             # Shielded: a client disconnect cancels this generator, not the release.
             await asyncio.shield(self.admission.release(reservation))
-            self.metrics.latency(request.tenant_id, time.monotonic() - started)
+            self.metrics.latency(request.tenant_id, self.clock.now() - started)
 
 
 async def parse_body(request: Request, model: type[BaseModel]) -> Any:
@@ -208,7 +240,30 @@ async def parse_body(request: Request, model: type[BaseModel]) -> Any:
         raise HTTPError(400, f"invalid request: {problems}", "invalid_request") from None
 
 
-def _choice(text: str, finish: str | None, chat: bool, streaming: bool) -> dict:
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What every piece of one OpenAI answer repeats (``created``: seconds since the epoch)."""
+
+    request_id: str
+    model: str
+    chat: bool
+    created: int
+
+    def envelope(self, choice: dict[str, Any], streaming: bool) -> dict[str, Any]:
+        if self.chat:
+            kind = "chat.completion.chunk" if streaming else "chat.completion"
+        else:
+            kind = "text_completion"
+        return {
+            "id": self.request_id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
+
+
+def _choice(text: str, finish: str | None, chat: bool, streaming: bool) -> dict[str, Any]:
     if not chat:
         return {"index": 0, "text": text, "finish_reason": finish}
     key = "delta" if streaming else "message"
@@ -216,38 +271,30 @@ def _choice(text: str, finish: str | None, chat: bool, streaming: bool) -> dict:
     return {"index": 0, key: content, "finish_reason": finish}
 
 
-async def collect(chunks: AsyncIterator[GenerateChunk], request_id: str, model: str, chat: bool):  # type: ignore[no-untyped-def]
+async def collect(chunks: AsyncIterator[GenerateChunk], answer: Answer) -> dict[str, Any]:
+    """The whole answer as one OpenAI response body, with its token usage."""
     text, last = [], GenerateChunk()
     async for chunk in chunks:
         text.append(chunk.text)
         last = chunk
-    usage = {
+    body = answer.envelope(
+        _choice("".join(text), last.finish_reason, answer.chat, streaming=False), streaming=False
+    )
+    body["usage"] = {
         "prompt_tokens": last.prompt_tokens,
         "completion_tokens": last.completion_tokens,
         "total_tokens": last.prompt_tokens + last.completion_tokens,
     }
-    return {
-        "id": request_id,
-        "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [_choice("".join(text), last.finish_reason, chat, streaming=False)],
-        "usage": usage,
-    }
+    return body
 
 
-async def sse(chunks: AsyncIterator[GenerateChunk], request_id: str, model: str, chat: bool):  # type: ignore[no-untyped-def]
-    kind = "chat.completion.chunk" if chat else "text_completion"
+async def sse(chunks: AsyncIterator[GenerateChunk], answer: Answer) -> AsyncIterator[str]:
+    """Server-sent events, one per chunk, then ``[DONE]``; an error after the headers went
+    out is reported as an ``error`` event."""
     try:
         async for chunk in chunks:
-            event = {
-                "id": request_id,
-                "object": kind,
-                "created": int(time.time()),
-                "model": model,
-                "choices": [_choice(chunk.text, chunk.finish_reason, chat, streaming=True)],
-            }
-            yield f"data: {json.dumps(event)}\n\n"
+            choice = _choice(chunk.text, chunk.finish_reason, answer.chat, streaming=True)
+            yield f"data: {json.dumps(answer.envelope(choice, streaming=True))}\n\n"
     except HTTPError as error:
         yield f"data: {json.dumps({'error': {'message': error.message, 'code': error.status}})}\n\n"
     except Exception as error:  # headers are sent: report in the stream, then end it

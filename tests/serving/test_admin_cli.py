@@ -1,0 +1,53 @@
+"""`vtoken tenant set`: its options are the quota model's fields, checked by that model."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from controlplane.models import TenantLimits, TenantQuota
+from serving import admin_cli
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, Any]]:
+    """The admin API calls the CLI makes; tenant "acme" exists with a budget of 8."""
+    made: list[tuple[str, str, Any]] = []
+    stored = TenantQuota(tenant_id="acme", kv_budget_blocks=8, weight=2.0).model_dump()
+
+    def fake_admin(method: str, url: str, token: str, path: str, body: Any = None, **_: Any):
+        made.append((method, path, body))
+        if method == "GET":
+            return stored if path == "/admin/tenants/acme" else None
+        return body
+
+    monkeypatch.setattr(admin_cli, "_admin", fake_admin)
+    return made
+
+
+def test_the_options_are_the_quota_fields() -> None:
+    options = inspect.signature(admin_cli.tenant_set).parameters
+    assert set(admin_cli.QUOTA_FIELDS) <= set(options)
+
+
+def test_set_keeps_the_fields_not_given(calls: list[tuple[str, str, Any]]) -> None:
+    result = CliRunner().invoke(admin_cli.tenant_app, ["set", "acme", "--prompt-tokens-per-s", "5"])
+    assert result.exit_code == 0, result.output
+    (_, path, body) = calls[-1]
+    assert path == "/admin/tenants/acme"
+    assert body == {
+        **TenantLimits(kv_budget_blocks=8, weight=2.0).model_dump(),
+        "prompt_tokens_per_s": 5.0,
+    }
+
+
+def test_a_value_the_model_refuses_is_never_sent(calls: list[tuple[str, str, Any]]) -> None:
+    result = CliRunner().invoke(admin_cli.tenant_app, ["set", "acme", "--weight", "0"])
+    assert result.exit_code == 2
+    assert "--weight" in result.output and "greater than 0" in result.output
+    assert [method for method, _, _ in calls] == ["GET"]
+    new = CliRunner().invoke(admin_cli.tenant_app, ["set", "newcomer", "--weight", "3"])
+    assert new.exit_code == 2 and "--kv-budget-blocks is required" in new.output

@@ -1,0 +1,306 @@
+"""The ingress app in-process: a real redis-server, SmolLM2's tokenizer, a fake clock, an
+in-memory span exporter and a fake engine handle (the e2e tests drive the real engines)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from controlplane import telemetry
+from controlplane.keys import KeySpace
+from controlplane.models import TenantQuota
+from controlplane.redis_conn import RedisConfig, connect
+from serving.ingress import build_api
+from serving.openai_http import IngressSettings, IngressState
+from tests.controlplane.fakes import FakeClock
+from tests.redis_server import RedisServer, unique_keys
+
+ADMIN = "admin-token-for-tests"
+MODEL = "smollm2"
+BLOCK_SIZE = 16
+PROMPT = "The secret prompt zebra-42 must never reach a span"
+
+
+class FakeReplicas:
+    """A Serve handle to engines answering "Hello there" in two chunks. Records every
+    request; while answering, waits on `gate` and notes the tenant's reserved blocks."""
+
+    def __init__(self, state_of: Any) -> None:
+        self.requests: list[dict[str, Any]] = []
+        self.reserved_while_answering: list[int] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.arrived = asyncio.Event()
+        self.fail = False
+        self._state_of = state_of
+        self.generate = SimpleNamespace(remote=self._remote)
+
+    def options(self, stream: bool) -> FakeReplicas:
+        assert stream
+        return self
+
+    def _remote(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        self.requests.append(request)
+        return self._answer(request)
+
+    async def _answer(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        admission = self._state_of().admission
+        self.reserved_while_answering.append(await admission.reserved_blocks(request["tenant_id"]))
+        self.arrived.set()
+        prompt_tokens = len(request["prompt_token_ids"])
+        yield {"text": "Hello", "prompt_tokens": prompt_tokens, "completion_tokens": 1}
+        await self.gate.wait()
+        if self.fail:
+            raise RuntimeError("replica died")
+        yield {
+            "text": " there",
+            "finish_reason": "length",
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": 2,
+        }
+
+
+@dataclass
+class Ingress:
+    client: httpx.AsyncClient
+    state: IngressState
+    replicas: FakeReplicas
+    clock: FakeClock
+    spans: InMemorySpanExporter
+    keys: KeySpace
+    api_keys: dict[str, str] = field(default_factory=dict)
+
+    async def add_tenant(self, tenant_id: str, **limits: Any) -> str:
+        response = await self.client.put(
+            f"/admin/tenants/{tenant_id}", json=limits, headers=admin()
+        )
+        assert response.status_code == 201, response.text
+        self.api_keys[tenant_id] = response.json()["api_key"]
+        return self.api_keys[tenant_id]
+
+    async def complete(self, api_key: str, **body: Any) -> httpx.Response:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, **body}
+        return await self.client.post("/v1/completions", json=body, headers=bearer(api_key))
+
+    def finished(self, name: str) -> list[ReadableSpan]:
+        return [span for span in self.spans.get_finished_spans() if span.name == name]
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def admin() -> dict[str, str]:
+    return bearer(ADMIN)
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(Path(tmp_path_factory.mktemp("redis")))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+@pytest.fixture
+async def ingress(redis_server: RedisServer, tokenizer: Any) -> AsyncIterator[Ingress]:
+    keys = unique_keys()
+    settings = IngressSettings(
+        model_name=MODEL,
+        tokenizer_path="unused: the tokenizer is injected",
+        max_model_len=128,
+        block_size=BLOCK_SIZE,
+        admin_token=ADMIN,
+        redis_url=redis_server.url,
+        key_prefix=keys.prefix,
+    )
+    redis, clock, spans = (
+        connect(RedisConfig(url=redis_server.url)),
+        FakeClock(),
+        InMemorySpanExporter(),
+    )
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    replicas = FakeReplicas(lambda: state)
+    state = IngressState(settings, replicas, redis, clock, tokenizer, provider.get_tracer("test"))
+    transport = httpx.ASGITransport(app=build_api(state))
+    async with httpx.AsyncClient(transport=transport, base_url="http://ingress") as client:
+        under_test = Ingress(client, state, replicas, clock, spans, keys)
+        yield under_test
+    # Invariant: every answered or refused request gave its reservation back.
+    for tenant_id in under_test.api_keys:
+        assert await state.admission.reserved_blocks(tenant_id) == 0, tenant_id
+    await redis.aclose()
+
+
+async def test_a_completion_answers_with_usage_and_gives_its_reservation_back(
+    ingress: Ingress, tokenizer: Any
+) -> None:
+    api_key = await ingress.add_tenant("acme", kv_budget_blocks=8, eviction_budget_tokens=64)
+    response = await ingress.complete(api_key)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    prompt_ids = tokenizer(PROMPT)["input_ids"]
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    assert body["created"] == int(ingress.clock.now())
+    assert body["choices"] == [{"index": 0, "text": "Hello there", "finish_reason": "length"}]
+    assert body["usage"] == {
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": 2,
+        "total_tokens": len(prompt_ids) + 2,
+    }
+    (sent,) = ingress.replicas.requests
+    assert sent["prompt_token_ids"] == prompt_ids
+    assert sent["tenant_id"] == "acme" and sent["request_id"] == body["id"]
+    assert sent["eviction_budget_tokens"] == 64
+    # Held while the engine answered (worst case: prompt + max_tokens), released after.
+    held = math.ceil((len(prompt_ids) + 8) / BLOCK_SIZE)
+    assert ingress.replicas.reserved_while_answering == [held]
+    assert await ingress.state.admission.reserved_blocks("acme") == 0
+
+
+async def test_chat_streams_events_and_releases_after_the_stream(ingress: Ingress) -> None:
+    api_key = await ingress.add_tenant("acme", kv_budget_blocks=8)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "stream": True}
+    response = await ingress.client.post("/v1/chat/completions", json=body, headers=bearer(api_key))
+    assert response.status_code == 200
+    events = [line.removeprefix("data: ") for line in response.text.split("\n\n") if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    assert [c["choices"][0]["delta"].get("content") for c in chunks] == ["Hello", " there"]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert ingress.replicas.reserved_while_answering[0] > 0
+    assert await ingress.state.admission.reserved_blocks("acme") == 0
+
+
+async def test_missing_or_unknown_key_is_401(ingress: Ingress) -> None:
+    await ingress.add_tenant("acme", kv_budget_blocks=8)
+    body = {"model": MODEL, "prompt": PROMPT}
+    missing = await ingress.client.post("/v1/completions", json=body)
+    unknown = await ingress.complete("vt-not-a-key-of-anyone")
+    for response in (missing, unknown):
+        assert response.status_code == 401
+        assert response.json()["error"]["type"] == "auth"
+    assert "unknown API key" in unknown.json()["error"]["message"]
+    assert (await ingress.client.get("/v1/models", headers=bearer("nope"))).status_code == 401
+    assert ingress.replicas.requests == []
+
+
+async def test_malformed_or_oversize_requests_are_400(ingress: Ingress) -> None:
+    api_key = await ingress.add_tenant("acme", kv_budget_blocks=100)
+    headers = {**bearer(api_key), "Content-Type": "application/json"}
+    not_json = await ingress.client.post("/v1/completions", content=b"{oops", headers=headers)
+    not_object = await ingress.client.post("/v1/completions", json=[1], headers=headers)
+    no_prompt = await ingress.client.post("/v1/completions", json={"model": MODEL}, headers=headers)
+    oversize = await ingress.complete(api_key, max_tokens=120)  # prompt + 120 > 128
+    for response in (not_json, not_object, no_prompt, oversize):
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["type"] == "invalid_request"
+    assert "not valid JSON" in not_json.json()["error"]["message"]
+    assert "prompt" in no_prompt.json()["error"]["message"]
+    assert "exceeds the model's context of 128 tokens" in oversize.json()["error"]["message"]
+    assert ingress.replicas.requests == []
+
+
+async def test_a_model_not_served_here_is_404(ingress: Ingress) -> None:
+    api_key = await ingress.add_tenant("acme", kv_budget_blocks=8)
+    response = await ingress.complete(api_key, model="gpt-4")
+    assert response.status_code == 404
+    assert response.json()["error"]["type"] == "not_found"
+    models = await ingress.client.get("/v1/models", headers=bearer(api_key))
+    assert [m["id"] for m in models.json()["data"]] == [MODEL]
+
+
+async def test_over_the_kv_budget_is_429_until_the_first_request_finishes(
+    ingress: Ingress,
+) -> None:
+    api_key = await ingress.add_tenant("acme", kv_budget_blocks=2)  # one request's worst case
+    ingress.replicas.gate.clear()
+    first = asyncio.create_task(ingress.complete(api_key))
+    await ingress.replicas.arrived.wait()
+    throttled = await ingress.complete(api_key)
+    assert throttled.status_code == 429
+    assert throttled.headers["Retry-After"] == "1"
+    assert "over its KV budget" in throttled.json()["error"]["message"]
+    ingress.replicas.gate.set()
+    assert (await first).status_code == 200
+    assert (await ingress.complete(api_key)).status_code == 200
+
+
+async def test_prompt_rate_retry_after_follows_the_injected_clock(
+    ingress: Ingress, tokenizer: Any
+) -> None:
+    api_key = await ingress.add_tenant("acme", kv_budget_blocks=8, prompt_tokens_per_s=2)
+    assert (await ingress.complete(api_key)).status_code == 200  # empties the bucket
+    throttled = await ingress.complete(api_key)
+    assert throttled.status_code == 429
+    wait_s = math.ceil(len(tokenizer(PROMPT)["input_ids"]) / 2)
+    assert throttled.headers["Retry-After"] == str(wait_s)
+    ingress.clock.advance(wait_s)
+    assert (await ingress.complete(api_key)).status_code == 200
+
+
+async def test_a_failing_replica_is_503_and_releases(ingress: Ingress) -> None:
+    api_key = await ingress.add_tenant("acme", kv_budget_blocks=8)
+    ingress.replicas.fail = True
+    response = await ingress.complete(api_key)
+    assert response.status_code == 503
+    assert "replica died" in response.json()["error"]["message"]
+
+
+async def test_spans_carry_the_tenant_and_never_the_prompt_or_key(ingress: Ingress) -> None:
+    api_key = await ingress.add_tenant("acme", kv_budget_blocks=8)
+    answered = (await ingress.complete(api_key)).json()
+    (root,) = ingress.finished(telemetry.SPAN_INGRESS)
+    (admission,) = ingress.finished(telemetry.SPAN_ADMISSION)
+    assert root.attributes is not None and admission.attributes is not None
+    assert root.attributes[telemetry.ATTR_TENANT_ID] == "acme"
+    assert root.attributes[telemetry.ATTR_REQUEST_ID] == answered["id"]
+    assert admission.attributes[telemetry.ATTR_TENANT_ID] == "acme"
+    assert admission.parent is not None and admission.parent.span_id == root.context.span_id
+    # The replica continues the ingress trace.
+    (sent,) = ingress.replicas.requests
+    assert f"{root.context.trace_id:032x}" in sent["trace_context"]["traceparent"]
+    await ingress.complete("vt-not-a-key-of-anyone")  # a refused request records its error
+    for span in ingress.spans.get_finished_spans():
+        recorded = [span.attributes or {}] + [event.attributes or {} for event in span.events]
+        text = json.dumps([dict(attributes) for attributes in recorded], default=str)
+        assert "zebra-42" not in text and api_key not in text, span.name
+
+
+async def test_admin_api_writes_the_quota_json(ingress: Ingress) -> None:
+    limits = {"kv_budget_blocks": 8, "weight": 2.0}
+    assert (await ingress.client.put("/admin/tenants/acme", json=limits)).status_code == 403
+    api_key = await ingress.add_tenant("acme", **limits)
+    updated = await ingress.client.put(
+        "/admin/tenants/acme", json={**limits, "max_concurrent_requests": 3}, headers=admin()
+    )
+    assert updated.status_code == 200 and "api_key" not in updated.json()
+    stored = TenantQuota(tenant_id="acme", **limits, max_concurrent_requests=3).model_dump()
+    assert updated.json() == stored
+    fetched = await ingress.client.get("/admin/tenants/acme", headers=admin())
+    assert fetched.json() == stored
+    bad = await ingress.client.put(
+        "/admin/tenants/acme", json={"kv_budget_blocks": 8, "weight": 0}, headers=admin()
+    )
+    assert bad.status_code == 400 and "weight" in bad.json()["error"]["message"]
+    assert (await ingress.complete(api_key)).status_code == 200

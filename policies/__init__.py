@@ -13,12 +13,16 @@ from policies.scissorhands import Scissorhands
 from policies.snapkv import SnapKV
 from policies.streaming_llm import StreamingLLM
 from policies.tova import TOVA
-from vtoken.policy import EvictionPolicy
+from vtoken.policy import EvictionPolicy, Gate
 
 REGISTRY: dict[str, type[EvictionPolicy]] = {
     cls.name: cls
     for cls in (NoEviction, RandomEviction, StreamingLLM, H2O, Scissorhands, TOVA, SnapKV, PAGE)
 }
+
+# A per-request KV cap runs under the engine's policy when that policy holds its budget
+# every step, else under this one (a tenant's cap must hold at every step).
+CAP_POLICY: type[EvictionPolicy] = H2O
 
 
 def make_policy(name: str, **policy_args: Any) -> EvictionPolicy:
@@ -32,9 +36,9 @@ def make_policy(name: str, **policy_args: Any) -> EvictionPolicy:
         raise ValueError(
             f"policy {name!r} has no argument(s) {sorted(unknown)}; known: {sorted(known)}"
         )
-    if name == "page" and isinstance(policy_args.get("inner"), str):
-        policy_args["inner"] = make_policy(policy_args["inner"])
+    if issubclass(cls, Gate) and isinstance(policy_args.get("inner"), str):
+        policy_args["inner"] = make_policy(policy_args["inner"])  # a gate's policy, by name
     return cls(**policy_args)
 
 
-__all__ = ["REGISTRY", "EvictionPolicy", "make_policy"]
+__all__ = ["CAP_POLICY", "REGISTRY", "EvictionPolicy", "make_policy"]

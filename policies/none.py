@@ -12,6 +12,11 @@ from vtoken.policy import EvictionPolicy, PolicyView
 @dataclass
 class NoEviction(EvictionPolicy):
     name = "none"
+    holds_budget_every_step = False
+
+    @property
+    def needs_budget(self) -> bool:
+        return False
 
     def num_to_evict(self, view: PolicyView, budget: int) -> int:
         return 0

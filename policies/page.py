@@ -15,7 +15,7 @@ from itertools import combinations
 import numpy as np
 
 from policies.snapkv import SnapKV
-from vtoken.policy import EvictionPolicy, PolicyView, ScoreNeeds
+from vtoken.policy import EvictionPolicy, Gate, PolicyView, ScoreNeeds
 
 
 def head_agreement(head_scores: np.ndarray, top_k: int) -> np.ndarray:
@@ -29,30 +29,19 @@ def head_agreement(head_scores: np.ndarray, top_k: int) -> np.ndarray:
 
 
 @dataclass
-class PAGE(EvictionPolicy):
+class PAGE(Gate):
     name = "page"
+    needs = ScoreNeeds(query_window=1, per_head=True)
     inner: EvictionPolicy = field(default_factory=SnapKV)
     threshold: float = 0.1
     top_fraction: float = 0.1
     enabled: bool | None = field(default=None, init=False)  # decided at the end of prefill
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.inner.stat_names:
-            raise ValueError("page wraps a stateless (SnapKV-style) evictor")
-
-    def score_needs(self) -> ScoreNeeds:
-        needs = self.inner.score_needs()
-        return needs.merge(ScoreNeeds(query_window=max(needs.query_window, 1), per_head=True))
-
-    def select(self, view: PolicyView, budget: int) -> np.ndarray:
+    def gate(self, view: PolicyView) -> bool:
         if self.enabled is None and view.prefill_done_now:
             scores = view.require("head_scores")
             agreement = head_agreement(scores, max(1, int(self.top_fraction * view.num_live)))
             third = max(1, len(agreement) // 3)
             drop = agreement[:third].mean() - agreement[-third:].mean()
             self.enabled = bool(drop > self.threshold)
-        if not self.enabled:
-            return np.zeros(0, dtype=np.int64)
-        evicted = self.inner.select(view, budget)
-        return evicted[~np.isin(evicted, view.logical_ids[self.protected(view, budget)])]
+        return bool(self.enabled)

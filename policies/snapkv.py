@@ -19,6 +19,7 @@ from vtoken.policy import EvictionPolicy, PolicyView, ScoreNeeds
 @dataclass
 class SnapKV(EvictionPolicy):
     name = "snapkv"
+    holds_budget_every_step = False  # compresses once, at the end of prefill
     window: int = 32
     kernel_size: int = 5
     pooling: str = "max"

@@ -19,6 +19,10 @@ class StreamingLLM(EvictionPolicy):
     name = "streaming_llm"
     sinks: int = 4
 
+    @property
+    def needs_budget(self) -> bool:
+        return not self.recent  # an explicit window is its own limit
+
     def num_to_evict(self, view: PolicyView, budget: int) -> int:
         limit = self.sinks + self.recent if self.recent else budget
         return max(0, view.num_live - limit)

@@ -8,6 +8,10 @@ table's stats arrays, which vToken keeps aligned with the tokens through every r
 
 Contract of :meth:`EvictionPolicy.select`: given a :class:`PolicyView` and a budget in
 tokens, return the logical ids to evict (int64, unique, all live, none protected).
+
+Callers outside ``policies/`` never test a policy's name; they read its traits:
+``holds_budget_every_step`` (class) and ``needs_budget`` (instance), below. A policy that
+only decides *whether* another one evicts is a :class:`Gate` overriding ``gate``.
 """
 
 from __future__ import annotations
@@ -89,16 +93,27 @@ class PolicyView:
 
 @dataclass
 class EvictionPolicy:
-    """Base policy: override ``score`` (and optionally ``observe`` / ``num_to_evict``).
+    """Base policy: override ``score`` (and optionally ``observe`` / ``gate`` /
+    ``num_to_evict``). Each step ``select`` calls ``observe``, then ``gate``, then evicts
+    ``num_to_evict`` tokens when the gate is open.
 
     Protected tokens: the first ``sinks`` logical ids and the most recent
     ``max(recent, recent_fraction * budget)`` ones. Among the others the lowest scores
     are evicted; ties go to the older token.
+
+    Traits (read by the engine and the serving layer instead of names):
+
+    - ``holds_budget_every_step``: the policy evicts down to the budget (or to its floor of
+      protected tokens) at every step, so it can enforce a per-request KV cap; ``False`` for
+      policies that evict once, only when a gate opens, or never.
+    - ``needs_budget``: this instance needs ``budget_tokens`` / ``keep_ratio``; ``False``
+      when it never evicts or limits itself.
     """
 
     name: ClassVar[str] = "base"
     needs: ClassVar[ScoreNeeds] = ScoreNeeds()
     stat_names: ClassVar[tuple[str, ...]] = ()
+    holds_budget_every_step: ClassVar[bool] = True
 
     sinks: int = 0
     recent: int = 0
@@ -110,11 +125,19 @@ class EvictionPolicy:
                 f"{self.name}: sinks and recent must be >= 0 and recent_fraction in [0, 1]"
             )
 
+    @property
+    def needs_budget(self) -> bool:
+        return True
+
     def score_needs(self) -> ScoreNeeds:
         return self.needs
 
     def observe(self, view: PolicyView) -> None:
         """Update per-token stats from this step's attention (every step, before selection)."""
+
+    def gate(self, view: PolicyView) -> bool:
+        """Whether this policy evicts at this step at all (after ``observe``); default: yes."""
+        return True
 
     def score(self, view: PolicyView) -> np.ndarray:
         """``[n_live]`` float: higher = keep."""
@@ -133,10 +156,48 @@ class EvictionPolicy:
         if budget < 0:
             raise ValueError(f"budget must be >= 0, got {budget}")
         self.observe(view)
-        num_evict = self.num_to_evict(view, budget)
+        num_evict = self.num_to_evict(view, budget) if self.gate(view) else 0
         if num_evict <= 0:
             return np.zeros(0, dtype=np.int64)
         candidates = np.flatnonzero(~self.protected(view, budget))
         scores = np.asarray(self.score(view), dtype=np.float64)[candidates]
         order = np.lexsort((view.logical_ids[candidates], scores))[:num_evict]
         return np.sort(view.logical_ids[candidates[order]])
+
+
+@dataclass
+class Gate(EvictionPolicy):
+    """A wrapper that decides, through ``gate``, whether the wrapped ``inner`` policy evicts.
+
+    When the gate is open, ``inner`` counts (``num_to_evict``, after its own ``gate``) and
+    scores; protected are the gate's own sinks/recent tokens and those ``inner`` protects.
+    The gate's ``needs`` are merged with the inner policy's. ``inner`` must keep no
+    per-token stats (``stat_names`` empty): the token table holds the gate's only.
+    """
+
+    holds_budget_every_step = False
+
+    inner: EvictionPolicy = field(kw_only=True)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.inner.stat_names:
+            raise ValueError(
+                f"{self.name} wraps a policy without per-token stats; "
+                f"{self.inner.name} keeps {list(self.inner.stat_names)}"
+            )
+
+    def score_needs(self) -> ScoreNeeds:
+        return self.inner.score_needs().merge(self.needs)
+
+    def observe(self, view: PolicyView) -> None:
+        self.inner.observe(view)
+
+    def num_to_evict(self, view: PolicyView, budget: int) -> int:
+        return self.inner.num_to_evict(view, budget) if self.inner.gate(view) else 0
+
+    def protected(self, view: PolicyView, budget: int) -> np.ndarray:
+        return super().protected(view, budget) | self.inner.protected(view, budget)
+
+    def score(self, view: PolicyView) -> np.ndarray:
+        return self.inner.score(view)

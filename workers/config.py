@@ -8,6 +8,7 @@ fails engine start. Without a ``"vtoken"`` key the plugin stays inert.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -24,12 +25,13 @@ class PolicySpec(BaseModel):
 
     - ``policy``/``policy_args``: a name of ``policies.REGISTRY`` and its dataclass fields
       (one policy instance per request).
-    - ``budget_tokens`` or ``keep_ratio`` (at most one; required except for ``none`` and for
-      ``streaming_llm`` with ``recent``): the live-token budget after each step, absolute or
+    - ``budget_tokens`` or ``keep_ratio`` (at most one; required unless the policy's
+      ``needs_budget`` is false): the live-token budget after each step, absolute or
       ``ceil(keep_ratio * sequence length)``.
 
     A request may override the engine's spec with ``SamplingParams.extra_args
-    ["vtoken_policy"] = {...}`` (same fields); an invalid override is logged and ignored.
+    ["vtoken_policy"] = {...}`` (same fields), read by :func:`request_policy_spec`; an
+    invalid override refuses the request, it never runs under another spec.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -43,12 +45,11 @@ class PolicySpec(BaseModel):
     def _policy_and_budget(self) -> PolicySpec:
         from policies import make_policy
 
-        make_policy(self.policy, **self.policy_args)  # unknown names/arguments raise ValueError
+        policy = make_policy(self.policy, **self.policy_args)  # bad names/arguments raise
         if self.budget_tokens is not None and self.keep_ratio is not None:
             raise ValueError("give budget_tokens or keep_ratio, not both")
-        self_limited = self.policy == "streaming_llm" and self.policy_args.get("recent")
         unbudgeted = self.budget_tokens is None and self.keep_ratio is None
-        if self.policy != "none" and not self_limited and unbudgeted:
+        if policy.needs_budget and unbudgeted:
             raise ValueError(f"policy {self.policy!r} needs budget_tokens or keep_ratio")
         return self
 
@@ -95,6 +96,38 @@ class VTokenConfig(PolicySpec):
         if bad:
             raise ValueError(f"score_layers {bad} out of range: the model has {num_layers}")
         return list(self.score_layers)
+
+
+def request_policy_spec(extra_args: Mapping[str, Any] | None) -> PolicySpec | None:
+    """A request's own ``PolicySpec`` from ``SamplingParams.extra_args["vtoken_policy"]``, or
+    ``None`` when it brings none (the engine's spec applies).
+
+    Raises ``ValueError`` naming the key and each problem when the override is not a valid
+    spec: the request must be refused, never run under a spec it did not ask for (a tenant's
+    cap that admission counted on would silently go unenforced).
+    """
+    override = (extra_args or {}).get(REQUEST_KEY)
+    if override is None or isinstance(override, PolicySpec):
+        return override
+    where = f"extra_args[{REQUEST_KEY!r}]"
+    if not isinstance(override, dict):
+        raise ValueError(f"{where} must be a dict, got {type(override).__name__}")
+    try:
+        return PolicySpec.model_validate(override)
+    except ValidationError as error:
+        raise ValueError(f"invalid {where}: {_problems(error)}") from None
+    except (ValueError, TypeError) as error:  # raised by a policy's own constructor
+        raise ValueError(f"invalid {where}: {error}") from None
+
+
+def _problems(error: ValidationError) -> str:
+    """Pydantic's errors on one line: ``field: message; ...`` (a 400 body, not a report)."""
+    parts = []
+    for e in error.errors():
+        message = str(e["msg"]).removeprefix("Value error, ")
+        location = ".".join(str(part) for part in e["loc"])
+        parts.append(f"{location}: {message}" if location else message)
+    return "; ".join(parts)
 
 
 def parse_config(additional_config: dict[str, Any] | None) -> VTokenConfig | None:

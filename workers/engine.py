@@ -1,10 +1,10 @@
 """Building vLLM CPU engines with (or without) vToken, and reading their vToken state.
 
-``make_llm`` sets the environment vLLM needs on CPU and the engine arguments vToken needs
-(synchronous scheduling, prefix caching off, eager mode). The read helpers work when the
-engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); a replica with a
-separate engine-core process calls ``EngineCore.vtoken_counters`` as a utility instead
-(see ``workers/api.py``).
+``engine_args`` holds the engine arguments every engine of ours shares (the replica in
+``serving/engine_host.py`` uses them too); ``make_llm`` adds the environment vLLM needs on
+CPU and builds an in-process engine. The read helpers work when the engine core runs in
+this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); a replica with a separate engine-core
+process calls ``EngineCore.vtoken_counters`` as a utility instead (see ``workers/api.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,37 @@ CPU_ENV = {
 }
 
 
+def engine_args(
+    model: str,
+    vtoken: dict[str, Any] | None,
+    *,
+    block_size: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    num_blocks: int | None,
+    dtype: Any,
+    enable_prefix_caching: bool = False,
+) -> dict[str, Any]:
+    """The vLLM engine arguments every engine of ours shares (``vllm.LLM`` and
+    ``AsyncEngineArgs`` take them alike): synchronous scheduling and eager mode (vToken runs
+    nowhere else), ``num_blocks`` fixing the KV pool size (``None``: from memory), and the
+    vToken section (``None``: a plain vLLM engine). Environment variables are the caller's.
+    """
+    return {
+        "model": model,
+        "dtype": dtype,
+        "block_size": block_size,
+        "max_model_len": max_model_len,
+        "max_num_seqs": max_num_seqs,
+        "num_gpu_blocks_override": num_blocks,
+        "enable_prefix_caching": enable_prefix_caching,
+        "async_scheduling": False,
+        "enforce_eager": True,
+        "gpu_memory_utilization": 0.3,
+        "additional_config": {"vtoken": vtoken} if vtoken is not None else {},
+    }
+
+
 def make_llm(
     model: str,
     vtoken: dict[str, Any] | None = None,
@@ -33,30 +64,24 @@ def make_llm(
     max_num_batched_tokens: int = 2048,
     dtype: Any = "float32",
     enable_prefix_caching: bool = False,
-    **engine_args: Any,
+    **extra_args: Any,
 ) -> Any:
     """An in-process ``vllm.LLM`` on CPU; ``num_blocks`` fixes the KV pool size."""
     for name, value in CPU_ENV.items():
         os.environ.setdefault(name, value)
     from vllm import LLM
 
-    if num_blocks is not None:
-        engine_args["num_gpu_blocks_override"] = num_blocks
-    return LLM(
-        model=model,
-        dtype=dtype,
+    common = engine_args(
+        model,
+        vtoken,
         block_size=block_size,
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
+        num_blocks=num_blocks,
+        dtype=dtype,
         enable_prefix_caching=enable_prefix_caching,
-        async_scheduling=False,
-        enforce_eager=True,
-        gpu_memory_utilization=0.3,
-        seed=0,
-        additional_config={"vtoken": vtoken} if vtoken is not None else {},
-        **engine_args,
     )
+    return LLM(**common, max_num_batched_tokens=max_num_batched_tokens, seed=0, **extra_args)
 
 
 def engine_scheduler(llm: Any) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -10,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import policies
-from policies import REGISTRY, make_policy
+from policies import CAP_POLICY, REGISTRY, make_policy
 from policies.page import head_agreement
-from vtoken.policy import PolicyView, StepAttention
+from vtoken.policy import EvictionPolicy, Gate, PolicyView, ScoreNeeds, StepAttention
 
 
 def view(n, attention=None, prompt_len=None, num_logical=None, ids=None, stats=None):
@@ -126,6 +127,68 @@ def test_page_gates_on_the_drop_in_head_agreement():
     assert gated.size == 12
 
 
+def test_page_is_a_gate_around_snapkv_that_opens_once_at_the_end_of_prefill():
+    """Open: exactly what the wrapped SnapKV evicts; closed: nothing, at every later step."""
+    agree = np.tile(np.arange(20.0), (6, 4, 1))
+    diverge = agree.copy()
+    for layer in range(3, 6):
+        diverge[layer] = np.random.default_rng(layer).permuted(agree[layer], axis=-1)
+    rows = np.random.default_rng(1).random((2, 20))
+    snapkv = make_policy("snapkv", window=2)
+    for head_scores, opens in ((diverge, True), (agree, False)):
+        page = make_policy("page", top_fraction=0.25, inner=make_policy("snapkv", window=2))
+        prefill = view(20, StepAttention(window_rows=rows, head_scores=head_scores))
+        expected = snapkv.select(prefill, budget=8) if opens else np.zeros(0)
+        assert page.select(prefill, budget=8).tolist() == expected.tolist()
+        assert page.enabled is opens
+        decode = view(21, StepAttention(window_rows=np.ones((2, 21))), prompt_len=20)
+        assert page.select(decode, budget=8).size == 0  # SnapKV compresses once
+        assert page.score_needs() == ScoreNeeds(query_window=2, per_head=True)
+
+
+class _Lowest(EvictionPolicy):
+    """Test policy: evicts the lowest logical ids, and only at even steps (its own gate)."""
+
+    def gate(self, current: PolicyView) -> bool:
+        return current.step % 2 == 0
+
+    def score(self, current: PolicyView) -> np.ndarray:
+        return current.logical_ids.astype(np.float64)
+
+
+@dataclass
+class _Open(Gate):
+    """Test gate: open while ``is_open``."""
+
+    is_open: bool = True
+
+    def gate(self, current: PolicyView) -> bool:
+        return self.is_open
+
+
+def test_a_gate_runs_the_wrapped_policy_only_when_both_gates_open():
+    def at_step(step):
+        return PolicyView(logical_ids=np.arange(10), num_logical=10, prompt_len=10, step=step)
+
+    gate = _Open(inner=_Lowest(), sinks=2)
+    assert gate.select(at_step(2), budget=6).tolist() == [2, 3, 4, 5]  # its sinks protected
+    assert gate.select(at_step(1), budget=6).size == 0  # the inner policy's gate is shut
+    gate.is_open = False
+    assert gate.select(at_step(2), budget=6).size == 0
+    assert not gate.holds_budget_every_step
+    with pytest.raises(ValueError, match="without per-token stats"):
+        _Open(inner=make_policy("h2o"))
+
+
+def test_traits_say_which_policies_hold_a_budget_every_step_and_which_need_one():
+    every_step = {name for name, cls in REGISTRY.items() if cls.holds_budget_every_step}
+    assert every_step == {"h2o", "random", "scissorhands", "tova", "streaming_llm"}
+    unbudgeted = {name for name in REGISTRY if not make_policy(name).needs_budget}
+    assert unbudgeted == {"none"}
+    assert not make_policy("streaming_llm", recent=60).needs_budget  # its window is its limit
+    assert CAP_POLICY.holds_budget_every_step
+
+
 def test_registry_rejects_unknown_names_and_arguments():
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("lru")
@@ -135,6 +198,9 @@ def test_registry_rejects_unknown_names_and_arguments():
         make_policy("snapkv", pooling="median")
     with pytest.raises(ValueError):
         make_policy("h2o", recent_fraction=2.0)
+    assert type(make_policy("page", inner="tova").inner).__name__ == "TOVA"  # by name
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("page", inner="lru")
 
 
 def full_attention(n, rng):

@@ -9,7 +9,13 @@ import pytest
 
 from vtoken.policy import ScoreNeeds, StepAttention
 from vtoken.repack_planner import ReclaimMode
-from workers.config import VTokenConfig, parse_config
+from workers.config import (
+    REQUEST_KEY,
+    PolicySpec,
+    VTokenConfig,
+    parse_config,
+    request_policy_spec,
+)
 from workers.messages import StepOps, StepScores
 from workers.vllm_patches import UnsupportedVLLMError, _version_guard, check_version
 
@@ -46,6 +52,34 @@ def test_valid_section():
 def test_bad_section_raises_clear_error(section, message):
     with pytest.raises(ValueError, match=message):
         parse_config({"vtoken": section})
+
+
+def test_request_override_is_read_or_refused_with_a_clear_error():
+    assert request_policy_spec(None) is None
+    assert request_policy_spec({"tenant": "a"}) is None
+    override = {"policy": "h2o", "budget_tokens": 64}
+    assert request_policy_spec({REQUEST_KEY: override}) == PolicySpec(**override)
+    streaming = {"policy": "streaming_llm", "policy_args": {"recent": 60}}
+    assert request_policy_spec({REQUEST_KEY: streaming}).budget(1000) == 1000  # self-limited
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"policy": "h2o", "budget_tokens": 0}, r"budget_tokens: Input should be greater"),
+        ({"policy": "h2o"}, "policy 'h2o' needs budget_tokens or keep_ratio"),
+        ({"policy": "lru", "keep_ratio": 0.5}, "unknown policy 'lru'"),
+        ({"policy": "h2o", "keep_ratio": 0.5, "mode": "naive"}, "mode: Extra inputs"),
+        ({"policy": "h2o", "keep_ratio": 0.5, "policy_args": {"sinks": "4"}}, "not supported"),
+        ({"policy": "page", "keep_ratio": 0.5, "policy_args": {"inner": "h2o"}}, "per-token"),
+        ("h2o", "must be a dict, got str"),
+    ],
+)
+def test_bad_request_override_raises_naming_the_key(override, message):
+    with pytest.raises(ValueError, match=message) as error:
+        request_policy_spec({REQUEST_KEY: override})
+    assert "extra_args['vtoken_policy']" in str(error.value)
+    assert "\n" not in str(error.value)  # one line: it becomes an HTTP 400 message
 
 
 def test_score_layers_checked_against_the_model():

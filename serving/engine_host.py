@@ -29,6 +29,8 @@ from controlplane.publisher import PublisherConfig, ReportPublisher
 from controlplane.redis_conn import REDIS_ERRORS, RedisConfig, connect
 from controlplane.store import RedisStore
 from controlplane.tracing import configure_tracing, extract_context
+from policies import CAP_POLICY, REGISTRY
+from workers.config import REQUEST_KEY, VTokenConfig, request_policy_spec
 
 logger = logging.getLogger(__name__)
 PLAN_POLL_S = 1.0
@@ -86,11 +88,6 @@ def counters_from_snapshot(snapshot: dict[str, Any], running: int) -> EngineCoun
     )
 
 
-# Policies that hold their budget at every step (SnapKV and PAGE compress once, at the end
-# of prefill; "none" never evicts): only these can enforce a per-request KV cap.
-EVERY_STEP_POLICIES = frozenset({"h2o", "random", "scissorhands", "tova", "streaming_llm"})
-
-
 def request_spec(
     spec: dict[str, Any], budget_tokens: int | None, keep_fraction: float | None
 ) -> dict[str, Any] | None:
@@ -98,28 +95,32 @@ def request_spec(
 
     ``budget_tokens`` is the tenant's per-request KV cap (``TenantQuota.
     eviction_budget_tokens``, which admission counted on): it becomes the request's token
-    budget, under the engine's policy when that policy holds a budget every step, else H2O.
+    budget, under the engine's policy when that policy holds its budget every step (SnapKV
+    and PAGE compress once, ``none`` never evicts), else under ``policies.CAP_POLICY``.
     ``keep_fraction`` < 1 (controller pressure) scales the budget down. ``None``: nothing
-    to override.
+    to override. A cap that makes no valid spec (e.g. 0 tokens) raises ``ValueError``: the
+    request is refused (HTTP 400), never run without its cap.
     """
+    engine = VTokenConfig.model_validate(spec)
+    override: dict[str, Any]
     if budget_tokens is not None:
-        policy = spec.get("policy", "none")
-        override: dict[str, Any] = (
-            {"policy": policy, "policy_args": spec.get("policy_args", {})}
-            if policy in EVERY_STEP_POLICIES
-            else {"policy": "h2o"}
-        )
+        if REGISTRY[engine.policy].holds_budget_every_step:
+            override = {"policy": engine.policy, "policy_args": engine.policy_args}
+        else:
+            override = {"policy": CAP_POLICY.name}
         override["budget_tokens"] = budget_tokens
-    elif spec.get("keep_ratio") is not None or spec.get("budget_tokens") is not None:
+    elif engine.keep_ratio is not None or engine.budget_tokens is not None:
         override = {
             k: spec[k]
             for k in ("policy", "policy_args", "keep_ratio", "budget_tokens")
             if spec.get(k) is not None
         }
     else:
-        return None  # no budget to tighten (policy "none")
+        return None  # no budget to tighten: the policy needs none
+    request_policy_spec({REQUEST_KEY: override})  # raises ValueError when it is bad
     if keep_fraction is None or keep_fraction >= 1.0:
         return override if budget_tokens is not None else None
+    # keep_fraction is in (0, 1] (``TenantPressure``): the clamps keep the spec valid.
     if override.get("keep_ratio") is not None:
         override["keep_ratio"] = max(override["keep_ratio"] * keep_fraction, 0.01)
     else:
@@ -145,27 +146,23 @@ class EngineHost:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from workers.engine import engine_args
         from workers.models import resolve_model
 
         self.settings = settings
         self.replica_id = replica_id
         self.tracer = tracer
-        engine_args = AsyncEngineArgs(
-            model=str(resolve_model(settings.model)),
-            served_model_name=settings.name,
-            dtype=settings.dtype,  # type: ignore[arg-type]
+        common = engine_args(
+            str(resolve_model(settings.model)),
+            settings.vtoken,
             block_size=settings.block_size,
             max_model_len=settings.max_model_len,
             max_num_seqs=settings.max_num_seqs,
-            num_gpu_blocks_override=settings.num_blocks,
-            enable_prefix_caching=False,
-            async_scheduling=False,
-            enforce_eager=True,
-            gpu_memory_utilization=0.3,
-            additional_config={"vtoken": settings.vtoken},
-            disable_log_stats=True,
+            num_blocks=settings.num_blocks,
+            dtype=settings.dtype,
         )
-        self.llm = AsyncLLM.from_engine_args(engine_args)
+        args = AsyncEngineArgs(**common, served_model_name=settings.name, disable_log_stats=True)
+        self.llm = AsyncLLM.from_engine_args(args)
         self.counters_at: float | None = None  # monotonic time of the last successful read
         self.counters = EngineCounters(
             block_size=settings.block_size, total_blocks=1, free_blocks=1, used_blocks=0
@@ -202,7 +199,7 @@ class EngineHost:
             span.set_attribute(telemetry.ATTR_TENANT_ID, request.tenant_id)
             span.set_attribute(telemetry.ATTR_REPLICA_ID, self.replica_id)
             span.set_attribute(telemetry.ATTR_REQUEST_ID, request.request_id)
-            override = (params.extra_args or {}).get("vtoken_policy")
+            override = (params.extra_args or {}).get(REQUEST_KEY)
             if override is not None:
                 budget = override.get("budget_tokens", override.get("keep_ratio"))
                 span.add_event(telemetry.EVENT_REQUEST_BUDGET, {telemetry.ATTR_BUDGET: budget})
@@ -249,7 +246,7 @@ class EngineHost:
             self.pressure.get(request.tenant_id),
         )
         if override is not None:
-            extra["vtoken_policy"] = override
+            extra[REQUEST_KEY] = override
         return extra
 
     async def refresh_counters(self) -> EngineCounters:

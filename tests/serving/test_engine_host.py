@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import dataclass
+
+import numpy as np
 import pytest
 
+import policies
 from controlplane.models import EngineCounters
-from serving.engine_host import cache_salt, counters_from_snapshot, request_spec
+from controlplane.openai_models import GenerateChunk, GenerateRequest
+from serving.engine_host import (
+    EngineHost,
+    ReplicaSettings,
+    cache_salt,
+    counters_from_snapshot,
+    request_spec,
+)
+from vtoken.policy import EvictionPolicy, PolicyView
 from workers.config import PolicySpec
 
 
@@ -35,6 +48,60 @@ def test_request_spec_enforces_the_tenant_cap_and_pressure():
     assert request_spec({"policy": "none"}, None, 0.5) is None  # nothing to tighten
     for override in (request_spec(h2o, 300, 0.5), request_spec({"policy": "none"}, 64, None)):
         PolicySpec.model_validate(override)  # what the engine parses from extra_args
+
+
+@pytest.mark.parametrize("cap", [0, -8])
+@pytest.mark.parametrize("pressure", [None, 0.5])
+def test_request_spec_refuses_a_cap_that_makes_no_valid_spec(cap, pressure):
+    """Refused even under pressure, whose clamp would otherwise turn the cap into 1."""
+    with pytest.raises(ValueError, match=r"vtoken_policy.*budget_tokens"):
+        request_spec({"policy": "h2o", "keep_ratio": 0.5}, cap, pressure)
+
+
+@dataclass
+class _EveryStep(EvictionPolicy):
+    name = "test_every_step"
+
+    def score(self, view: PolicyView) -> np.ndarray:
+        return np.zeros(view.num_live)
+
+
+@dataclass
+class _Once(_EveryStep):
+    name = "test_once"
+    holds_budget_every_step = False
+
+
+def test_the_caps_policy_follows_the_trait_not_the_name(monkeypatch):
+    for cls in (_EveryStep, _Once):
+        monkeypatch.setitem(policies.REGISTRY, cls.name, cls)
+    every_step = request_spec({"policy": "test_every_step", "keep_ratio": 0.5}, 64, None)
+    assert every_step == {"policy": "test_every_step", "policy_args": {}, "budget_tokens": 64}
+    once = request_spec({"policy": "test_once", "keep_ratio": 0.5}, 64, None)
+    assert once == {"policy": policies.CAP_POLICY.name, "budget_tokens": 64}
+
+
+def test_a_bad_cap_becomes_the_requests_error_chunk():
+    """The replica half of the 400: ``generate`` answers one chunk with the error (the
+    ingress turns ``GenerateChunk.error`` into HTTP 400) before the engine sees anything."""
+    host = EngineHost.__new__(EngineHost)  # no engine: refused before it is reached
+    host.settings = ReplicaSettings(vtoken={"policy": "h2o", "keep_ratio": 0.5})
+    host.replica_id, host.pressure = "r1", {}
+    request = GenerateRequest(
+        request_id="q1",
+        tenant_id="a",
+        prompt_token_ids=[1, 2, 3],
+        max_tokens=4,
+        temperature=0.0,
+        top_p=1.0,
+        eviction_budget_tokens=0,
+    )
+
+    async def answer() -> list[GenerateChunk]:
+        return [chunk async for chunk in host.generate(request)]
+
+    (chunk,) = asyncio.run(answer())
+    assert "budget_tokens" in chunk.error and chunk.replica_id == "r1"
 
 
 def test_counters_map_the_engine_snapshot_into_a_valid_report():

@@ -1,12 +1,16 @@
-"""Admission: an admitted request reserves its worst-case KV until it finishes.
+"""Admission: an admitted request reserves its KV peak under its policy until it finishes.
 
 One Lua script decides and reserves atomically, so concurrent requests from any number of
-ingress processes cannot slip past a budget. A tenant's committed KV is
-`max(reported live blocks, sum of reservations)`: the reservations bound the in-flight
-requests from above, and the controller's reported usage (written with each plan) covers
-KV the reservations do not know about. A request is admitted when
-`committed + worst_case_blocks <= kv_budget_blocks`, the concurrency limit has room and
-the prompt-token bucket holds the prompt.
+ingress processes cannot slip past a budget. A request's reservation is its peak
+(:class:`KVBounds`): the whole prompt until prefill ends (nothing can be evicted before),
+then its steady bound; ``settle`` shrinks the reservation to the steady bound once the
+first token is out. A tenant's committed KV is `max(reported active KV, sum of
+reservations)`: the reservations bound the in-flight requests from above (requests in
+prefill at their prompt, the others at their steady bound), and the controller's reported
+usage covers KV the reservations do not know about. A request is admitted when
+`committed + its peak <= kv_budget_blocks`, the concurrency limit has room and the
+prompt-token bucket holds the prompt; a request whose peak alone exceeds the budget is
+rejected (it could never be held within it).
 """
 
 from __future__ import annotations
@@ -69,6 +73,14 @@ return {'admitted', 'ok', 0}
 """
 
 
+# KEYS: reservations. ARGV: request id, steady blocks. Shrinks only a held reservation.
+_SETTLE = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
+
+
 class AdmissionOutcome(enum.Enum):
     ADMITTED = "admitted"
     THROTTLED = "throttled"  # retry later: HTTP 429 with Retry-After
@@ -97,10 +109,30 @@ class AdmissionConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class KVBounds:
+    """A request's KV under its policy, in blocks.
+
+    ``prefill_peak``: the whole prompt, held until prefill ends. ``steady``: the most it
+    holds afterwards: prompt + max_tokens, or with a per-request eviction budget that
+    budget plus one block (the step's new tokens before the policy evicts), whichever is
+    smaller. ``peak`` is what admission reserves first."""
+
+    prefill_peak: int
+    steady: int
+
+    @property
+    def peak(self) -> int:
+        return max(self.prefill_peak, self.steady)
+
+
+@dataclass(frozen=True, slots=True)
 class Reservation:
+    """A held reservation: ``blocks`` now (the peak until settled), ``steady`` after."""
+
     tenant_id: str
     request_id: str
     blocks: int
+    steady: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,20 +151,19 @@ class AdmissionDecision:
         return self.outcome is AdmissionOutcome.ADMITTED
 
 
-def worst_case_blocks(
+def kv_bounds(
     prompt_tokens: int, max_tokens: int, block_size: int, eviction_budget_tokens: int | None
-) -> int:
-    """Blocks a request may hold at most: prompt + max_tokens, capped by the per-request
-    eviction budget (the policy keeps at most that many tokens), rounded up to blocks."""
+) -> KVBounds:
+    """The request's :class:`KVBounds`; ``ValueError`` on negative sizes or an empty request."""
     if prompt_tokens < 0 or max_tokens < 0 or prompt_tokens + max_tokens == 0:
         raise ValueError(
             f"need prompt_tokens >= 0, max_tokens >= 0, not both 0 "
             f"(got {prompt_tokens}, {max_tokens})"
         )
-    tokens = prompt_tokens + max_tokens
+    steady = math.ceil((prompt_tokens + max_tokens) / block_size)
     if eviction_budget_tokens is not None:
-        tokens = min(tokens, eviction_budget_tokens)
-    return math.ceil(tokens / block_size)
+        steady = min(steady, math.ceil(eviction_budget_tokens / block_size) + 1)
+    return KVBounds(prefill_peak=math.ceil(prompt_tokens / block_size), steady=steady)
 
 
 class Admission:
@@ -152,20 +183,22 @@ class Admission:
         self._clock = clock
         self._tracer = tracer
         self._admit = redis.register_script(_ADMIT)
+        self._settle = redis.register_script(_SETTLE)
 
     async def admit(
         self, quota: TenantQuota, request_id: str, prompt_tokens: int, max_tokens: int
     ) -> AdmissionDecision:
-        """Reserve the request's worst-case KV, or say why not.
+        """Reserve the request's KV peak, or say why not.
 
         `quota` is the caller's (possibly cached) copy; the script re-reads the stored one,
         so an admin change applies at once and a deleted tenant is rejected.
         """
         if not request_id:
             raise ValueError("request_id must be non-empty")
-        blocks = worst_case_blocks(
+        bounds = kv_bounds(
             prompt_tokens, max_tokens, self.config.block_size, quota.eviction_budget_tokens
         )
+        blocks = bounds.peak
         tenant_id = quota.tenant_id
         with self._tracer.start_as_current_span(telemetry.SPAN_ADMISSION) as span:
             span.set_attribute(telemetry.ATTR_TENANT_ID, tenant_id)
@@ -189,7 +222,10 @@ class Admission:
                 ],
             )
             decision = self._decision(
-                tenant_id, request_id, blocks, outcome, reason, retry_after_ms
+                Reservation(tenant_id, request_id, blocks, bounds.steady),
+                outcome,
+                reason,
+                retry_after_ms,
             )
             span.set_attribute(telemetry.ATTR_ADMISSION_OUTCOME, decision.outcome.value)
             span.set_attribute(telemetry.ATTR_ADMISSION_REASON, decision.reason)
@@ -197,15 +233,28 @@ class Admission:
             return decision
 
     def _decision(
-        self, tenant_id: str, request_id: str, blocks: int, outcome: str, reason: str, ms: int
+        self, reservation: Reservation, outcome: str, reason: str, ms: int
     ) -> AdmissionDecision:
         kind = AdmissionOutcome(outcome)
         if kind is AdmissionOutcome.ADMITTED:
-            return AdmissionDecision(kind, reason, 0.0, Reservation(tenant_id, request_id, blocks))
+            return AdmissionDecision(kind, reason, 0.0, reservation)
         if kind is AdmissionOutcome.THROTTLED:
             retry_after_s = self.config.throttle_retry_after_s if ms < 0 else ms / 1000
             return AdmissionDecision(kind, reason, retry_after_s, None)
         return AdmissionDecision(kind, reason, 0.0, None)
+
+    async def settle(self, reservation: Reservation) -> Reservation:
+        """Prefill is over: shrink a held reservation to its steady bound (a no-op when it
+        was released or lapsed, or is already there). Returns the reservation as held."""
+        if reservation.blocks <= reservation.steady:
+            return reservation
+        await self._settle(
+            keys=[self.keys.reservations(reservation.tenant_id)],
+            args=[reservation.request_id, reservation.steady],
+        )
+        return Reservation(
+            reservation.tenant_id, reservation.request_id, reservation.steady, reservation.steady
+        )
 
     async def release(self, reservation: Reservation) -> bool:
         """Return a finished request's reservation; idempotent, True if it was held."""

@@ -211,6 +211,9 @@ class IngressState:
                 chunk = GenerateChunk.model_validate(raw)
                 if chunk.error:
                     raise HTTPError(400, chunk.error, "invalid_request")
+                if chunk.completion_tokens and reservation.blocks > reservation.steady:
+                    # A token is out, so prefill is over: from here the policy bounds the KV.
+                    reservation = await self.admission.settle(reservation)
                 yield chunk
         except HTTPError:
             raise

@@ -10,8 +10,9 @@ from controlplane.admission import (
     Admission,
     AdmissionConfig,
     AdmissionOutcome,
+    KVBounds,
     Reservation,
-    worst_case_blocks,
+    kv_bounds,
 )
 from controlplane.keys import KeySpace
 from controlplane.store import RedisStore
@@ -24,14 +25,53 @@ def admission(redis: aioredis.Redis, keys: KeySpace, clock: FakeClock) -> Admiss
     return Admission(redis, clock, AdmissionConfig(block_size=16, reservation_ttl_s=60), keys)
 
 
-def test_worst_case_blocks() -> None:
-    assert worst_case_blocks(10, 6, 16, None) == 1
-    assert worst_case_blocks(10, 7, 16, None) == 2
-    assert worst_case_blocks(1000, 1000, 16, 64) == 4  # the eviction budget caps it
+def test_kv_bounds() -> None:
+    assert kv_bounds(10, 6, 16, None) == KVBounds(prefill_peak=1, steady=1)
+    assert kv_bounds(10, 7, 16, None) == KVBounds(prefill_peak=1, steady=2)
+    # An eviction budget bounds the steady state (plus the step's block), not the prompt.
+    assert kv_bounds(1000, 1000, 16, 64) == KVBounds(prefill_peak=63, steady=5)
+    assert kv_bounds(1000, 1000, 16, 64).peak == 63
+    assert kv_bounds(10, 6, 16, 64).steady == 1  # never above prompt + max_tokens
     with pytest.raises(ValueError, match="prompt_tokens"):
-        worst_case_blocks(-1, 5, 16, None)
+        kv_bounds(-1, 5, 16, None)
     with pytest.raises(ValueError, match="not both 0"):
-        worst_case_blocks(0, 0, 16, None)
+        kv_bounds(0, 0, 16, None)
+
+
+async def test_a_prompt_larger_than_the_budget_is_never_held(
+    redis: aioredis.Redis, keys: KeySpace, clock: FakeClock, store: RedisStore
+) -> None:
+    """Budget 10 blocks, eviction budget 48 tokens, 2,000-token prompts, block size 32: each
+    prompt holds 63 blocks until its prefill ends, so none may be admitted (a reservation of
+    the steady bound alone would admit five, 315 blocks against a budget of 10)."""
+    admission = Admission(redis, clock, AdmissionConfig(block_size=32), keys)
+    tenant = quota("acme", budget=10).model_copy(update={"eviction_budget_tokens": 48})
+    await store.put_quota(tenant)
+    for index in range(5):
+        decision = await admission.admit(tenant, f"r{index}", 2000, 64)
+        assert (decision.outcome, decision.reason) == (AdmissionOutcome.REJECTED, "exceeds_budget")
+    assert await admission.reserved_blocks("acme") == 0
+
+
+async def test_reservation_shrinks_to_its_steady_bound_after_prefill(
+    redis: aioredis.Redis, keys: KeySpace, clock: FakeClock, store: RedisStore
+) -> None:
+    admission = Admission(redis, clock, AdmissionConfig(block_size=32), keys)
+    tenant = quota("acme", budget=10).model_copy(update={"eviction_budget_tokens": 48})
+    await store.put_quota(tenant)
+    first = await admission.admit(tenant, "r1", 200, 64)  # peak 7 (prompt), steady 3
+    assert first.reservation is not None and first.reservation.blocks == 7
+    assert (await admission.admit(tenant, "r2", 200, 64)).reason == "kv_budget"  # 7 + 7 > 10
+    settled = await admission.settle(first.reservation)
+    assert (settled.blocks, settled.steady) == (3, 3)
+    assert await admission.reserved_blocks("acme") == 3
+    second = await admission.admit(tenant, "r2", 200, 64)  # 3 + 7 = 10: fits
+    assert second.admitted and second.reservation is not None
+    assert await admission.reserved_blocks("acme") == 10
+    # Settling a released reservation does not bring it back.
+    assert await admission.release(second.reservation)
+    await admission.settle(second.reservation)
+    assert await admission.reserved_blocks("acme") == 3
 
 
 async def test_exactly_at_budget_then_one_block_over(
@@ -103,11 +143,11 @@ async def test_concurrency_limit_and_lapsed_reservations(
     clock.advance(30)
     held = await admission.admit(tenant, "c", 1, 1)
     assert held.reason == "max_concurrent_requests"
-    assert await admission.renew(Reservation("acme", "b", 1))  # b streams on
+    assert await admission.renew(Reservation("acme", "b", 1, 1))  # b streams on
     clock.advance(31)  # the ingress that held a died: its reservation lapses
     assert (await admission.admit(tenant, "c", 1, 1)).admitted
     assert await admission.reserved_blocks("acme") == 2
-    assert not await admission.renew(Reservation("acme", "a", 1))
+    assert not await admission.renew(Reservation("acme", "a", 1, 1))
     clock.advance(61)  # b's holder died too
     assert (await admission.admit(tenant, "d", 1, 1)).admitted
     assert await admission.reserved_blocks("acme") == 1

@@ -304,3 +304,26 @@ async def test_admin_api_writes_the_quota_json(ingress: Ingress) -> None:
     )
     assert bad.status_code == 400 and "weight" in bad.json()["error"]["message"]
     assert (await ingress.complete(api_key)).status_code == 200
+
+
+async def test_the_reservation_shrinks_to_the_steady_bound_once_a_token_is_out(
+    ingress: Ingress, tokenizer: Any
+) -> None:
+    """Until prefill ends a request holds its whole prompt; after its first token the policy's
+    eviction budget bounds it, and the tenant's reservation says so."""
+    api_key = await ingress.add_tenant("acme", kv_budget_blocks=16, eviction_budget_tokens=16)
+    prompt = " ".join([PROMPT] * 6)
+    prompt_blocks = math.ceil(len(tokenizer(prompt)["input_ids"]) / BLOCK_SIZE)
+    steady = math.ceil(16 / BLOCK_SIZE) + 1
+    assert prompt_blocks > steady
+    ingress.replicas.gate.clear()  # the engine stops after its first chunk
+    answer = asyncio.create_task(ingress.complete(api_key, prompt=prompt, max_tokens=8))
+    await asyncio.wait_for(ingress.replicas.arrived.wait(), 10)
+    assert ingress.replicas.reserved_while_answering == [prompt_blocks]  # the prefill peak
+    for _ in range(200):
+        if await ingress.state.admission.reserved_blocks("acme") == steady:
+            break
+        await asyncio.sleep(0.01)
+    assert await ingress.state.admission.reserved_blocks("acme") == steady
+    ingress.replicas.gate.set()
+    assert (await answer).status_code == 200

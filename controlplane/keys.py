@@ -64,7 +64,7 @@ class KeySpace:
         return f"{self.prefix}:controller:fence"
 
     def reservations(self, tenant_id: str) -> str:
-        """Hash: request id -> reserved worst-case blocks."""
+        """Hash: request id -> reserved blocks (the prefill peak, then the steady bound)."""
         return f"{self.prefix}:resv:{tenant_id}"
 
     def reservation_deadlines(self, tenant_id: str) -> str:

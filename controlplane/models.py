@@ -28,10 +28,11 @@ class TenantLimits(_Frozen):
     """A tenant's limits, declared once: the stored quota, the admin API's body and the
     CLI's fields all derive from this model. The controller and admission enforce them.
 
-    `kv_budget_blocks` bounds the tenant's active KV across the whole cluster (live blocks
-    reported by replicas plus worst-case reservations of admitted requests).
+    `kv_budget_blocks` bounds the tenant's active KV across the whole cluster (the larger
+    of the blocks replicas report and the reservations of admitted requests: each request's
+    whole prompt until its prefill ends, then its steady bound).
     `eviction_budget_tokens`, when set, is the per-request keep budget the eviction policy
-    enforces; it caps a request's worst-case KV at admission.
+    enforces; it bounds a request's KV after prefill (never the prompt itself).
     """
 
     kv_budget_blocks: int = Field(gt=0)

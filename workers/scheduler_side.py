@@ -36,22 +36,18 @@ exactly as many blocks as a block-granular manager would: one per logical block
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 from typing import Any
 
 import numpy as np
-from pydantic import ValidationError
 
 from vtoken.manager import VTokenManager
 from vtoken.policy import ScoreNeeds, StepAttention
 from vtoken.repack_planner import ReclaimMode
-from workers.config import REQUEST_KEY, PolicySpec, VTokenConfig
+from workers.config import PolicySpec, VTokenConfig, request_policy_spec
 from workers.counters import RequestCounters, TenantCounters, as_dict, finished_copy
 from workers.messages import StepOps, StepScores
 from workers.vllm_block_pool import VLLMBlockPool
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_TENANT = "default"
 MAX_FINISHED_RECORDS = 4096
@@ -123,7 +119,9 @@ class VTokenScheduler:
         params = request.sampling_params
         extra = (params.extra_args if params is not None else None) or {}
         tenant = str(extra.get("tenant", DEFAULT_TENANT))
-        spec = self._spec(request.request_id, extra.get(REQUEST_KEY))
+        # A bad override never gets here: the front end and the engine core's add path
+        # refuse the request (``workers/vllm_patches.py``, request admission).
+        spec = request_policy_spec(extra) or self.config
         self.specs[request.request_id] = spec
         self.manager.add_request(
             request.request_id, request.num_prompt_tokens, tenant, spec.make_policy()
@@ -132,18 +130,6 @@ class VTokenScheduler:
         self.ballast[request.request_id] = []
         if self.config.record_evictions:
             self.evictions[request.request_id] = []
-
-    def _spec(self, request_id: str, override: Any) -> PolicySpec:
-        """The request's own ``PolicySpec`` from ``extra_args``, else the engine's."""
-        if override is None:
-            return self.config
-        try:
-            return PolicySpec.model_validate(override)
-        except (ValidationError, ValueError, TypeError) as error:
-            logger.warning(
-                "vToken: request %s: ignoring bad %s: %s", request_id, REQUEST_KEY, error
-            )
-            return self.config
 
     def _naive_blocks(self, table: Any, num_new_tokens: int = 0) -> int:
         """Logical blocks holding a live token once ``num_new_tokens`` more are appended."""

@@ -21,6 +21,11 @@ worker side (every worker process; V1 runner, CPU)
 engine construction
   ``LLMEngine`` / ``AsyncLLM`` / ``EngineCore.__init__``   refuse unsupported engines
                                       (``check_engine``) in the constructing process
+request admission
+  ``InputProcessor._validate_params`` front end: a bad ``extra_args["vtoken_policy"]``
+                                      raises ``VLLMValidationError`` (a client error)
+  ``EngineCore.preprocess_add_request`` engine core: refuses one that skipped the front
+                                      end (vLLM answers it alone with an error)
 engine core
   ``EngineCore.vtoken_counters``      (added) a utility returning the counters
 
@@ -41,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from workers.config import VTokenConfig, parse_config
+from workers.config import CONFIG_KEY, VTokenConfig, parse_config, request_policy_spec
 from workers.messages import OPS_ATTRIBUTE, SCORES_ATTRIBUTE
 from workers.scheduler_side import VTokenScheduler
 from workers.worker_side import ScoredRequest, VTokenWorker
@@ -85,6 +90,7 @@ def install() -> None:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.engine.core import EngineCore
+    from vllm.v1.engine.input_processor import InputProcessor
     from vllm.v1.engine.llm_engine import LLMEngine
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -93,6 +99,8 @@ def install() -> None:
     # passes one of these).
     for engine_cls in (LLMEngine, AsyncLLM, EngineCore):
         _wrap(engine_cls, "__init__", _refuse_unsupported_engine)
+    _wrap(InputProcessor, "_validate_params", _validate_params)
+    _wrap(EngineCore, "preprocess_add_request", _preprocess_add_request)
     _wrap(Scheduler, "__init__", _scheduler_init)
     _wrap(Scheduler, "schedule", _schedule)
     _wrap(Scheduler, "update_from_output", _update_from_output)
@@ -214,6 +222,38 @@ def _refuse_unsupported_engine(original: Callable[..., Any]) -> Callable[..., An
         original(self, vllm_config, *args, **kwargs)
 
     return __init__
+
+
+# ---------------------------------------------------------------------- request admission
+def _validate_params(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Front end, where vLLM validates a request's parameters: ``LLM.generate`` raises,
+    ``AsyncLLM.generate`` re-raises it as a client error, before the request exists."""
+
+    def _validate_params(self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, params, *args, **kwargs)
+        if CONFIG_KEY in (self.vllm_config.additional_config or {}):
+            from vllm.exceptions import VLLMValidationError
+
+            try:
+                request_policy_spec(getattr(params, "extra_args", None))
+            except ValueError as error:
+                raise VLLMValidationError(str(error), parameter="extra_args") from None
+        return result
+
+    return _validate_params
+
+
+def _preprocess_add_request(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Engine core, every request's first step in it: a bad override that skipped the front
+    end (a pre-built ``EngineCoreRequest``) raises here, so the scheduler never sees one. In
+    an engine-core process vLLM answers that request alone with ``FinishReason.ERROR``."""
+
+    def preprocess_add_request(self: Any, request: Any) -> Any:
+        if scheduler_state(self.scheduler) is not None and request.sampling_params is not None:
+            request_policy_spec(request.sampling_params.extra_args)
+        return original(self, request)
+
+    return preprocess_add_request
 
 
 def _scheduler_init(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -11,6 +11,7 @@ ahead, non-temporal hint) and split over the same threads by layer. ``floor_ms /
 repack_ms`` near 1 means the repack is bound by the traffic its move pattern causes in
 this layout, not by how it copies.
 
+Its C loop is ``kernels/csrc/memory_floor.c``, built like the repack's (``kernels.cbuild``).
 It zero-fills the whole destination lines: run the repack again before checking values.
 """
 
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -28,54 +28,15 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-    from kernels._repack_cpu import _Library
-
-_SOURCE = r"""
-#include <stdint.h>
-#include <string.h>
-#if defined(__x86_64__)
-#include <emmintrin.h>
-#endif
-
-void vtoken_floor(char **layers, int64_t num_layers, const int64_t *partial,
-                  int64_t num_partial, const int64_t *whole, int64_t num_whole,
-                  const int64_t *reads, int64_t num_reads, int64_t ahead, int64_t threads) {
-#ifdef _OPENMP
-#pragma omp parallel for schedule(dynamic, 1) num_threads((int)threads) if (threads > 1)
-#endif
-    for (int64_t l = 0; l < num_layers; ++l) {
-        char *base = layers[l];
-        for (int64_t i = 0; i < num_partial; ++i) {
-            if (i + ahead < num_partial) __builtin_prefetch(base + partial[i + ahead], 0, 0);
-            volatile char *p = base + partial[i];
-            *p = *p;
-        }
-        for (int64_t i = 0; i < num_whole; ++i) {
-#if defined(__x86_64__)
-            __m128i *p = (__m128i *)(base + whole[i]);
-            const __m128i zero = _mm_setzero_si128();
-            for (int k = 0; k < 4; ++k) _mm_stream_si128(p + k, zero);
-#else
-            memset(base + whole[i], 0, 64);
-#endif
-        }
-        for (int64_t i = 0; i < num_reads; ++i) {
-            if (i + ahead < num_reads) __builtin_prefetch(base + reads[i + ahead], 0, 0);
-            (void)*(volatile const char *)(base + reads[i]);
-        }
-#if defined(__x86_64__)
-        _mm_sfence();
-#endif
-    }
-}
-"""
+    from kernels.cbuild import CLibrary
 
 
 @functools.lru_cache(maxsize=1)
-def _library() -> _Library | None:
-    from kernels._repack_cpu import compile_library
+def _library() -> CLibrary | None:
+    """The floor's C loop (``kernels/csrc/memory_floor.c``), built as the repack is."""
+    from kernels.cbuild import compile_library
 
-    library = compile_library(_SOURCE, "floor")
+    library = compile_library("memory_floor")
     if library is not None:
         function = library.handle.vtoken_floor
         function.restype = None
@@ -83,15 +44,6 @@ def _library() -> _Library | None:
         function.argtypes = [ctypes.c_void_p, ctypes.c_int64] * 4
         function.argtypes += [ctypes.c_int64, ctypes.c_int64]
     return library
-
-
-def _prefetch_lines() -> int:
-    """The repack's prefetch distance (``PREFETCH_LINES`` of its C source)."""
-    from kernels._repack_cpu import _SOURCE as repack_source
-
-    found = re.search(r"#define PREFETCH_LINES (\d+)", repack_source)
-    assert found is not None, "the repack source defines PREFETCH_LINES"
-    return int(found.group(1))
 
 
 @dataclass(frozen=True)
@@ -110,15 +62,16 @@ class MemoryFloor:
 
     def runner(self, caches: Sequence[torch.Tensor], threads: int) -> Callable[[], None] | None:
         """A call that touches these lines in every layer; ``None`` without a C compiler."""
-        library = _library()
-        if library is None:
+        from kernels.repack_cpu import prefetch_lines
+
+        library, ahead = _library(), prefetch_lines()
+        if library is None or ahead is None:
             return None
         if not library.threads:
             threads = 1
         layers = (ctypes.c_void_p * len(caches))(*(cache.data_ptr() for cache in caches))
         kinds = (self.partial, self.whole, self.reads)
         arrays = [np.ascontiguousarray(kind, dtype=np.int64) for kind in kinds]
-        ahead = _prefetch_lines()
         function = library.handle.vtoken_floor
 
         def run() -> None:

@@ -26,7 +26,7 @@ median, so all four see the same machine load and ``ratio`` = repack rate / copy
 meaningful on a shared machine. The copy, the baseline and the dispatcher run on the same
 ``--threads`` threads (default: torch's intra-op count, i.e. every core): torch's pool for the
 torch ops, and the same pool for the C loop when it is built with OpenMP (see
-``kernels/_repack_cpu.py``). Every layer is checked after the runs
+``kernels/cbuild.py``). Every layer is checked after the runs
 (dst == src).
 """
 
@@ -187,8 +187,8 @@ def run_case(
 
     from bench import memory_floor
     from kernels import reference_repack, repack
-    from kernels._repack_cpu import default_threads
     from kernels.layout import KVLayout
+    from kernels.repack_cpu import default_threads
 
     layers, kv_heads, head_dim = SHAPES[shape]
     layout = KVLayout.FLASH if device.type == "cuda" else KVLayout.CPU_ATTN
@@ -286,7 +286,7 @@ def cli(
     """Time the repack dispatcher on planner move patterns; JSON as in issue 3."""
     import torch
 
-    from kernels._repack_cpu import uses_openmp
+    from kernels.repack_cpu import uses_openmp
 
     # The same thread count for the copy, the baseline (torch) and the dispatcher's C loop.
     threads = threads or torch.get_num_threads()

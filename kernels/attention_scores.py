@@ -9,7 +9,8 @@ sees key ``j`` iff ``j <= seq_len - q_len + i``) and q head ``g`` reading KV hea
 ``q_len * num_q_heads / num_kv_heads``.
 
 Backends: ``triton`` (CUDA; logits kernel, then softmax and sum in torch), ``torch``
-(CPU: block-wise gather and one batched matmul per query chunk), and the reference.
+(CPU: block-wise gather and one batched matmul per query chunk), and the reference, which
+sums ``attention_probabilities`` (every query's softmax, before the sum).
 """
 
 from __future__ import annotations
@@ -37,6 +38,36 @@ def _slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Te
     return block_table.long()[positions // block_size] * block_size + positions % block_size
 
 
+def attention_probabilities(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    layout: KVLayout,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Every query's softmax over the request's keys: float32 ``[num_q_heads, q_len,
+    seq_len]`` on the cache's device, with the module's causal rule and head grouping.
+
+    Arguments as ``attention_scores`` (not checked). Each row sums to 1; the hidden keys of
+    a row are 0. Plain torch, one gather and one einsum: for what needs more than the mass
+    per key (a query window, per-head statistics), and the reference of the scores.
+    """
+    q_len, num_q_heads, head_dim = query.shape
+    group = num_q_heads // layout.num_kv_heads(kv_cache)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    slots = _slots(block_table, seq_len, layout.block_size(kv_cache))
+    keys = layout.gather(kv_cache, slots)[:, 0].float()  # [seq_len, kv_heads, head_dim]
+    keys = keys.repeat_interleave(group, dim=1)  # [seq_len, q_heads, head_dim]
+    logits = torch.einsum("qhd,shd->hqs", query.float(), keys) * scale
+    visible = torch.arange(seq_len).view(1, -1) <= (
+        seq_len - q_len + torch.arange(q_len).view(-1, 1)
+    )
+    logits = logits.masked_fill(~visible.to(logits.device), float("-inf"))
+    return logits.softmax(dim=-1)
+
+
 def reference_attention_scores(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -47,20 +78,11 @@ def reference_attention_scores(
     scale: float | None = None,
 ) -> torch.Tensor:
     """Plain-torch reference of the module contract; float32 ``[num_kv_heads, seq_len]``."""
-    q_len, num_q_heads, head_dim = query.shape
-    num_kv_heads = layout.num_kv_heads(kv_cache)
-    group = num_q_heads // num_kv_heads
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    slots = _slots(block_table, seq_len, layout.block_size(kv_cache))
-    keys = layout.gather(kv_cache, slots)[:, 0].float()  # [seq_len, kv_heads, head_dim]
-    keys = keys.repeat_interleave(group, dim=1)  # [seq_len, q_heads, head_dim]
-    logits = torch.einsum("qhd,shd->hqs", query.float(), keys) * scale
-    visible = torch.arange(seq_len).view(1, -1) <= (
-        seq_len - q_len + torch.arange(q_len).view(-1, 1)
+    probabilities = attention_probabilities(
+        query, kv_cache, block_table, seq_len, layout, scale=scale
     )
-    logits = logits.masked_fill(~visible.to(logits.device), float("-inf"))
-    mass = logits.softmax(dim=-1).sum(dim=1)  # [q_heads, seq_len]
-    return mass.view(num_kv_heads, group, seq_len).sum(dim=1)
+    mass = probabilities.sum(dim=1)  # [q_heads, seq_len]
+    return mass.view(layout.num_kv_heads(kv_cache), -1, seq_len).sum(dim=1)
 
 
 def check_scores_args(

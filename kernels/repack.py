@@ -8,7 +8,7 @@ destination may appear twice. Every path copies all layers, K and V, in one call
 Backends (``repack(..., backend=...)``; ``None`` picks the first that applies):
 
     triton   CUDA caches, flash or cpu_attn layout; one launch for all layers
-    cpu      CPU caches, flash or cpu_attn layout; C loop via ctypes (``_repack_cpu``)
+    cpu      CPU caches, flash or cpu_attn layout; C loop via ctypes (``repack_cpu``)
     torch    anything, including cpu_attn_amx: ``reference_repack``
 """
 
@@ -17,10 +17,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from enum import StrEnum
 
-import numpy as np
 import torch
 
 from kernels.layout import KVLayout
+from kernels.repack_cpu import cpu_repack, load_library
+from kernels.slot_checks import slot_problem_numpy, slot_problem_torch
 
 
 class RepackBackend(StrEnum):
@@ -90,52 +91,15 @@ def _check_slot_values(
 ) -> None:
     num_slots = _num_slots(cache, layout)
     if cache.device.type == "cpu":
-        problem = _slot_problem_numpy(src_slots.numpy(), dst_slots.numpy(), num_slots)
+        problem = slot_problem_numpy(src_slots.numpy(), dst_slots.numpy(), num_slots)
     else:
-        problem = _slot_problem_torch(src_slots, dst_slots, num_slots)
-    if problem:
-        raise ValueError(problem)
+        problem = slot_problem_torch(src_slots, dst_slots, num_slots)
+    if problem is not None:
+        raise ValueError(problem.message(num_slots))
 
 
 def _num_slots(cache: torch.Tensor, layout: KVLayout) -> int:
     return layout.num_blocks(cache) * layout.block_size(cache)
-
-
-# The slot problems, by the codes the CPU loop returns (kernels/_repack_cpu.py check_moves).
-_OUT_OF_RANGE, _TWICE, _ALSO_SOURCE = -2, -3, -4
-
-
-def slot_problem_message(code: int, num_slots: int) -> str:
-    return {
-        _OUT_OF_RANGE: f"slots out of range [0, {num_slots})",
-        _TWICE: "a destination slot appears twice",
-        _ALSO_SOURCE: "a destination slot is also a source: moves would race",
-    }[code]
-
-
-def _slot_problem_torch(src: torch.Tensor, dst: torch.Tensor, num_slots: int) -> str | None:
-    both = torch.cat([src, dst])
-    if int(both.min()) < 0 or int(both.max()) >= num_slots:
-        return slot_problem_message(_OUT_OF_RANGE, num_slots)
-    if torch.unique(dst).numel() != dst.numel():
-        return slot_problem_message(_TWICE, num_slots)
-    if bool(torch.isin(dst, src).any()):
-        return slot_problem_message(_ALSO_SOURCE, num_slots)
-    return None
-
-
-def _slot_problem_numpy(src: np.ndarray, dst: np.ndarray, num_slots: int) -> str | None:
-    """The same checks on CPU slots without torch's per-op dispatch (``check_repack_args``,
-    and the dispatcher when the C loop, which checks in C, is unavailable)."""
-    if min(src.min(), dst.min()) < 0 or max(src.max(), dst.max()) >= num_slots:
-        return slot_problem_message(_OUT_OF_RANGE, num_slots)
-    ordered = np.sort(dst)
-    if bool((ordered[1:] == ordered[:-1]).any()):
-        return slot_problem_message(_TWICE, num_slots)
-    found = np.minimum(np.searchsorted(ordered, src), ordered.size - 1)
-    if bool((ordered[found] == src).any()):
-        return slot_problem_message(_ALSO_SOURCE, num_slots)
-    return None
 
 
 def pick_backend(cache: torch.Tensor, layout: KVLayout) -> RepackBackend:
@@ -145,8 +109,6 @@ def pick_backend(cache: torch.Tensor, layout: KVLayout) -> RepackBackend:
     if cache.device.type == "cuda":
         return RepackBackend.TRITON
     if cache.device.type == "cpu":
-        from kernels._repack_cpu import load_library
-
         return RepackBackend.CPU if load_library() is not None else RepackBackend.TORCH
     return RepackBackend.TORCH
 
@@ -188,12 +150,15 @@ def repack(
         return
     if first.device.type != "cpu":
         raise ValueError(f"backend cpu needs CPU caches, got {first.device}")
-    from kernels._repack_cpu import cpu_repack
-
     # The C loop checks the slot values itself (microseconds, against tens through numpy).
     num_slots = _num_slots(first, layout) if check else None
     src, dst = src_slots.contiguous(), dst_slots.contiguous()
-    if not cpu_repack(kv_caches, src, dst, parts, *sizes, num_slots=num_slots):
-        if check:  # no library, or out of memory before its check
-            _check_slot_values(first, src_slots, dst_slots, layout)
-        reference_repack(kv_caches, src_slots, dst_slots, layout)
+    if load_library() is not None:
+        try:
+            cpu_repack(kv_caches, src, dst, parts, *sizes, num_slots=num_slots)
+            return
+        except MemoryError:
+            pass  # out of memory before its check, nothing copied: the torch path below
+    if check:
+        _check_slot_values(first, src_slots, dst_slots, layout)
+    reference_repack(kv_caches, src_slots, dst_slots, layout)

@@ -23,7 +23,7 @@ import torch
 
 import kernels
 from kernels import KVLayout
-from kernels.attention_scores import attention_scores
+from kernels.attention_scores import attention_probabilities, attention_scores
 from vtoken.policy import ScoreNeeds, StepAttention
 from workers.config import VTokenConfig
 from workers.messages import StepOps, StepScores
@@ -133,13 +133,13 @@ class VTokenWorker:
         needs: ScoreNeeds,
     ) -> StepAttention:
         """Per-query probabilities, for window rows and per-head statistics."""
-        block_size = self.layout.block_size(layers[0].kv_cache)
-        positions = torch.arange(seq_len)
-        slots = block_table[positions // block_size] * block_size + positions % block_size
         window = max(needs.query_window, 1)
         step, window_rows, heads = None, None, []
         for layer in layers:
-            probs = _probabilities(layer, rows, slots.to(layer.kv_cache.device), self.layout)
+            table = block_table.to(layer.kv_cache.device)
+            probs = attention_probabilities(
+                layer.query[rows], layer.kv_cache, table, seq_len, self.layout, scale=layer.scale
+            ).cpu()  # [num_q_heads, q_len, seq_len]
             mean = probs.mean(0)  # [q, k]
             step = mean.sum(0) if step is None else step + mean.sum(0)
             last = mean[-window:]
@@ -152,20 +152,3 @@ class VTokenWorker:
             window_rows=(window_rows / num_layers).numpy() if needs.query_window else None,
             head_scores=torch.stack(heads).numpy() if needs.per_head else None,
         )
-
-
-def _probabilities(
-    layer: CapturedQuery, rows: slice, slots: torch.Tensor, layout: KVLayout
-) -> torch.Tensor:
-    """``[num_q_heads, q_len, seq_len]`` float32 softmax with vLLM's causal rule."""
-    query = layer.query[rows].float()  # [q, H, d]
-    keys = layout.gather(layer.kv_cache, slots)[:, 0].float()  # [s, kv_heads, d]
-    group = query.shape[1] // keys.shape[1]
-    keys = keys.repeat_interleave(group, dim=1)
-    logits = torch.einsum("qhd,shd->hqs", query, keys) * layer.scale
-    q_len, seq_len = query.shape[0], keys.shape[0]
-    visible = torch.arange(seq_len).view(1, -1) <= (
-        seq_len - q_len + torch.arange(q_len).view(-1, 1)
-    )
-    logits = logits.masked_fill(~visible.to(logits.device), float("-inf"))
-    return torch.softmax(logits, dim=-1).cpu()

@@ -9,6 +9,7 @@ import torch
 
 from kernels.attention_scores import (
     ScoresBackend,
+    attention_probabilities,
     attention_scores,
     reference_attention_scores,
 )
@@ -106,3 +107,20 @@ def test_bad_arguments_raise(change: dict, message: str) -> None:
             args["seq_len"],
             KVLayout.CPU_ATTN,
         )
+
+
+@pytest.mark.parametrize("layout", list(KVLayout))
+@pytest.mark.parametrize("case", CASES)
+def test_probabilities_are_causal_softmaxes(layout: KVLayout, case: tuple[int, ...]) -> None:
+    """Rows sum to 1, query ``i`` gives nothing to keys after ``seq_len - q_len + i``, and
+    summed over queries and a KV group's heads they are the scores."""
+    query, cache, block_table, seq_len = _inputs(layout, torch.float32, case)
+    num_q_heads, q_len = query.shape[1], query.shape[0]
+    got = attention_probabilities(query, cache, block_table, seq_len, layout, scale=0.2)
+    assert got.dtype == torch.float32 and got.shape == (num_q_heads, q_len, seq_len)
+    torch.testing.assert_close(got.sum(-1), torch.ones(num_q_heads, q_len, device=DEVICE))
+    for i in range(q_len):
+        assert not got[:, i, seq_len - q_len + i + 1 :].any()
+    scores = attention_scores(query, cache, block_table, seq_len, layout, scale=0.2)
+    summed = got.sum(1).view(scores.shape[0], -1, seq_len).sum(1)
+    torch.testing.assert_close(summed, scores, atol=1e-5, rtol=1e-4)

@@ -28,7 +28,9 @@ def test_run_case_reports_the_issue_fields() -> None:
     case = run_case("smollm2", 16, "trickle1", torch.device("cpu"), 2, torch.bfloat16)
     assert case["pattern"] == "trickle1" and case["moved_tokens"] == 16
     assert case["moved_bytes"] == 16 * 30 * 2 * 3 * 64 * 2
-    assert case["ratio"] == pytest.approx(case["repack_gbps"] / case["copy_gbps"], rel=1e-2)
+    # The rate ratio from the times: the rates are rounded to 1 MB/s, which on a loaded
+    # machine (tens of MB/s for this tiny case) is off by more than 1%.
+    assert case["ratio"] == pytest.approx(case["copy_ms"] / case["repack_ms"], rel=1e-2)
     assert case["speedup"] == pytest.approx(case["baseline_ms"] / case["repack_ms"], rel=1e-2)
     for key in ("layers", "kv_heads", "head_dim", "block_size", "copy_gbps", "baseline_ms"):
         assert case[key] > 0

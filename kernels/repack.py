@@ -8,7 +8,7 @@ destination may appear twice. Every path copies all layers, K and V, in one call
 Backends (``repack(..., backend=...)``; ``None`` picks the first that applies):
 
     triton   CUDA caches, flash or cpu_attn layout; one launch for all layers
-    cpu      CPU caches, flash or cpu_attn layout; C loop via ctypes (``repack_cpu``)
+    cpu      CPU caches, flash or cpu_attn layout; ``csrc/repack.c`` via ctypes (``repack_cpu``)
     torch    anything, including cpu_attn_amx: ``reference_repack``
 """
 

@@ -17,7 +17,7 @@ from kernels.repack import reference_repack
 
 
 def _logging_compiler(tmp_path: Path, real: str) -> tuple[Path, Path]:
-    """A ``cc`` that logs the output file of every build, then runs the real one."""
+    """A ``cc`` that logs each build (a call with ``-o``), then runs the real one."""
     calls = tmp_path / "calls"
     fake = tmp_path / "cc"
     fake.write_text(

@@ -8,6 +8,7 @@ import uuid
 from opentelemetry import trace
 from ray import serve
 
+from controlplane import telemetry
 from controlplane.clock import SystemClock
 from controlplane.controller import Controller, ControllerConfig
 from controlplane.keys import KeySpace
@@ -32,7 +33,7 @@ class ControllerDeployment:
             lease,
             SystemClock(),
             config,
-            tracer=trace.get_tracer("vtoken.controller"),
+            tracer=trace.get_tracer(telemetry.TRACER_CONTROLLER),
         )
         self._stop = asyncio.Event()
         self._task = asyncio.get_event_loop().create_task(self.controller.run(self._stop))

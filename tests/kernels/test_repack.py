@@ -12,6 +12,8 @@ import torch
 from kernels.layout import KVLayout
 from kernels.repack import RepackBackend, check_repack_args, reference_repack, repack
 from tests.kernels.conftest import DEVICE, triton_usable
+from vtoken import repack_planner as planner
+from vtoken import token_table
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -132,8 +134,6 @@ def test_check_rejects_bad_caches() -> None:
 @pytest.mark.parametrize("layout", [KVLayout.CPU_ATTN, KVLayout.FLASH])
 def test_planner_moves_keep_every_live_token(layout: KVLayout) -> None:
     """The repack planner's moves, applied by the dispatcher, keep each live token's bytes."""
-    token_table = pytest.importorskip("vtoken.token_table")
-    planner = pytest.importorskip("vtoken.repack_planner")
     rng = np.random.default_rng(0)
     block_size, num_tokens, pool_blocks = 16, 300, 40
     table = token_table.TokenTable(block_size)

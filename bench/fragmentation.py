@@ -182,10 +182,10 @@ def run_vllm(
         if state.num_preemptions:
             raise RuntimeError(f"{mode}: {state.num_preemptions} preemptions; lower max_num_seqs")
         for (policy_name, keep), output in zip(cases, outputs, strict=True):
-            counters = state.finished[internal_request_id(state, output.request_id)]
-            values = {mode: counters.allocated_blocks}
+            report = state.finished[internal_request_id(state, output.request_id)].report
+            values = {mode: report.allocated_blocks}
             if mode == "vtoken":
-                values["ideal"] = counters.ideal_blocks
+                values["ideal"] = report.ideal_blocks
             for kind, value in values.items():
                 key = (policy_name, keep, kind)
                 totals[key] = totals.get(key, 0.0) + value / len(prompts)

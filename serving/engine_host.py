@@ -30,6 +30,7 @@ from controlplane.redis_conn import REDIS_ERRORS, RedisConfig, connect
 from controlplane.store import RedisStore
 from controlplane.tracing import configure_tracing, extract_context
 from policies import CAP_POLICY, REGISTRY
+from vtoken.reports import EngineReport
 from workers.config import REQUEST_KEY, VTokenConfig, request_policy_spec
 
 logger = logging.getLogger(__name__)
@@ -62,29 +63,27 @@ class ReplicaSettings(BaseModel):
         return self.served_name or self.model
 
 
-def counters_from_snapshot(snapshot: dict[str, Any], running: int) -> EngineCounters:
-    """Map the engine's vToken snapshot (``workers/api.py``) to the report's counters."""
-    requests = snapshot["requests"]
-    total, free = snapshot["total_blocks"], snapshot["free_blocks"]
-    tenants = {
-        tenant: TenantUsage(
-            live_tokens=row["live_tokens"],
-            blocks=row["allocated_blocks"],
-            requests=row["num_requests"],
-        )
-        for tenant, row in snapshot["tenants"].items()
-    }
+def counters_from_snapshot(report: EngineReport, running: int) -> EngineCounters:
+    """The control plane's counters (its report schema) from the engine's ``EngineReport``:
+    the one place the two meet; every total is the engine report's own."""
     return EngineCounters(
-        block_size=snapshot["block_size"],
-        total_blocks=total,
-        free_blocks=free,
-        used_blocks=total - free,
-        live_tokens=sum(r["live_tokens"] for r in requests),
-        reclaimable_blocks=sum(r["allocated_blocks"] - r["ideal_blocks"] for r in requests),
+        block_size=report.block_size,
+        total_blocks=report.total_blocks,
+        free_blocks=report.free_blocks,
+        used_blocks=report.total_blocks - report.free_blocks,
+        live_tokens=report.total.live_tokens,
+        reclaimable_blocks=report.total.reclaimable_blocks,
         running_requests=running,
-        blocks_reclaimed=snapshot.get("blocks_reclaimed", 0),
-        naive_equivalent_blocks=snapshot.get("naive_equivalent_blocks", 0),
-        tenants=tenants,
+        blocks_reclaimed=report.blocks_reclaimed,
+        naive_equivalent_blocks=report.total.naive_blocks,
+        tenants={
+            tenant: TenantUsage(
+                live_tokens=usage.live_tokens,
+                blocks=usage.allocated_blocks,
+                requests=usage.num_requests,
+            )
+            for tenant, usage in report.tenants.items()
+        },
     )
 
 
@@ -228,12 +227,12 @@ class EngineHost:
         """A span event with what vToken did to this request's KV (evictions, repacks)."""
         from workers.api import async_request_counters
 
-        counters = await async_request_counters(self.llm, request_id)
-        if counters is not None:
+        report = await async_request_counters(self.llm, request_id)
+        if report is not None:
             keys = ("evicted_tokens", "repack_moves", "live_tokens", "allocated_blocks")
             span.add_event(
                 telemetry.EVENT_KV,
-                {telemetry.ATTR_KV_PREFIX + k: int(counters[k]) for k in (*keys, "ideal_blocks")},
+                {telemetry.ATTR_KV_PREFIX + k: getattr(report, k) for k in (*keys, "ideal_blocks")},
             )
 
     def extra_args(self, request: GenerateRequest) -> dict[str, Any]:
@@ -253,10 +252,10 @@ class EngineHost:
         """Ask the engine core for its block and vToken counters (a utility call)."""
         from workers.api import async_engine_counters
 
-        snapshot = await async_engine_counters(self.llm)
-        if snapshot is None:
+        report = await async_engine_counters(self.llm)
+        if report is None:
             raise RuntimeError("the engine runs without vToken: no counters")
-        self.counters = counters_from_snapshot(snapshot, self.running)
+        self.counters = counters_from_snapshot(report, self.running)
         self.counters_at = time.monotonic()
         return self.counters
 

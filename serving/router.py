@@ -21,8 +21,7 @@ from controlplane.redis_conn import RedisConfig, connect
 from controlplane.router import RouterConfig, RouterCore
 from controlplane.store import RedisStore
 from controlplane.tracing import configure_tracing, extract_context
-
-DEFAULT_TENANT = "default"
+from vtoken.reports import DEFAULT_TENANT
 
 
 def request_fields(pending_request: PendingRequest | None) -> dict[str, Any]:

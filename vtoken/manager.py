@@ -1,62 +1,79 @@
 """The vToken manager: token tables, policies and block accounting for many requests.
 
-It is engine-agnostic: an engine (the transformers simulator, or vLLM through the plugin
-in ``workers/``) calls ``allocate`` before a forward, ``evict`` after it with the step's
-attention statistics, and ``reclaim`` to repack and give blocks back to the pool.
+It is engine-agnostic: an engine (the transformers reference engine, or vLLM through the
+plugin in ``workers/``) calls ``allocate`` before a forward, ``evict`` after it with the
+step's attention statistics, and ``reclaim`` to repack and give blocks back to the pool.
+The manager changes only tables and the pool: the engine copies the KV of each returned
+plan (``src_slots`` to ``dst_slots``) before its next forward reads or writes them.
+
+Both modes make the same decisions and keep the same physical layout (every reclaim
+repacks). They differ only in what a request holds::
+
+    logical ids   0  1  2  3 | 4  5  6  7 | 8  9          block_size 4, . = evicted
+    live          x  .  .  . | .  .  x  . | x  x
+    vtoken        |0  6  8  9|                            ceil(4 / 4) = 1 block
+    naive         |0  6  8  9| + 2 ballast blocks         logical blocks 0, 1, 2 = 3 blocks
+
+In ``naive`` mode (Naive-Evict, the paired baseline) a request also holds *ballast*
+blocks from the pool, so that it holds exactly what a block-granular manager must: one
+block per logical block that still holds a live token (``TokenTable.num_naive_blocks``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from vtoken.block_pool import BlockPool, NoFreeBlocksError
+from vtoken.block_pool import BlockPool
 from vtoken.policy import EvictionPolicy, PolicyView, StepAttention
-from vtoken.reclaimer import Reclaimer
 from vtoken.repack_planner import ReclaimMode, RepackPlan, plan_repack
-from vtoken.reports import BlockReport, request_report, tenant_reports
+from vtoken.reports import DEFAULT_TENANT, RequestReport
 from vtoken.token_table import TokenTable
 
 
 @dataclass(slots=True)
 class RequestKV:
-    """One request's token table, its policy and its counters."""
+    """One request's token table, its policy, its ballast (naive mode) and its counters."""
 
     request_id: str
     tenant: str
     prompt_len: int
     table: TokenTable
     policy: EvictionPolicy | None
+    ballast: list[int] = field(default_factory=list)
     num_steps: int = 0
     num_evicted: int = 0
     num_moves: int = 0
 
+    @property
+    def num_held_blocks(self) -> int:
+        return len(self.table.block_ids) + len(self.ballast)
+
 
 class VTokenManager:
-    """Owns a ``TokenTable`` per request; allocates from and frees to ``pool``."""
+    """Owns a ``TokenTable`` per request; allocates from and frees to ``pool``.
+
+    Invariants (``check_invariants``): no block is held twice; held + free == the pool's
+    blocks (the manager owns the whole pool); a request holds ballast only in naive mode,
+    at least what Naive-Evict needs (exactly that after ``allocate`` and ``reclaim``).
+    """
 
     def __init__(
-        self,
-        pool: BlockPool,
-        block_size: int,
-        mode: ReclaimMode = ReclaimMode.VTOKEN,
-        reclaimer: Reclaimer | None = None,
+        self, pool: BlockPool, block_size: int, mode: ReclaimMode = ReclaimMode.VTOKEN
     ) -> None:
         self.pool = pool
         self.block_size = block_size
         self.mode = ReclaimMode(mode)
-        self.reclaimer = reclaimer if reclaimer is not None else Reclaimer(pool)
-        if self.reclaimer.pool is not pool:
-            raise ValueError("the reclaimer must free into the manager's pool")
         self.requests: dict[str, RequestKV] = {}
+        self.num_blocks_reclaimed = 0  # given back by reclaims while requests still ran
 
     def add_request(
         self,
         request_id: str,
         prompt_len: int,
-        tenant: str = "default",
+        tenant: str = DEFAULT_TENANT,
         policy: EvictionPolicy | None = None,
     ) -> RequestKV:
         if request_id in self.requests:
@@ -68,14 +85,20 @@ class VTokenManager:
         self.requests[request_id] = request
         return request
 
-    def allocate(self, request_id: str, num_new_tokens: int) -> np.ndarray | None:
-        """Global slots for the next ``num_new_tokens`` tokens, or ``None`` if the pool is short."""
-        table = self.requests[request_id].table
-        try:
-            new_blocks = self.pool.allocate(table.num_blocks_needed(num_new_tokens))
-        except NoFreeBlocksError:
+    def allocate(self, request_id: str, num_new_tokens: int, reserve: int = 0) -> list[int] | None:
+        """Room for ``num_new_tokens`` more tokens: returns the blocks added to the table
+        (possibly none), or ``None`` when the pool cannot give them (ballast included) while
+        keeping ``reserve`` blocks free; then nothing changed."""
+        request = self.requests[request_id]
+        table = request.table
+        num_new_blocks = table.num_blocks_needed(num_new_tokens)
+        ballast_delta = self._ballast_size(table, num_new_tokens) - len(request.ballast)
+        if num_new_blocks + max(ballast_delta, 0) + reserve > self.pool.num_free_blocks:
             return None
-        return table.global_slots(table.append(num_new_tokens, new_blocks))
+        block_ids = self.pool.allocate(num_new_blocks)
+        table.append(num_new_tokens, block_ids)
+        self._resize_ballast(request, len(request.ballast) + ballast_delta)
+        return block_ids
 
     def view(self, request_id: str, attention: StepAttention | None = None) -> PolicyView:
         request = self.requests[request_id]
@@ -128,37 +151,80 @@ class VTokenManager:
         request.num_evicted += int(np.asarray(logical_ids).size)
 
     def plan(self, request_id: str) -> RepackPlan:
-        return plan_repack(self.requests[request_id].table, self.mode)
+        return plan_repack(self.requests[request_id].table)
 
     def reclaim(self, request_ids: Iterable[str] | None = None) -> list[RepackPlan]:
-        """Repack (vtoken) or drop dead blocks (naive) for the given requests (default: all)."""
+        """Repack the given requests (default: all), free the blocks that emptied and, in
+        naive mode, the ballast Naive-Evict no longer needs. Returns one plan per request,
+        in order; the engine copies their moves before its next forward.
+
+        Dead tokens own no slot afterwards, even when no block is freed and nothing moves
+        (dead tail tokens: the slot count just drops).
+        """
         ids = list(self.requests) if request_ids is None else list(request_ids)
-        batch = []
+        plans = []
         for request_id in ids:
             request = self.requests[request_id]
-            plan = plan_repack(request.table, self.mode)
-            if not plan.is_empty:
-                request.num_moves += plan.num_moves
-                batch.append((request.table, plan))
-        self.reclaimer.apply(batch)
-        return [plan for _, plan in batch]
+            held_before = request.num_held_blocks
+            plan = plan_repack(request.table)
+            released = request.table.move(plan.src_local, plan.dst_local, plan.num_slots_after)
+            assert released == plan.free_block_ids
+            if released:
+                self.pool.free(released)
+            self._resize_ballast(request, self._ballast_size(request.table))
+            request.num_moves += plan.num_moves
+            self.num_blocks_reclaimed += max(0, held_before - request.num_held_blocks)
+            plans.append(plan)
+        return plans
 
-    def free_request(self, request_id: str) -> None:
-        """Finish or abort: every held block goes back (after in-flight copies complete)."""
+    def free_request(self, request_id: str) -> RequestKV:
+        """Finish, abort or preemption: every held block goes back; returns the entry."""
         request = self.requests.pop(request_id)
-        self.reclaimer.release(request.table.held_block_ids)
+        if request.table.block_ids:
+            self.pool.free(request.table.block_ids)
+        self._resize_ballast(request, 0)
+        return request
 
-    def report(self, request_id: str) -> BlockReport:
-        return request_report(self.requests[request_id].table)
+    def report(self, request_id: str) -> RequestReport:
+        request = self.requests[request_id]
+        table = request.table
+        return RequestReport(
+            request_id=request_id,
+            tenant=request.tenant,
+            policy=request.policy.name if request.policy is not None else None,
+            live_tokens=table.num_live,
+            allocated_blocks=request.num_held_blocks,
+            ideal_blocks=table.num_ideal_blocks,
+            naive_blocks=table.num_naive_blocks(),
+            evicted_tokens=request.num_evicted,
+            repack_moves=request.num_moves,
+        )
 
-    def tenant_reports(self) -> dict[str, BlockReport]:
-        return tenant_reports((r.tenant, r.table) for r in self.requests.values())
+    def reports(self) -> tuple[RequestReport, ...]:
+        return tuple(self.report(request_id) for request_id in self.requests)
+
+    def _ballast_size(self, table: TokenTable, num_new_tokens: int = 0) -> int:
+        """Ballast Naive-Evict needs once ``num_new_tokens`` more are appended (0 in vtoken
+        mode): its logical blocks minus the blocks the packed table will hold."""
+        if self.mode is ReclaimMode.VTOKEN:
+            return 0
+        num_table_blocks = -(-(table.num_slots + num_new_tokens) // self.block_size)
+        return max(0, table.num_naive_blocks(num_new_tokens) - num_table_blocks)
+
+    def _resize_ballast(self, request: RequestKV, size: int) -> None:
+        ballast = request.ballast
+        if size > len(ballast):
+            ballast += self.pool.allocate(size - len(ballast))
+        elif size < len(ballast):
+            self.pool.free(ballast[size:])
+            del ballast[size:]
 
     def check_invariants(self) -> None:
         held: list[int] = []
         for request in self.requests.values():
             request.table.check_invariants()
-            held += request.table.held_block_ids
-        assert len(set(held)) == len(held), "a block is held by two requests"
-        in_use = len(held) + self.reclaimer.num_pending_blocks
-        assert in_use + self.pool.num_free_blocks == self.pool.num_blocks, "blocks leaked"
+            assert len(request.ballast) >= self._ballast_size(request.table), "ballast short"
+            assert self.mode is ReclaimMode.NAIVE or not request.ballast
+            held += request.table.block_ids + request.ballast
+        assert len(set(held)) == len(held), "a block is held twice"
+        assert len(held) + self.pool.num_free_blocks == self.pool.num_blocks, "blocks leaked"

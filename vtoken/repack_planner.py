@@ -8,8 +8,8 @@ vtoken mode, for a request with ``n_live`` live tokens::
     after    |x x x x|x x . .|              ceil(6 / 4) = 2 blocks kept, block 2 freed
 
 Holes are paired with sources in ascending order, so runs of consecutive holes receive
-runs of consecutive sources (contiguous copies for the kernels). naive mode plans no
-moves and frees only blocks that hold no live token.
+runs of consecutive sources (contiguous copies for the kernels). Both reclaim modes plan
+the same repack; they differ in what the manager holds besides (``vtoken/manager.py``).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from vtoken.token_table import TokenTable
 
 
 class ReclaimMode(StrEnum):
-    VTOKEN = "vtoken"  # repack live tokens into the fewest blocks
-    NAIVE = "naive"  # block-granular: free a block only when none of its tokens is live
+    VTOKEN = "vtoken"  # hold the fewest blocks the repacked live tokens fit in
+    NAIVE = "naive"  # Naive-Evict: hold every logical block that still has a live token
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,20 +52,8 @@ class RepackPlan:
         return self.num_moves == 0 and not self.free_block_ids
 
 
-def plan_repack(table: TokenTable, mode: ReclaimMode = ReclaimMode.VTOKEN) -> RepackPlan:
+def plan_repack(table: TokenTable) -> RepackPlan:
     """Plan the repack of ``table`` (pure: the table is not changed)."""
-    if mode is ReclaimMode.NAIVE:
-        empty = np.zeros(0, dtype=np.int64)
-        free_indices = table.blocks_without_live_tokens()
-        return RepackPlan(
-            src_local=empty,
-            dst_local=empty,
-            src_slots=empty,
-            dst_slots=empty,
-            num_slots_after=table.num_slots,
-            free_block_indices=free_indices,
-            free_block_ids=[table.block_ids[int(i)] for i in free_indices],
-        )
     num_live = table.num_live
     live = table.live_mask
     dst_local = np.flatnonzero(~live[:num_live])

@@ -1,50 +1,98 @@
-"""Block reports: what a request or tenant holds, and what a repack could give back."""
+"""Report models: what a request, a tenant and an engine hold, and what a repack gives back.
+
+One family, each number computed once: a request's counts come from its token table
+(``VTokenManager.report``); a tenant's and the engine's are sums of request reports
+(``EngineReport.tenants`` and ``EngineReport.total``, the only places totals are taken);
+``reclaimable_blocks`` is ``allocated - ideal`` at every level (``KVUsage``).
+
+Pydantic models because an engine report crosses processes: vLLM's engine core dumps it
+to plain data for its utility call, the caller validates it back (``workers/api.py``);
+``serving/engine_host.py`` maps it to the control plane's report schema.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from functools import cached_property
+from typing import Annotated
 
-from vtoken.token_table import TokenTable
+from pydantic import BaseModel, ConfigDict, Field
+
+from vtoken.repack_planner import ReclaimMode
+
+DEFAULT_TENANT = "default"
+"""The tenant of a request that names none (an engine used without the serving layer).
+Defined here, the lowest package every user of it may import (``workers`` and
+``serving``; ``controlplane`` never needs it)."""
+
+Count = Annotated[int, Field(ge=0)]
 
 
-@dataclass(frozen=True, slots=True)
-class BlockReport:
-    """Blocks held vs needed; ``reclaimable = allocated - ideal``, ideal = ceil(live / block)."""
+class KVUsage(BaseModel):
+    """What some requests hold in the KV cache: one request, a tenant's, an engine's.
 
-    num_requests: int
-    allocated_blocks: int
-    live_tokens: int
-    ideal_blocks: int
+    ``allocated_blocks`` are held from the pool (Naive-Evict's ballast included);
+    ``ideal_blocks`` is ``ceil(live_tokens / block_size)`` per request, what a repack
+    brings ``allocated_blocks`` down to; ``naive_blocks`` what Naive-Evict would hold on
+    the same decisions (one block per logical block with a live token).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    num_requests: Count = 0
+    live_tokens: Count = 0
+    allocated_blocks: Count = 0
+    ideal_blocks: Count = 0
+    naive_blocks: Count = 0
+    evicted_tokens: Count = 0
+    repack_moves: Count = 0
 
     @property
     def reclaimable_blocks(self) -> int:
         return self.allocated_blocks - self.ideal_blocks
 
-    def __add__(self, other: BlockReport) -> BlockReport:
-        return BlockReport(
-            num_requests=self.num_requests + other.num_requests,
-            allocated_blocks=self.allocated_blocks + other.allocated_blocks,
-            live_tokens=self.live_tokens + other.live_tokens,
-            ideal_blocks=self.ideal_blocks + other.ideal_blocks,
-        )
+    def __add__(self, other: KVUsage) -> KVUsage:
+        return KVUsage(**{name: getattr(self, name) + getattr(other, name) for name in _SUMMED})
 
 
-EMPTY_REPORT = BlockReport(num_requests=0, allocated_blocks=0, live_tokens=0, ideal_blocks=0)
+_SUMMED = tuple(KVUsage.model_fields)
 
 
-def request_report(table: TokenTable) -> BlockReport:
-    return BlockReport(
-        num_requests=1,
-        allocated_blocks=table.num_held_blocks,
-        live_tokens=table.num_live,
-        ideal_blocks=table.num_ideal_blocks,
-    )
+class RequestReport(KVUsage):
+    """One request's usage; ``policy`` is ``None`` when the engine evicts explicit ids."""
+
+    request_id: str
+    tenant: str = DEFAULT_TENANT
+    policy: str | None = None
+    finished: bool = False
+    num_requests: Count = 1
 
 
-def tenant_reports(tables: Iterable[tuple[str, TokenTable]]) -> dict[str, BlockReport]:
-    """Sum of request reports per tenant, from ``(tenant, table)`` pairs."""
-    reports: dict[str, BlockReport] = {}
-    for tenant, table in tables:
-        reports[tenant] = reports.get(tenant, EMPTY_REPORT) + request_report(table)
-    return reports
+class EngineReport(BaseModel):
+    """What one engine holds: its pool, its counters, and its running requests.
+
+    ``blocks_reclaimed`` counts the blocks evictions and repacks gave back while their
+    requests still ran (since the engine started). Tenant and engine totals are sums of
+    ``requests``, computed on first use and never sent.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    mode: ReclaimMode
+    policy: str
+    block_size: int = Field(gt=0)
+    total_blocks: Count
+    free_blocks: Count
+    num_preemptions: Count = 0
+    blocks_reclaimed: Count = 0
+    requests: tuple[RequestReport, ...] = ()
+
+    @cached_property
+    def tenants(self) -> dict[str, KVUsage]:
+        totals: dict[str, KVUsage] = {}
+        for request in self.requests:
+            totals[request.tenant] = totals.get(request.tenant, KVUsage()) + request
+        return totals
+
+    @cached_property
+    def total(self) -> KVUsage:
+        return sum(self.requests, KVUsage())

@@ -10,8 +10,8 @@ kernels index) is ``block_id * block_size + offset``::
 
 Invariants (``check_invariants``):
 - slots ``[0, num_slots)`` have been written; each holds one logical id; a live logical id
-  is held by exactly one slot and ``slot_of(logical) `` points back to it;
-- every slot of a released block is dead (naive mode releases blocks in the middle);
+  is held by exactly one slot and ``slot_of(logical)`` points back to it;
+- the table holds exactly ``ceil(num_slots / block_size)`` blocks;
 - per-token stats arrays are indexed by local slot, so moving a token moves its stats.
 """
 
@@ -36,7 +36,6 @@ class TokenTable:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.block_ids: list[int] = []
-        self._held = np.zeros(0, dtype=bool)  # [len(block_ids)]: False once released
         self._logical_at_slot = np.zeros(0, dtype=np.int64)  # [capacity]
         self._live_at_slot = np.zeros(0, dtype=bool)  # [capacity]
         self._slot_of_logical = np.zeros(0, dtype=np.int64)  # [num_logical]; valid if alive
@@ -50,27 +49,21 @@ class TokenTable:
 
     # ------------------------------------------------------------------ derived counts
     @property
-    def num_held_blocks(self) -> int:
-        return int(self._held.sum())
-
-    @property
     def num_ideal_blocks(self) -> int:
+        """Blocks the live tokens fill when packed: ``ceil(num_live / block_size)``."""
         return -(-self.num_live // self.block_size)
 
-    @property
-    def held_block_ids(self) -> list[int]:
-        return [b for b, held in zip(self.block_ids, self._held, strict=True) if held]
-
-    @property
-    def _next_slot(self) -> int:
-        """Where the next token goes: after the last slot, skipping a released tail block."""
-        if self.num_slots % self.block_size and not self._held[-1]:
-            return len(self.block_ids) * self.block_size
-        return self.num_slots
+    def num_naive_blocks(self, num_new_tokens: int = 0) -> int:
+        """Blocks a block-granular manager holds for this request (Naive-Evict): one per
+        logical block (``logical_id // block_size``) that holds a live token, counting the
+        ``num_new_tokens`` about to be appended."""
+        live = self.live_logical_ids() // self.block_size
+        new = np.arange(self.num_logical, self.num_logical + num_new_tokens) // self.block_size
+        return int(np.unique(np.concatenate([live, new])).size)
 
     def num_blocks_needed(self, num_new_tokens: int) -> int:
         """Blocks to add before ``append(num_new_tokens)``."""
-        end = self._next_slot + num_new_tokens
+        end = self.num_slots + num_new_tokens
         return max(0, -(-end // self.block_size) - len(self.block_ids))
 
     # ------------------------------------------------------------------ mutation
@@ -86,11 +79,8 @@ class TokenTable:
                 f"append({num_new_tokens}) needs {self.num_blocks_needed(num_new_tokens)}"
                 f" new blocks, got {len(new_block_ids)}"
             )
-        first = self._next_slot
-        # Slots skipped over in a released tail block stay dead (they own no logical id).
-        self._mark_written_dead(self.num_slots, first)
+        first = self.num_slots
         self.block_ids.extend(new_block_ids)
-        self._held = np.concatenate([self._held, np.ones(len(new_block_ids), dtype=bool)])
         slots = np.arange(first, first + num_new_tokens, dtype=np.int64)
         logical = np.arange(self.num_logical, self.num_logical + num_new_tokens, dtype=np.int64)
         self._ensure_slot_capacity(first + num_new_tokens)
@@ -120,10 +110,12 @@ class TokenTable:
         self._live_at_slot[self._slot_of_logical[logical_ids]] = False
         self.num_live -= logical_ids.size
 
-    def move(self, src_slots: np.ndarray, dst_slots: np.ndarray, num_slots: int) -> None:
+    def move(self, src_slots: np.ndarray, dst_slots: np.ndarray, num_slots: int) -> list[int]:
         """Commit a repack: tokens (and stats) at ``src_slots`` now live at ``dst_slots``.
 
-        ``num_slots`` is the new slot count; every slot at or past it must be dead.
+        ``num_slots`` is the new slot count; every slot at or past it must be dead. The
+        blocks past ``ceil(num_slots / block_size)`` leave the table; their ids are
+        returned for the caller to free.
         """
         assert not self._live_at_slot[dst_slots].any(), "repack destination is live"
         moved = self._logical_at_slot[src_slots]
@@ -135,25 +127,9 @@ class TokenTable:
             values[dst_slots] = values[src_slots]
         assert not self._live_at_slot[num_slots : self.num_slots].any(), "live token cut off"
         self.num_slots = num_slots
-
-    def drop_blocks(self, block_indices: np.ndarray) -> list[int]:
-        """Release blocks (by index in ``block_ids``) that hold no live token; returns their ids.
-
-        Released tail blocks are removed from ``block_ids``; released middle blocks stay
-        in place, marked, so the slot numbering of later blocks does not change.
-        """
-        block_indices = np.asarray(block_indices, dtype=np.int64)
-        for index in block_indices:
-            start = int(index) * self.block_size
-            assert self._held[index], "block released twice"
-            assert not self._live_at_slot[start : start + self.block_size].any()
-        released = [self.block_ids[int(i)] for i in block_indices]
-        self._held[block_indices] = False
-        while self.block_ids and not self._held[-1]:
-            if self.num_slots > (len(self.block_ids) - 1) * self.block_size:
-                break  # a partly written released tail block keeps its slot numbering
-            self.block_ids.pop()
-            self._held = self._held[:-1]
+        num_kept = -(-num_slots // self.block_size)
+        released = self.block_ids[num_kept:]
+        del self.block_ids[num_kept:]
         return released
 
     # ------------------------------------------------------------------ views
@@ -185,24 +161,12 @@ class TokenTable:
         blocks = np.asarray(self.block_ids, dtype=np.int64)[local_slots // self.block_size]
         return blocks * self.block_size + local_slots % self.block_size
 
-    def blocks_without_live_tokens(self) -> np.ndarray:
-        """Indices (into ``block_ids``) of held blocks that hold no live token."""
-        padded = np.zeros(len(self.block_ids) * self.block_size, dtype=bool)
-        padded[: self.num_slots] = self.live_mask
-        any_live = padded.reshape(-1, self.block_size).any(axis=1)
-        return np.flatnonzero(self._held & ~any_live)
-
     # ------------------------------------------------------------------ internals
     def _ensure_slot_capacity(self, size: int) -> None:
         self._logical_at_slot = _grow(self._logical_at_slot, size, 0)
         self._live_at_slot = _grow(self._live_at_slot, size, False)
         for name, values in self.stats.items():
             self.stats[name] = _grow(values, size, 0.0)
-
-    def _mark_written_dead(self, start: int, end: int) -> None:
-        if end > start:
-            self._ensure_slot_capacity(end)
-            self._live_at_slot[start:end] = False
 
     def check_invariants(self) -> None:
         live_slots = self.live_slots()
@@ -211,10 +175,4 @@ class TokenTable:
         assert np.unique(owners).size == owners.size, "a logical token owns two slots"
         assert (self._slot_of_logical[owners] == live_slots).all(), "slot map out of sync"
         assert self._alive[owners].all()
-        assert len(self.block_ids) * self.block_size >= self.num_slots
-        assert self._held.shape[0] == len(self.block_ids)
-        for index in np.flatnonzero(~self._held):
-            start = int(index) * self.block_size
-            assert not self._live_at_slot[
-                start : min(start + self.block_size, self.num_slots)
-            ].any()
+        assert len(self.block_ids) == -(-self.num_slots // self.block_size), "blocks != slots"

@@ -17,6 +17,7 @@ import torch
 
 from vtoken.manager import VTokenManager
 from vtoken.policy import EvictionPolicy, ScoreNeeds, StepAttention
+from workers.statistics import reduce_attention
 
 BudgetFn = Callable[[int], int]  # num_logical tokens -> live-token budget
 
@@ -27,23 +28,6 @@ class SimResult:
 
     token_ids: list[int]
     evicted: list[np.ndarray] = field(default_factory=list)
-
-
-def step_attention(
-    attentions: Sequence[torch.Tensor], needs: ScoreNeeds, score_layers: Sequence[int] | None
-) -> StepAttention:
-    """Reduce per-layer ``[1, heads, q_len, n_live]`` weights to the statistics ``needs`` asks."""
-    if not needs.any:
-        return StepAttention()
-    layers = range(len(attentions)) if score_layers is None else score_layers
-    stacked = torch.stack([attentions[i][0] for i in layers]).float()  # [L, H, q, k]
-    rows = stacked.mean(dim=(0, 1))  # [q, k]; each row sums to 1
-    window = max(needs.query_window, 1)
-    return StepAttention(
-        step_scores=rows.sum(0).numpy() if needs.step_scores else None,
-        window_rows=rows[-window:].numpy() if needs.query_window else None,
-        head_scores=stacked[:, :, -window:].sum(2).numpy() if needs.per_head else None,
-    )
 
 
 class HFSimEngine:
@@ -146,7 +130,7 @@ class _Session:
         )
         new_ids = np.arange(start, start + len(input_ids))
         self.cache_ids = np.concatenate([self.cache_ids, new_ids])
-        attention = step_attention(output.attentions or (), self.needs, self.engine.score_layers)
+        attention = self._attention(output.attentions or ())
         evicted = self.primary.evict(self.request_id, self.budget(table.num_logical), attention)
         self.primary.reclaim([self.request_id])
         for shadow in self.shadows:
@@ -155,6 +139,15 @@ class _Session:
         self.cache_ids = _reorder(self.cache, self.cache_ids, table.live_logical_ids())
         self.last_evicted = evicted
         return output.logits[0]
+
+    def _attention(self, attentions: tuple[torch.Tensor, ...]) -> StepAttention:
+        """The statistics the policy asks for, from the ``[1, heads, q_len, n_live]``
+        weights of each layer (cache order == the primary table's slot order)."""
+        if not self.needs.any:
+            return StepAttention()
+        score_layers = self.engine.score_layers
+        layers = range(len(attentions)) if score_layers is None else score_layers
+        return reduce_attention((attentions[i][0] for i in layers), self.needs)
 
 
 def _reorder(cache: object, cache_ids: np.ndarray, target_ids: np.ndarray) -> np.ndarray:

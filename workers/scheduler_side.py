@@ -28,29 +28,51 @@ per-head sums for the policies that ask) and returns them on the ``ModelRunnerOu
 With tensor parallelism only the driver worker's output comes back, so scores would cover
 its heads only (not supported yet: this build is single-worker CPU).
 
-``naive`` mode: the same decisions and the same physical compaction (so attention is
-identical), but the request also holds *ballast* blocks from the pool so that it holds
-exactly as many blocks as a block-granular manager would: one per logical block
-(``logical_id // block_size``) that still contains a live token.
+``naive`` mode (Naive-Evict): the same decisions and the same physical compaction (so
+attention is identical); the manager also holds *ballast* blocks from the pool, so a
+request holds what a block-granular manager would (``vtoken/manager.py``).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from vtoken.manager import VTokenManager
+from vtoken.manager import RequestKV, VTokenManager
 from vtoken.policy import ScoreNeeds, StepAttention
 from vtoken.repack_planner import ReclaimMode
+from vtoken.reports import DEFAULT_TENANT, EngineReport, RequestReport
 from workers.config import PolicySpec, VTokenConfig, request_policy_spec
-from workers.counters import RequestCounters, TenantCounters, as_dict, finished_copy
 from workers.messages import StepOps, StepScores
 from workers.vllm_block_pool import VLLMBlockPool
 
-DEFAULT_TENANT = "default"
 MAX_FINISHED_RECORDS = 4096
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One running request of the engine core: the manager's entry, its policy spec, what
+    the workers still have to apply (repack moves, the block count after the repack), and
+    every step's evicted logical ids when ``record_evictions`` is on."""
+
+    kv: RequestKV
+    spec: PolicySpec
+    pending_src: np.ndarray = field(default_factory=lambda: _EMPTY)
+    pending_dst: np.ndarray = field(default_factory=lambda: _EMPTY)
+    pending_num_blocks: int | None = None
+    evictions: list[np.ndarray] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedRequest:
+    """A finished request's last report and (``record_evictions``) its evictions."""
+
+    report: RequestReport
+    evictions: list[np.ndarray]
 
 
 class VTokenScheduler:
@@ -65,50 +87,33 @@ class VTokenScheduler:
         self.pool = VLLMBlockPool(block_pool)
         self.block_size = int(single_type_manager.block_size)
         self.stm = single_type_manager
-        self.manager = VTokenManager(self.pool, self.block_size, ReclaimMode.VTOKEN)
-        self.specs: dict[str, PolicySpec] = {}
-        self.ballast: dict[str, list[int]] = {}
-        self.pending_moves: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        self.pending_num_blocks: dict[str, int] = {}
-        self.evictions: dict[str, list[np.ndarray]] = {}
-        self.finished: OrderedDict[str, RequestCounters] = OrderedDict()
-        self.finished_evictions: OrderedDict[str, list[np.ndarray]] = OrderedDict()
+        self.manager = VTokenManager(self.pool, self.block_size, config.mode)
+        self.requests: dict[str, ScheduledRequest] = {}
+        self.finished: OrderedDict[str, FinishedRequest] = OrderedDict()
         self.num_preemptions = 0
-        self.blocks_reclaimed = 0  # blocks given back mid-request by evictions + repacks
-
-    @property
-    def naive(self) -> bool:
-        return self.config.mode is ReclaimMode.NAIVE
 
     def manages(self, request_id: str) -> bool:
-        return request_id in self.manager.requests
+        return request_id in self.requests
 
     # ------------------------------------------------------------------ allocation
     def allocate(self, request: Any, num_new_tokens: int, reserve: int = 0) -> list[Any] | None:
         """Blocks for ``num_new_tokens`` more tokens of ``request`` (vLLM ``Request``), or
         ``None`` when the pool cannot give them while keeping ``reserve`` blocks free."""
         request_id = request.request_id
-        if request_id not in self.manager.requests:
+        if request_id not in self.requests:
             self._add(request)
-        table = self.manager.requests[request_id].table
+        table = self.requests[request_id].kv.table
         assert table.num_logical == request.num_computed_tokens, (
             f"{request_id}: table has {table.num_logical} tokens, vLLM computed "
             f"{request.num_computed_tokens}"
         )
-        num_new_blocks = table.num_blocks_needed(num_new_tokens)
-        ballast_delta = 0
-        if self.naive:
-            target = self._naive_blocks(table, num_new_tokens) - len(table.block_ids)
-            ballast_delta = target - num_new_blocks - len(self.ballast[request_id])
-        if num_new_blocks + max(ballast_delta, 0) + reserve > self.pool.num_free_blocks:
+        block_ids = self.manager.allocate(request_id, num_new_tokens, reserve)
+        if block_ids is None:
             return None
-        block_ids = self.pool.allocate(num_new_blocks)
-        table.append(num_new_tokens, block_ids)
         blocks = self.pool.blocks(block_ids)
         self.stm.req_to_blocks[request_id].extend(blocks)
         if self.stm.records_new_block_ids:
             self.stm.new_block_ids.extend(block_ids)
-        self._resize_ballast(request_id, len(self.ballast.get(request_id, ())) + ballast_delta)
         return blocks
 
     def blocks_needed_for(self, num_tokens: int) -> int:
@@ -122,30 +127,11 @@ class VTokenScheduler:
         # A bad override never gets here: the front end and the engine core's add path
         # refuse the request (``workers/vllm_patches.py``, request admission).
         spec = request_policy_spec(extra) or self.config
-        self.specs[request.request_id] = spec
-        self.manager.add_request(
+        kv = self.manager.add_request(
             request.request_id, request.num_prompt_tokens, tenant, spec.make_policy()
         )
+        self.requests[request.request_id] = ScheduledRequest(kv, spec)
         self.stm.req_to_blocks[request.request_id]  # defaultdict: create the empty list
-        self.ballast[request.request_id] = []
-        if self.config.record_evictions:
-            self.evictions[request.request_id] = []
-
-    def _naive_blocks(self, table: Any, num_new_tokens: int = 0) -> int:
-        """Logical blocks holding a live token once ``num_new_tokens`` more are appended."""
-        live = table.live_logical_ids() // self.block_size
-        new = np.arange(table.num_logical, table.num_logical + num_new_tokens) // self.block_size
-        return int(np.unique(np.concatenate([live, new])).size)
-
-    def _resize_ballast(self, request_id: str, size: int) -> None:
-        ballast = self.ballast.get(request_id)
-        if ballast is None or size == len(ballast):
-            return
-        if size > len(ballast):
-            ballast += self.pool.allocate(size - len(ballast))
-        else:
-            self.pool.free(ballast[size:])
-            del ballast[size:]
 
     # ------------------------------------------------------------------ steps
     def after_step(
@@ -157,76 +143,63 @@ class VTokenScheduler:
         """Run the policies of the requests that ran this step, commit repacks, free blocks."""
         attention_of = scores.attention if scores is not None else {}
         for request_id in num_scheduled_tokens:
-            entry = self.manager.requests.get(request_id)
+            record = self.requests.get(request_id)
             request = requests.get(request_id)
-            if entry is None or request is None:
+            if record is None or request is None:
                 continue
             attention = attention_of.get(request_id, StepAttention())
             if request.num_computed_tokens < request.num_tokens:
                 self.manager.observe(request_id, attention)  # a prefill chunk: no eviction yet
                 continue
-            budget = self.specs[request_id].budget(entry.table.num_logical)
+            budget = record.spec.budget(record.kv.table.num_logical)
             evicted = self.manager.evict(request_id, budget, attention)
             if self.config.record_evictions:
-                self.evictions[request_id].append(evicted)
-            held_before = self._held_blocks(request_id)
-            self._reclaim(request_id)
-            self.blocks_reclaimed += max(0, held_before - self._held_blocks(request_id))
+                record.evictions.append(evicted)
+            self._reclaim(record)
         if self.config.check_invariants:
             self.check_invariants()
 
-    def _held_blocks(self, request_id: str) -> int:
-        table = self.manager.requests[request_id].table
-        return len(table.block_ids) + len(self.ballast.get(request_id, ()))
-
-    def _reclaim(self, request_id: str) -> None:
-        table = self.manager.requests[request_id].table
-        plan = self.manager.plan(request_id)
+    def _reclaim(self, record: ScheduledRequest) -> None:
+        """Repack now; the workers copy the moves and cut vLLM's block row next step."""
+        request_id = record.kv.request_id
+        (plan,) = self.manager.reclaim([request_id])  # commits the table, frees blocks
         if plan.is_empty:
-            # Only tail tokens died, in a block still needed: shorten without moving (the
-            # manager skips empty plans, but the physical count must drop).
-            table.move(plan.src_local, plan.dst_local, plan.num_slots_after)
-            if self.naive:
-                self._resize_ballast(request_id, self._naive_blocks(table) - len(table.block_ids))
-            return
-        self.manager.reclaim([request_id])  # commits the table, frees the emptied blocks
+            return  # at most dead tail tokens: the physical count dropped, nothing to ship
         if plan.num_moves:
-            src, dst = self.pending_moves.get(request_id, (_EMPTY, _EMPTY))
-            self.pending_moves[request_id] = (
-                np.concatenate([src, plan.src_slots]),
-                np.concatenate([dst, plan.dst_slots]),
-            )
-        num_kept = len(table.block_ids)
-        vllm_blocks = self.stm.req_to_blocks[request_id]
-        del vllm_blocks[num_kept:]
-        self.pending_num_blocks[request_id] = num_kept
-        if self.naive:
-            self._resize_ballast(request_id, self._naive_blocks(table) - num_kept)
+            record.pending_src = np.concatenate([record.pending_src, plan.src_slots])
+            record.pending_dst = np.concatenate([record.pending_dst, plan.dst_slots])
+        num_kept = len(record.kv.table.block_ids)
+        del self.stm.req_to_blocks[request_id][num_kept:]
+        record.pending_num_blocks = num_kept
 
     def take_ops(self, num_scheduled_tokens: dict[str, int], requests: dict[str, Any]) -> StepOps:
         """The ops the workers apply before this step's forward (see ``StepOps``)."""
         num_evicted, score_needs = {}, {}
         for request_id in num_scheduled_tokens:
-            entry = self.manager.requests.get(request_id)
-            if entry is None:
+            record = self.requests.get(request_id)
+            if record is None:
                 continue
-            table = entry.table
+            table, policy = record.kv.table, record.kv.policy
             assert table.num_logical == requests[request_id].num_computed_tokens
             num_evicted[request_id] = table.num_logical - table.num_slots
-            needs = entry.policy.score_needs() if entry.policy is not None else ScoreNeeds()
+            needs = policy.score_needs() if policy is not None else ScoreNeeds()
             if needs.any:
                 score_needs[request_id] = needs
-        moves = list(self.pending_moves.values())
-        ops = StepOps(
-            src_slots=np.concatenate([m[0] for m in moves]) if moves else _EMPTY,
-            dst_slots=np.concatenate([m[1] for m in moves]) if moves else _EMPTY,
-            num_blocks=dict(self.pending_num_blocks),
+        src, dst, num_blocks = [_EMPTY], [_EMPTY], {}
+        for request_id, record in self.requests.items():
+            if record.pending_num_blocks is not None:
+                src.append(record.pending_src)
+                dst.append(record.pending_dst)
+                num_blocks[request_id] = record.pending_num_blocks
+                record.pending_src = record.pending_dst = _EMPTY
+                record.pending_num_blocks = None
+        return StepOps(
+            src_slots=np.concatenate(src),
+            dst_slots=np.concatenate(dst),
+            num_blocks=num_blocks,
             num_evicted=num_evicted,
             score_needs=score_needs,
         )
-        self.pending_moves.clear()
-        self.pending_num_blocks.clear()
-        return ops
 
     # ------------------------------------------------------------------ lifecycle
     def free(self, request_id: str, preempted: bool = False) -> None:
@@ -235,28 +208,21 @@ class VTokenScheduler:
         A preempted request starts over with a fresh table (and policy) when it resumes:
         vLLM recomputes its whole sequence.
         """
-        counters = self.request_counters(request_id)
+        report = self.manager.report(request_id)
+        record = self.requests.pop(request_id)
         if preempted:
             self.num_preemptions += 1
         else:
-            self.finished[request_id] = finished_copy(counters)
-        if request_id in self.evictions:
-            self.finished_evictions[request_id] = self.evictions.pop(request_id)
-        while len(self.finished) > MAX_FINISHED_RECORDS:
-            self.finished.popitem(last=False)
-        while len(self.finished_evictions) > MAX_FINISHED_RECORDS:
-            self.finished_evictions.popitem(last=False)
+            finished = report.model_copy(update={"finished": True})
+            self.finished[request_id] = FinishedRequest(finished, record.evictions)
+            while len(self.finished) > MAX_FINISHED_RECORDS:
+                self.finished.popitem(last=False)
         self.manager.free_request(request_id)
-        del self.specs[request_id]
-        self._resize_ballast(request_id, 0)
-        del self.ballast[request_id]
-        self.pending_moves.pop(request_id, None)
-        self.pending_num_blocks.pop(request_id, None)
         self.stm.pop_blocks_for_free(request_id)  # vLLM's bookkeeping; blocks already freed
 
-    # ------------------------------------------------------------------ counters
-    def request_snapshot(self, request_id: str) -> dict[str, Any] | None:
-        """One request's counters as plain data: running, or among the recently finished.
+    # ------------------------------------------------------------------ reports
+    def request_report(self, request_id: str) -> RequestReport | None:
+        """One request's report: running, or among the recently finished.
 
         ``request_id`` may be the client's id: vLLM's front end appends ``-<8 chars>`` to
         it for the engine core, so the most recent request with that prefix is returned.
@@ -265,74 +231,37 @@ class VTokenScheduler:
         def matches(engine_id: str) -> bool:
             return engine_id == request_id or engine_id.rpartition("-")[0] == request_id
 
-        for engine_id in reversed(self.manager.requests):
+        for engine_id in reversed(self.requests):
             if matches(engine_id):
-                return as_dict(self.request_counters(engine_id))
+                return self.manager.report(engine_id)
         for engine_id in reversed(self.finished):
             if matches(engine_id):
-                return as_dict(self.finished[engine_id])
+                return self.finished[engine_id].report
         return None
 
-    def request_counters(self, request_id: str) -> RequestCounters:
-        entry = self.manager.requests[request_id]
-        table = entry.table
-        return RequestCounters(
-            request_id=request_id,
-            tenant=entry.tenant,
-            policy=self.specs[request_id].policy,
-            live_tokens=table.num_live,
-            allocated_blocks=table.num_held_blocks + len(self.ballast[request_id]),
-            ideal_blocks=table.num_ideal_blocks,
-            evicted_tokens=entry.num_evicted,
-            repack_moves=entry.num_moves,
+    def snapshot(self) -> EngineReport:
+        """What this engine holds now (crosses processes as a utility result, dumped)."""
+        return EngineReport(
+            mode=self.config.mode,
+            policy=self.config.policy,
+            block_size=self.block_size,
+            total_blocks=self.pool.num_blocks,
+            free_blocks=self.pool.num_free_blocks,
+            num_preemptions=self.num_preemptions,
+            blocks_reclaimed=self.manager.num_blocks_reclaimed,
+            requests=self.manager.reports(),
         )
 
-    def snapshot(self) -> dict[str, Any]:
-        """Plain-data counters of the engine (crosses processes as a utility result)."""
-        return {
-            "mode": self.config.mode.value,
-            "policy": self.config.policy,
-            "block_size": self.block_size,
-            "total_blocks": self.pool.num_blocks,
-            "free_blocks": self.pool.num_free_blocks,
-            "num_preemptions": self.num_preemptions,
-            "blocks_reclaimed": self.blocks_reclaimed,
-            "naive_equivalent_blocks": sum(
-                self._naive_blocks(entry.table) for entry in self.manager.requests.values()
-            ),
-            "requests": [as_dict(c) for c in self.all_request_counters()],
-            "tenants": {t: as_dict(c) for t, c in self.tenant_counters().items()},
-        }
-
-    def all_request_counters(self) -> list[RequestCounters]:
-        return [self.request_counters(request_id) for request_id in self.manager.requests]
-
-    def tenant_counters(self) -> dict[str, TenantCounters]:
-        totals: dict[str, list[int]] = {}
-        for c in self.all_request_counters():
-            row = totals.setdefault(c.tenant, [0] * 6)
-            values = (1, c.live_tokens, c.allocated_blocks, c.ideal_blocks)
-            for i, value in enumerate((*values, c.evicted_tokens, c.repack_moves)):
-                row[i] += value
-        return {tenant: TenantCounters(tenant, *row) for tenant, row in totals.items()}
-
     def check_invariants(self) -> None:
-        held: list[int] = []
-        for request_id, entry in self.manager.requests.items():
-            table = entry.table
-            table.check_invariants()
+        self.manager.check_invariants()
+        assert self.requests.keys() == self.manager.requests.keys(), "records out of sync"
+        for request_id, record in self.requests.items():
+            kv = record.kv
             vllm_ids = [block.block_id for block in self.stm.req_to_blocks[request_id]]
-            assert vllm_ids == table.block_ids, f"{request_id}: vLLM blocks != token table"
-            assert table.num_slots == table.num_live, f"{request_id}: not repacked"
-            assert table.num_held_blocks == len(table.block_ids) == table.num_ideal_blocks
-            if self.naive:
-                naive = self._naive_blocks(table)
-                assert len(self.ballast[request_id]) == max(0, naive - len(table.block_ids))
-            held += table.held_block_ids + self.ballast[request_id]
-        assert len(set(held)) == len(held), "a block is held twice"
-        assert 0 not in held, "the null block was handed out"
-        # Every request of a vToken engine has a table, so nothing else holds blocks.
-        assert len(held) + self.pool.num_free_blocks == self.pool.num_blocks, "blocks leaked"
-
-
-_EMPTY = np.zeros(0, dtype=np.int64)
+            assert vllm_ids == kv.table.block_ids, f"{request_id}: vLLM blocks != token table"
+            assert kv.table.num_slots == kv.table.num_live, f"{request_id}: not repacked"
+            assert len(kv.table.block_ids) == kv.table.num_ideal_blocks
+            naive = self.config.mode is ReclaimMode.NAIVE
+            ballast = kv.table.num_naive_blocks() - len(kv.table.block_ids) if naive else 0
+            assert len(kv.ballast) == ballast, f"{request_id}: ballast is not Naive-Evict's"
+            assert 0 not in kv.table.block_ids + kv.ballast, "the null block was handed out"

@@ -27,7 +27,8 @@ request admission
   ``EngineCore.preprocess_add_request`` engine core: refuses one that skipped the front
                                       end (vLLM answers it alone with an error)
 engine core
-  ``EngineCore.vtoken_counters``      (added) a utility returning the counters
+  ``EngineCore.vtoken_counters``      (added) utilities: the engine's report and one
+  ``EngineCore.vtoken_request_counters`` request's, as plain data (``workers/api.py``)
 
 Prefix caching rule: an engine with vToken runs with prefix caching off (it is switched
 off, with a warning), because its blocks are hashed by logical index and repacks move
@@ -350,18 +351,21 @@ def _free(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _engine_core_counters(self: Any) -> dict[str, Any] | None:
-    """``EngineCore`` utility: the vToken counters as plain data (``None`` when off).
+    """``EngineCore`` utility: the ``EngineReport`` dumped to plain data (``None`` when
+    off); vLLM sends utility results as msgpack, which takes no pydantic model.
 
-    From a client: ``engine_core.call_utility("vtoken_counters")`` (or ``_async``).
+    From a client: ``workers/api.py`` (``call_utility("vtoken_counters")`` or ``_async``).
     """
     state = scheduler_state(self.scheduler)
-    return None if state is None else state.snapshot()
+    return None if state is None else state.snapshot().model_dump(mode="json")
 
 
 def _engine_core_request_counters(self: Any, request_id: str) -> dict[str, Any] | None:
-    """``EngineCore`` utility: one request's counters, running or recently finished."""
+    """``EngineCore`` utility: one request's ``RequestReport`` (running or recently
+    finished) dumped to plain data."""
     state = scheduler_state(self.scheduler)
-    return None if state is None else state.request_snapshot(request_id)
+    report = None if state is None else state.request_report(request_id)
+    return None if report is None else report.model_dump(mode="json")
 
 
 # ---------------------------------------------------------------------- worker side

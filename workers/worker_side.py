@@ -9,8 +9,8 @@ no token tables: the scheduler decides, the worker copies. Per step:
    positions subtract it (``physical_offsets``);
 3. while a scored policy runs, attention layers hand their queries to ``record``; after
    the forward ``step_scores`` turns them into per-request ``StepAttention`` over the
-   request's physical slots ``[0, seq_len)``, reduced exactly as the reference engine
-   (``workers/hf_sim.py: step_attention``): mean over query heads and scored layers.
+   request's physical slots ``[0, seq_len)``, reduced by the reference engine's function
+   (``workers/statistics.py``): mean over query heads and scored layers.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from kernels.attention_scores import attention_probabilities, attention_scores
 from vtoken.policy import ScoreNeeds, StepAttention
 from workers.config import VTokenConfig
 from workers.messages import StepOps, StepScores
+from workers.statistics import reduce_attention
 
 
 @dataclass(slots=True)
@@ -133,22 +134,15 @@ class VTokenWorker:
         needs: ScoreNeeds,
     ) -> StepAttention:
         """Per-query probabilities, for window rows and per-head statistics."""
-        window = max(needs.query_window, 1)
-        step, window_rows, heads = None, None, []
-        for layer in layers:
-            table = block_table.to(layer.kv_cache.device)
-            probs = attention_probabilities(
-                layer.query[rows], layer.kv_cache, table, seq_len, self.layout, scale=layer.scale
-            ).cpu()  # [num_q_heads, q_len, seq_len]
-            mean = probs.mean(0)  # [q, k]
-            step = mean.sum(0) if step is None else step + mean.sum(0)
-            last = mean[-window:]
-            window_rows = last if window_rows is None else window_rows + last
-            heads.append(probs[:, -window:].sum(1))
-        assert step is not None and window_rows is not None
-        num_layers = len(layers)
-        return StepAttention(
-            step_scores=(step / num_layers).numpy() if needs.step_scores else None,
-            window_rows=(window_rows / num_layers).numpy() if needs.query_window else None,
-            head_scores=torch.stack(heads).numpy() if needs.per_head else None,
+        probabilities = (  # one layer at a time: [num_q_heads, q_len, seq_len]
+            attention_probabilities(
+                layer.query[rows],
+                layer.kv_cache,
+                block_table.to(layer.kv_cache.device),
+                seq_len,
+                self.layout,
+                scale=layer.scale,
+            ).cpu()
+            for layer in layers
         )
+        return reduce_attention(probabilities, needs)

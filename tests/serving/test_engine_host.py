@@ -19,6 +19,8 @@ from serving.engine_host import (
     request_spec,
 )
 from vtoken.policy import EvictionPolicy, PolicyView
+from vtoken.repack_planner import ReclaimMode
+from vtoken.reports import EngineReport, RequestReport
 from workers.config import PolicySpec
 
 
@@ -104,29 +106,33 @@ def test_a_bad_cap_becomes_the_requests_error_chunk():
     assert "budget_tokens" in chunk.error and chunk.replica_id == "r1"
 
 
-def test_counters_map_the_engine_snapshot_into_a_valid_report():
-    snapshot = {
-        "block_size": 32,
-        "total_blocks": 100,
-        "free_blocks": 90,
-        "blocks_reclaimed": 7,
-        "naive_equivalent_blocks": 16,
-        "requests": [
-            {"live_tokens": 40, "allocated_blocks": 2, "ideal_blocks": 2},
-            {"live_tokens": 100, "allocated_blocks": 6, "ideal_blocks": 4},
-        ],
-        "tenants": {
-            "a": {"num_requests": 1, "live_tokens": 40, "allocated_blocks": 2},
-            "b": {"num_requests": 1, "live_tokens": 100, "allocated_blocks": 6},
-        },
-    }
-    counters = counters_from_snapshot(snapshot, running=2)
+def test_counters_map_the_engine_report_into_a_valid_report():
+    def request(request_id: str, tenant: str, live: int, allocated: int, ideal: int):
+        return RequestReport(
+            request_id=request_id,
+            tenant=tenant,
+            live_tokens=live,
+            allocated_blocks=allocated,
+            ideal_blocks=ideal,
+            naive_blocks=allocated + 4,
+        )
+
+    report = EngineReport(
+        mode=ReclaimMode.VTOKEN,
+        policy="h2o",
+        block_size=32,
+        total_blocks=100,
+        free_blocks=90,
+        blocks_reclaimed=7,
+        requests=(request("r1", "a", 40, 2, 2), request("r2", "b", 100, 6, 4)),
+    )
+    counters = counters_from_snapshot(report, running=2)
     assert isinstance(counters, EngineCounters)
     assert (counters.used_blocks, counters.live_tokens, counters.reclaimable_blocks) == (10, 140, 2)
     assert counters.tenants["b"].blocks == 6 and counters.tenants["a"].requests == 1
     assert (counters.blocks_reclaimed, counters.naive_equivalent_blocks) == (7, 16)
     with pytest.raises(ValueError):  # tenants holding more than the pool says is used
-        counters_from_snapshot({**snapshot, "free_blocks": 99}, running=2)
+        counters_from_snapshot(report.model_copy(update={"free_blocks": 99}), running=2)
 
 
 def test_cache_salt_separates_tenants_and_is_stable():

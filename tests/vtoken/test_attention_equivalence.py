@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import kernels
 from kernels import KVLayout
-from vtoken import ReclaimMode, StandaloneBlockPool, VTokenManager
-from vtoken.reclaimer import Reclaimer
+from vtoken import StandaloneBlockPool, VTokenManager
 
 NUM_HEADS, HEAD_DIM, NUM_BLOCKS = 2, 16, 40
 
@@ -33,7 +33,7 @@ def test_repacked_attention_matches_live_tokens(layout, block_size, seed):
     pool = StandaloneBlockPool(NUM_BLOCKS)
     cache = layout.new_cache(NUM_BLOCKS, block_size, NUM_HEADS, HEAD_DIM)
     cache.copy_(torch.randn(cache.shape, generator=generator))
-    manager = VTokenManager(pool, block_size, ReclaimMode.VTOKEN, Reclaimer(pool, [cache], layout))
+    manager = VTokenManager(pool, block_size)
     manager.add_request("r", prompt_len=0)
     num_tokens = int(rng.integers(block_size, 6 * block_size))
     manager.allocate("r", num_tokens)
@@ -43,7 +43,10 @@ def test_repacked_attention_matches_live_tokens(layout, block_size, seed):
     manager.evict_ids("r", evicted)
     live = np.setdiff1d(np.arange(num_tokens), evicted)
     original = table.global_slots(table.slot_of(live))
-    manager.reclaim()
+    (plan,) = manager.reclaim()  # the engine copies what the plan moves
+    kernels.repack(
+        [cache], torch.from_numpy(plan.src_slots), torch.from_numpy(plan.dst_slots), layout
+    )
 
     query = torch.randn(NUM_HEADS, 3, HEAD_DIM, generator=generator)
     slots = torch.as_tensor(original)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vtoken import ReclaimMode, StandaloneBlockPool, VTokenManager
-from vtoken.reclaimer import Reclaimer
+import kernels
+from vtoken import ReclaimMode, RepackPlan, StandaloneBlockPool, VTokenManager
 from vtoken.token_table import TokenTable
 
 from .kv_store import TaggedKV
@@ -27,26 +28,37 @@ operations = st.lists(
 
 
 class Harness:
-    """One manager over its own pool and KV tensor; ``check`` asserts every invariant."""
+    """One manager over its own pool and KV tensor, copying the KV of every repack the way
+    an engine does; ``check`` asserts every invariant."""
 
     def __init__(self, mode: ReclaimMode, block_size: int) -> None:
         self.pool = StandaloneBlockPool(NUM_BLOCKS)
         self.kv = TaggedKV(NUM_BLOCKS, block_size)
-        reclaimer = Reclaimer(self.pool, self.kv.caches, self.kv.layout)
-        self.manager = VTokenManager(self.pool, block_size, mode, reclaimer)
+        self.manager = VTokenManager(self.pool, block_size, mode)
         self.manager.add_request("r", prompt_len=0)
 
     @property
     def table(self) -> TokenTable:
         return self.manager.requests["r"].table
 
+    @property
+    def num_held_blocks(self) -> int:
+        return self.manager.requests["r"].num_held_blocks
+
     def append(self, count: int) -> bool:
-        first = self.table.num_logical
-        slots = self.manager.allocate("r", count)
-        if slots is None:
+        first_logical, first_slot = self.table.num_logical, self.table.num_slots
+        if self.manager.allocate("r", count) is None:
             return False
-        self.kv.write(slots, np.arange(first, first + count))
+        slots = self.table.global_slots(np.arange(first_slot, first_slot + count))
+        self.kv.write(slots, np.arange(first_logical, first_logical + count))
         return True
+
+    def reclaim(self) -> RepackPlan:
+        (plan,) = self.manager.reclaim()
+        if plan.num_moves:
+            src, dst = torch.from_numpy(plan.src_slots), torch.from_numpy(plan.dst_slots)
+            kernels.repack(self.kv.caches, src, dst, self.kv.layout)
+        return plan
 
     def check(self) -> None:
         self.manager.check_invariants()
@@ -76,17 +88,18 @@ def test_random_sequences_keep_every_invariant(ops, block_size, seed):
         else:
             vtoken, naive = harnesses[ReclaimMode.VTOKEN], harnesses[ReclaimMode.NAIVE]
             holes = vtoken.table.num_slots - vtoken.table.num_live
-            dead_blocks = set(naive.table.blocks_without_live_tokens().tolist())
-            held_before = naive.table.num_held_blocks
-            (plan,) = vtoken.manager.reclaim() or (None,)
-            if plan is not None:
-                assert plan.num_moves <= holes
-            assert vtoken.table.num_held_blocks == vtoken.table.num_ideal_blocks
-            naive.manager.reclaim()
-            assert naive.table.num_held_blocks == held_before - len(dead_blocks)
-            assert naive.table.blocks_without_live_tokens().size == 0
+            assert vtoken.reclaim().num_moves <= holes
+            assert vtoken.num_held_blocks == vtoken.table.num_ideal_blocks
+            naive.reclaim()
+            # Same decisions, same packed layout: only the ballast differs.
+            assert np.array_equal(naive.table.live_logical_ids(), vtoken.table.live_logical_ids())
+            assert naive.num_held_blocks == naive.table.num_naive_blocks()
         for harness in harnesses.values():
             harness.check()
+        naive = harnesses[ReclaimMode.NAIVE]
+        if op == "append":  # ballast tops the table up to every logical block with a live token
+            expected = max(len(naive.table.block_ids), naive.table.num_naive_blocks())
+            assert naive.num_held_blocks == expected
     for harness in harnesses.values():
         harness.manager.free_request("r")
         assert harness.pool.num_free_blocks == NUM_BLOCKS
@@ -100,22 +113,42 @@ def test_worked_example_from_the_planner_docstring():
     assert plan.src_local.tolist() == [6, 7, 9]
     assert plan.dst_local.tolist() == [1, 4, 5]
     assert plan.free_block_ids == [2]
-    harness.manager.reclaim()
+    harness.reclaim()
     assert harness.table.block_ids == [0, 1]
     assert harness.table.live_logical_ids().tolist() == [0, 6, 2, 3, 7, 9]
     assert harness.pool.num_free_blocks == NUM_BLOCKS - 2
     harness.check()
 
 
-def test_naive_mode_frees_a_dead_middle_block_and_keeps_numbering():
+def test_naive_mode_holds_ballast_for_every_logical_block_with_a_live_token():
+    """The manager docstring's example: live 0, 6, 8, 9 fill one packed block, but sit in
+    logical blocks 0, 1 and 2, so Naive-Evict holds three."""
     harness = Harness(ReclaimMode.NAIVE, block_size=4)
-    harness.append(12)
-    harness.manager.evict_ids("r", np.array([4, 5, 6, 7, 9]))
-    harness.manager.reclaim()
-    assert harness.table.held_block_ids == [0, 2]
-    assert harness.table.slot_of(np.array([8, 10, 11])).tolist() == [8, 10, 11]
-    harness.append(3)  # continues after slot 11, in a new block
-    assert harness.table.held_block_ids == [0, 2, 3]
+    harness.append(10)
+    harness.manager.evict_ids("r", np.array([1, 2, 3, 4, 5, 7]))
+    harness.reclaim()
+    request = harness.manager.requests["r"]
+    assert harness.table.live_logical_ids().tolist() == [0, 6, 8, 9]
+    assert len(request.table.block_ids) == 1 and len(request.ballast) == 2
+    assert harness.pool.num_free_blocks == NUM_BLOCKS - 3
+    harness.append(3)  # logical 10, 11 (block 2) and 12 (block 3): one more block
+    assert request.num_held_blocks == 4 and len(request.table.block_ids) == 2
+    harness.manager.evict_ids("r", np.array([0, 6]))  # logical blocks 0 and 1 empty
+    harness.reclaim()
+    assert request.num_held_blocks == 2 and request.ballast == []
+    harness.check()
+    harness.manager.free_request("r")
+    assert harness.pool.num_free_blocks == NUM_BLOCKS
+
+
+def test_dead_tail_tokens_give_up_their_slots_without_moves():
+    harness = Harness(ReclaimMode.VTOKEN, block_size=4)
+    harness.append(7)
+    harness.manager.evict_ids("r", np.array([5, 6]))
+    plan = harness.reclaim()
+    assert plan.is_empty and harness.table.num_slots == 5
+    harness.append(1)  # lands in slot 5, right after the live tokens
+    assert harness.table.slot_of(np.array([7])).tolist() == [5]
     harness.check()
 
 
@@ -123,7 +156,7 @@ def test_new_tokens_land_after_the_repacked_live_tokens():
     harness = Harness(ReclaimMode.VTOKEN, block_size=4)
     harness.append(8)
     harness.manager.evict_ids("r", np.array([0, 1, 2]))
-    harness.manager.reclaim()
+    harness.reclaim()
     harness.append(2)
     table = harness.table
     assert table.slot_of(np.array([8, 9])).tolist() == [5, 6]

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from tests.workers.conftest import token_prompts
+from vtoken.reports import DEFAULT_TENANT
 from workers.api import engine_counters
 from workers.engine import (
     block_pool,
@@ -63,19 +64,20 @@ def _reclamation(llm, mode: str) -> dict:
         for output in engine.step():
             if output.finished:
                 tokens[output.request_id] = list(output.outputs[0].token_ids)
-        for counters in state.all_request_counters():
-            table = state.manager.requests[counters.request_id].table
+        for report in state.manager.reports():
+            table = state.manager.requests[report.request_id].table
             naive_blocks = np.unique(table.live_logical_ids() // BLOCK_SIZE).size
+            assert report.naive_blocks == naive_blocks
             if mode == "vtoken":
                 assert table.num_slots == table.num_live  # repacked: no holes
-                assert counters.allocated_blocks == math.ceil(counters.live_tokens / BLOCK_SIZE)
+                assert report.allocated_blocks == math.ceil(report.live_tokens / BLOCK_SIZE)
             else:
-                assert counters.allocated_blocks == naive_blocks
-            num_holey_steps += naive_blocks > counters.ideal_blocks
+                assert report.allocated_blocks == naive_blocks
+            num_holey_steps += naive_blocks > report.ideal_blocks
         if counters_seen is None and len(state.manager.requests) == 4:
             counters_seen = engine_counters(llm)
     assert state.num_preemptions == 0
-    override = state.finished[internal_request_id(state, "r3")]
+    override = state.finished[internal_request_id(state, "r3")].report
     return {
         "tokens": tokens,
         "counters": counters_seen,
@@ -164,19 +166,16 @@ def test_pool_returns_to_start_after_aborts_and_preemptions(runs, mode):
 
 def test_counters_api_per_request_and_tenant(runs):
     counters = runs["vtoken"]["reclamation"]["counters"]
-    assert counters["mode"] == "vtoken" and counters["block_size"] == BLOCK_SIZE
-    requests = counters["requests"]
-    assert sorted(r["tenant"] for r in requests) == ["a", "a", "b", "default"]
-    assert sorted(r["policy"] for r in requests) == ["random"] * 3 + ["streaming_llm"]
-    for tenant, totals in counters["tenants"].items():
-        mine = [r for r in requests if r["tenant"] == tenant]
-        assert totals["num_requests"] == len(mine)
+    assert counters.mode == "vtoken" and counters.block_size == BLOCK_SIZE
+    requests = counters.requests
+    assert sorted(r.tenant for r in requests) == ["a", "a", "b", DEFAULT_TENANT]
+    assert sorted(r.policy for r in requests) == ["random"] * 3 + ["streaming_llm"]
+    for tenant, totals in counters.tenants.items():
+        mine = [r for r in requests if r.tenant == tenant]
+        assert totals.num_requests == len(mine)
         for key in ("live_tokens", "allocated_blocks", "ideal_blocks", "evicted_tokens"):
-            assert totals[key] == sum(r[key] for r in mine)
-    for request in requests:
-        assert (
-            request["reclaimable_blocks"] == request["allocated_blocks"] - request["ideal_blocks"]
-        )
+            assert getattr(totals, key) == sum(getattr(r, key) for r in mine)
+    assert counters.total.allocated_blocks == counters.total_blocks - counters.free_blocks
 
 
 @pytest.mark.parametrize("mode", ["vtoken", "naive"])

@@ -62,7 +62,7 @@ def engine_run(request, smollm2_path, prompts):
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
     state = engine_state(llm)
     evictions = [
-        state.finished_evictions[internal_request_id(state, o.request_id)] for o in outputs
+        state.finished[internal_request_id(state, o.request_id)].evictions for o in outputs
     ]
     yield request.param, [list(o.outputs[0].token_ids) for o in outputs], evictions
     del llm

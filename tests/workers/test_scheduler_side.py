@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from vtoken.repack_planner import ReclaimMode
+from vtoken.reports import DEFAULT_TENANT
 from workers.config import VTokenConfig
 from workers.scheduler_side import VTokenScheduler
 
@@ -82,7 +84,7 @@ def test_tail_eviction_shortens_the_physical_count(mode):
     request = FakeRequest("r", num_prompt_tokens=10)
     run_prefill(state, request)
     state.manager.evict_ids("r", np.array([9]))
-    state._reclaim("r")
+    state._reclaim(state.requests["r"])
     table = state.manager.requests["r"].table
     assert table.num_slots == table.num_live == 9
     ops = state.take_ops({"r": 1}, {"r": request})
@@ -96,7 +98,7 @@ def test_vtoken_repack_frees_tail_blocks_and_ships_the_moves():
     run_prefill(state, request)
     free_before = pool.get_num_free_blocks()
     state.manager.evict_ids("r", np.array([0, 1, 2, 5, 6]))  # 7 live -> 2 blocks
-    state._reclaim("r")
+    state._reclaim(state.requests["r"])
     assert pool.get_num_free_blocks() == free_before + 1
     assert len(manager.req_to_blocks["r"]) == 2
     ops = state.take_ops({"r": 1}, {"r": request})
@@ -112,12 +114,12 @@ def test_naive_ballast_holds_every_block_with_a_live_token():
     request = FakeRequest("r", num_prompt_tokens=12)  # logical blocks 0, 1, 2
     run_prefill(state, request)
     state.manager.evict_ids("r", np.array([0, 1, 2, 5, 6]))  # every block keeps a live token
-    state._reclaim("r")
-    assert state.request_counters("r").allocated_blocks == 3
-    assert state.request_counters("r").ideal_blocks == 2
+    state._reclaim(state.requests["r"])
+    assert state.request_report("r").allocated_blocks == 3
+    assert state.request_report("r").ideal_blocks == 2
     state.manager.evict_ids("r", np.array([4, 7]))  # logical block 1 is now empty
-    state._reclaim("r")
-    assert state.request_counters("r").allocated_blocks == 2
+    state._reclaim(state.requests["r"])
+    assert state.request_report("r").allocated_blocks == 2
     state.check_invariants()
     state.free("r")
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
@@ -129,3 +131,28 @@ def test_allocation_refused_when_the_pool_is_short():
     assert state.allocate(request, 13) is None
     assert pool.get_num_free_blocks() == 3
     assert state.allocate(request, 12) is not None
+
+
+def test_snapshot_crosses_vllms_utility_call_as_plain_data():
+    """The engine-core utility dumps the report (msgpack takes no pydantic model without
+    vLLM's insecure pickling); ``workers/api.py`` validates it back, tenants recomputed."""
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder, UtilityResult
+
+    from workers.api import engine_counters
+    from workers.vllm_patches import _engine_core_counters
+
+    state, _, _ = make_state(ReclaimMode.NAIVE)
+    run_prefill(state, FakeRequest("r", num_prompt_tokens=12))
+    state.manager.evict_ids("r", np.array([0, 1, 2, 5, 6]))
+    state._reclaim(state.requests["r"])
+    engine_core = SimpleNamespace(
+        scheduler=SimpleNamespace(kv_cache_manager=SimpleNamespace(vtoken=state))
+    )
+    data = _engine_core_counters(engine_core)
+    with pytest.raises(TypeError):
+        MsgpackEncoder().encode(UtilityResult(state.snapshot()))
+    sent = MsgpackDecoder(UtilityResult).decode(MsgpackEncoder().encode(UtilityResult(data)))
+    llm = SimpleNamespace(engine_core=SimpleNamespace(call_utility=lambda name: sent.result))
+    report = engine_counters(llm)
+    assert report == state.snapshot()
+    assert report.tenants[DEFAULT_TENANT].reclaimable_blocks == 1  # 3 held, 7 live fit in 2

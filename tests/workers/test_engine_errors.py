@@ -62,5 +62,6 @@ def test_bad_request_override_is_refused_and_the_engine_serves_on(tiny_llama_pat
     while engine.has_unfinished_requests():
         outputs += [output for output in engine.step() if output.finished]
     assert [(o.request_id, len(o.outputs[0].token_ids)) for o in outputs] == [("running", 6)]
-    (counters,) = engine_state(llm).finished.values()
+    (finished,) = engine_state(llm).finished.values()
+    counters = finished.report
     assert counters.live_tokens <= 16 < 60  # ran under its own cap, not the engine's ratio

@@ -71,7 +71,7 @@ class VTokenConfig(PolicySpec):
     """One engine's vToken settings: the default ``PolicySpec`` plus
 
     - ``mode``: ``vtoken`` repacks and frees every emptied block; ``naive`` keeps every block
-      a block-granular manager would still hold (see ``workers/scheduler_side.py``);
+      a block-granular manager would still hold (Naive-Evict, ``vtoken/manager.py``);
     - ``score_layers``: which layers feed the attention statistics of scored policies;
     - ``record_evictions``: keep every step's evicted logical ids per request (tests);
     - ``check_invariants``: run ``check_invariants()`` after every scheduler step (tests).

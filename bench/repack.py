@@ -41,6 +41,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from kernels.intmath import cdiv
+
 if TYPE_CHECKING:
     import numpy as np
     import torch
@@ -76,7 +78,7 @@ def make_moves(pattern: str, block_size: int, seed: int = 0) -> tuple[np.ndarray
         requests, num_tokens, pool_factor = 8, 512, 2.0
     else:
         raise ValueError(f"unknown pattern {pattern!r}; expected one of {PATTERNS}")
-    blocks_each = -(-num_tokens // block_size)
+    blocks_each = cdiv(num_tokens, block_size)
     pool_blocks = int(requests * blocks_each * pool_factor)
     pool = rng.permutation(pool_blocks)
     sources, destinations = [], []

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from kernels.intmath import cdiv
+
 if TYPE_CHECKING:
     import torch
 
@@ -29,7 +31,7 @@ def sdpa_attention(
     import torch
 
     block_size = layout.block_size(cache)
-    blocks = block_table[: -(-seq_len // block_size)].long()
+    blocks = block_table[: cdiv(seq_len, block_size)].long()
     keys, values = (part[blocks].flatten(0, 1)[:seq_len] for part in layout.keys_values(cache))
     q_len = query.shape[0]
     visible = torch.arange(seq_len, device=query.device).view(1, -1) <= (
@@ -56,7 +58,7 @@ def run_case(
     q_heads, kv_heads, head_dim = SHAPES[shape]
     layout = KVLayout.FLASH if device.type == "cuda" else KVLayout.CPU_ATTN
     block_size = 16 if device.type == "cuda" else 32
-    num_blocks = 2 * -(-seq_len // block_size)
+    num_blocks = 2 * cdiv(seq_len, block_size)
     cache = layout.new_cache(num_blocks, block_size, kv_heads, head_dim, dtype, device).normal_()
     block_table = torch.randperm(num_blocks, device=device)[: num_blocks // 2].int()
     query = torch.randn(q_len, q_heads, head_dim, device=device, dtype=dtype)

@@ -20,6 +20,7 @@ from enum import StrEnum
 
 import torch
 
+from kernels.intmath import cdiv
 from kernels.layout import KVLayout
 
 # Queries per chunk are capped so the float32 logits of a chunk stay under this many
@@ -121,7 +122,7 @@ def _keys_transposed(
     is already ``[head_dim, block_size]``), so there is no per-token indexing.
     """
     block_size = layout.block_size(kv_cache)
-    num_blocks = -(-seq_len // block_size)
+    num_blocks = cdiv(seq_len, block_size)
     blocks = block_table[:num_blocks].long()
     if layout is KVLayout.CPU_ATTN_AMX:
         keys = layout.gather(kv_cache, _slots(block_table, seq_len, block_size))[:, 0]

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kernels.intmath import cdiv
 from vtoken.block_pool import BlockPool
 from vtoken.policy import EvictionPolicy, PolicyView, StepAttention
 from vtoken.repack_planner import ReclaimMode, RepackPlan, plan_repack
@@ -208,7 +209,7 @@ class VTokenManager:
         mode): its logical blocks minus the blocks the packed table will hold."""
         if self.mode is ReclaimMode.VTOKEN:
             return 0
-        num_table_blocks = -(-(table.num_slots + num_new_tokens) // self.block_size)
+        num_table_blocks = cdiv(table.num_slots + num_new_tokens, self.block_size)
         return max(0, table.num_naive_blocks(num_new_tokens) - num_table_blocks)
 
     def _resize_ballast(self, request: RequestKV, size: int) -> None:

@@ -19,6 +19,7 @@ from enum import StrEnum
 
 import numpy as np
 
+from kernels.intmath import cdiv
 from vtoken.token_table import TokenTable
 
 
@@ -59,7 +60,7 @@ def plan_repack(table: TokenTable) -> RepackPlan:
     dst_local = np.flatnonzero(~live[:num_live])
     src_local = np.flatnonzero(live[num_live:]) + num_live
     assert src_local.size == dst_local.size
-    num_blocks_kept = -(-num_live // table.block_size)
+    num_blocks_kept = cdiv(num_live, table.block_size)
     free_indices = np.arange(num_blocks_kept, len(table.block_ids), dtype=np.int64)
     return RepackPlan(
         src_local=src_local,

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kernels.intmath import cdiv
+
 
 def _grow(array: np.ndarray, size: int, fill: float | int | bool) -> np.ndarray:
     if size <= array.shape[0]:
@@ -51,7 +53,7 @@ class TokenTable:
     @property
     def num_ideal_blocks(self) -> int:
         """Blocks the live tokens fill when packed: ``ceil(num_live / block_size)``."""
-        return -(-self.num_live // self.block_size)
+        return cdiv(self.num_live, self.block_size)
 
     def num_naive_blocks(self, num_new_tokens: int = 0) -> int:
         """Blocks a block-granular manager holds for this request (Naive-Evict): one per
@@ -64,7 +66,7 @@ class TokenTable:
     def num_blocks_needed(self, num_new_tokens: int) -> int:
         """Blocks to add before ``append(num_new_tokens)``."""
         end = self.num_slots + num_new_tokens
-        return max(0, -(-end // self.block_size) - len(self.block_ids))
+        return max(0, cdiv(end, self.block_size) - len(self.block_ids))
 
     # ------------------------------------------------------------------ mutation
     def append(self, num_new_tokens: int, new_block_ids: list[int]) -> np.ndarray:
@@ -127,7 +129,7 @@ class TokenTable:
             values[dst_slots] = values[src_slots]
         assert not self._live_at_slot[num_slots : self.num_slots].any(), "live token cut off"
         self.num_slots = num_slots
-        num_kept = -(-num_slots // self.block_size)
+        num_kept = cdiv(num_slots, self.block_size)
         released = self.block_ids[num_kept:]
         del self.block_ids[num_kept:]
         return released
@@ -175,4 +177,4 @@ class TokenTable:
         assert np.unique(owners).size == owners.size, "a logical token owns two slots"
         assert (self._slot_of_logical[owners] == live_slots).all(), "slot map out of sync"
         assert self._alive[owners].all()
-        assert len(self.block_ids) == -(-self.num_slots // self.block_size), "blocks != slots"
+        assert len(self.block_ids) == cdiv(self.num_slots, self.block_size), "blocks != slots"

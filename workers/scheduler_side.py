@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from kernels.intmath import cdiv
 from vtoken.manager import RequestKV, VTokenManager
 from vtoken.policy import ScoreNeeds, StepAttention
 from vtoken.repack_planner import ReclaimMode
@@ -118,7 +119,7 @@ class VTokenScheduler:
 
     def blocks_needed_for(self, num_tokens: int) -> int:
         """Blocks a fresh request needs for ``num_tokens`` tokens (admission check)."""
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def _add(self, request: Any) -> None:
         params = request.sampling_params

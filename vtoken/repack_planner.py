@@ -49,8 +49,11 @@ class RepackPlan:
         return int(self.src_local.size)
 
     @property
-    def is_empty(self) -> bool:
-        return self.num_moves == 0 and not self.free_block_ids
+    def touches_blocks(self) -> bool:
+        """Whether an engine must act: copy KV or cut freed blocks from its block table.
+        A plan that only drops dead tail tokens changes ``num_slots_after`` and nothing
+        else; committing it (``TokenTable.move``) is all it takes."""
+        return self.num_moves > 0 or bool(self.free_block_ids)
 
 
 def plan_repack(table: TokenTable) -> RepackPlan:

@@ -164,7 +164,7 @@ class VTokenScheduler:
         """Repack now; the workers copy the moves and cut vLLM's block row next step."""
         request_id = record.kv.request_id
         (plan,) = self.manager.reclaim([request_id])  # commits the table, frees blocks
-        if plan.is_empty:
+        if not plan.touches_blocks:
             return  # at most dead tail tokens: the physical count dropped, nothing to ship
         if plan.num_moves:
             record.pending_src = np.concatenate([record.pending_src, plan.src_slots])

@@ -21,7 +21,7 @@ block per logical block that still holds a live token (``TokenTable.num_naive_bl
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -186,9 +186,14 @@ class VTokenManager:
         self._resize_ballast(request, 0)
         return request
 
-    def report(self, request_id: str) -> RequestReport:
+    def report(self, request_id: str, budget_tokens: int | None = None) -> RequestReport:
+        """The request's usage; ``budget_tokens`` (the live tokens its policy may keep now)
+        sets its floor, which is its ideal without a budget or a policy."""
         request = self.requests[request_id]
         table = request.table
+        floor = table.num_ideal_blocks
+        if budget_tokens is not None and request.policy is not None:
+            floor = min(floor, cdiv(min(table.num_live, budget_tokens), self.block_size))
         return RequestReport(
             request_id=request_id,
             tenant=request.tenant,
@@ -196,13 +201,16 @@ class VTokenManager:
             live_tokens=table.num_live,
             allocated_blocks=request.num_held_blocks,
             ideal_blocks=table.num_ideal_blocks,
+            floor_blocks=floor,
             naive_blocks=table.num_naive_blocks(),
             evicted_tokens=request.num_evicted,
             repack_moves=request.num_moves,
         )
 
-    def reports(self) -> tuple[RequestReport, ...]:
-        return tuple(self.report(request_id) for request_id in self.requests)
+    def reports(self, budgets: Mapping[str, int] | None = None) -> tuple[RequestReport, ...]:
+        """Every running request's report (``budgets``: request id -> budget tokens)."""
+        budgets = budgets or {}
+        return tuple(self.report(r, budgets.get(r)) for r in self.requests)
 
     def _ballast_size(self, table: TokenTable, num_new_tokens: int = 0) -> int:
         """Ballast Naive-Evict needs once ``num_new_tokens`` more are appended (0 in vtoken

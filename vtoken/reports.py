@@ -3,7 +3,7 @@
 One family, each number computed once: a request's counts come from its token table
 (``VTokenManager.report``); a tenant's and the engine's are sums of request reports
 (``EngineReport.tenants`` and ``EngineReport.total``, the only places totals are taken);
-``reclaimable_blocks`` is ``allocated - ideal`` at every level (``KVUsage``).
+``reclaimable_blocks`` is ``allocated - floor`` at every level (``KVUsage``).
 
 Pydantic models because an engine report crosses processes: vLLM's engine core dumps it
 to plain data for its utility call, the caller validates it back (``workers/api.py``);
@@ -13,9 +13,9 @@ to plain data for its utility call, the caller validates it back (``workers/api.
 from __future__ import annotations
 
 from functools import cached_property
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vtoken.repack_planner import ReclaimMode
 
@@ -30,10 +30,13 @@ Count = Annotated[int, Field(ge=0)]
 class KVUsage(BaseModel):
     """What some requests hold in the KV cache: one request, a tenant's, an engine's.
 
-    ``allocated_blocks`` are held from the pool (Naive-Evict's ballast included);
-    ``ideal_blocks`` is ``ceil(live_tokens / block_size)`` per request, what a repack
-    brings ``allocated_blocks`` down to; ``naive_blocks`` what Naive-Evict would hold on
-    the same decisions (one block per logical block with a live token).
+    ``allocated_blocks`` are held from the pool (Naive-Evict's ballast included): a
+    request's **active KV**; ``ideal_blocks`` is ``ceil(live_tokens / block_size)`` per
+    request, what a repack brings ``allocated_blocks`` down to; ``floor_blocks`` what
+    eviction to the request's budget then a repack would bring it to now (its ideal when it
+    has no budget or is at it); ``naive_blocks`` what Naive-Evict would hold on the same
+    decisions (one block per logical block with a live token). ``reclaimable_blocks`` is
+    ``allocated - floor``: what the engine can give back without preempting anything.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -42,13 +45,21 @@ class KVUsage(BaseModel):
     live_tokens: Count = 0
     allocated_blocks: Count = 0
     ideal_blocks: Count = 0
+    floor_blocks: Count = 0
     naive_blocks: Count = 0
     evicted_tokens: Count = 0
     repack_moves: Count = 0
 
+    @model_validator(mode="before")
+    @classmethod
+    def _floor_defaults_to_ideal(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "floor_blocks" not in data:
+            return {**data, "floor_blocks": data.get("ideal_blocks", 0)}
+        return data
+
     @property
     def reclaimable_blocks(self) -> int:
-        return self.allocated_blocks - self.ideal_blocks
+        return self.allocated_blocks - self.floor_blocks
 
     def __add__(self, other: KVUsage) -> KVUsage:
         return KVUsage(**{name: getattr(self, name) + getattr(other, name) for name in _SUMMED})
@@ -83,6 +94,7 @@ class EngineReport(BaseModel):
     total_blocks: Count
     free_blocks: Count
     num_preemptions: Count = 0
+    num_evictions_under_pressure: Count = 0
     blocks_reclaimed: Count = 0
     requests: tuple[RequestReport, ...] = ()
 

@@ -72,12 +72,18 @@ class VTokenConfig(PolicySpec):
 
     - ``mode``: ``vtoken`` repacks and frees every emptied block; ``naive`` keeps every block
       a block-granular manager would still hold (Naive-Evict, ``vtoken/manager.py``);
+    - ``eviction``: ``eager`` evicts every request to its budget after every step (the
+      paper's benchmarks); ``on_demand`` keeps tokens until memory is needed, then evicts
+      running requests to their budgets (most blocks above budget first) so that the next
+      step and the head of the waiting queue fit, instead of vLLM preempting one. Policies
+      that decide at one step only (``holds_budget_every_step`` false) keep their timing;
     - ``score_layers``: which layers feed the attention statistics of scored policies;
     - ``record_evictions``: keep every step's evicted logical ids per request (tests);
     - ``check_invariants``: run ``check_invariants()`` after every scheduler step (tests).
     """
 
     mode: ReclaimMode = ReclaimMode.VTOKEN
+    eviction: Literal["eager", "on_demand"] = "eager"
     score_layers: Literal["all"] | list[int] = "all"
     record_evictions: bool = False
     check_invariants: bool = False

@@ -92,6 +92,7 @@ class VTokenScheduler:
         self.requests: dict[str, ScheduledRequest] = {}
         self.finished: OrderedDict[str, FinishedRequest] = OrderedDict()
         self.num_preemptions = 0
+        self.num_evictions_under_pressure = 0  # on_demand: request-steps evicted for room
 
     def manages(self, request_id: str) -> bool:
         return request_id in self.requests
@@ -140,25 +141,94 @@ class VTokenScheduler:
         num_scheduled_tokens: dict[str, int],
         requests: dict[str, Any],
         scores: StepScores | None,
+        num_waiting_blocks: int = 0,
     ) -> None:
-        """Run the policies of the requests that ran this step, commit repacks, free blocks."""
+        """Run the policies of the requests that ran this step, commit repacks, free blocks.
+
+        ``eager``: every request past its prefill evicts to its budget. ``on_demand``: a
+        request only feeds its policy this step's attention, unless memory is needed:
+        ``num_waiting_blocks`` (what the head of vLLM's waiting queue needs to start)
+        plus a block for every running request whose next token opens one, beyond the
+        free blocks; then :meth:`squeeze_order` picks who evicts to budget now.
+        """
         attention_of = scores.attention if scores is not None else {}
+        decoding = [
+            request_id
+            for request_id in num_scheduled_tokens
+            if request_id in self.requests
+            and request_id in requests
+            and requests[request_id].num_computed_tokens >= requests[request_id].num_tokens
+        ]
         for request_id in num_scheduled_tokens:
-            record = self.requests.get(request_id)
-            request = requests.get(request_id)
-            if record is None or request is None:
-                continue
+            if (
+                request_id in self.requests
+                and request_id in requests
+                and request_id not in decoding
+            ):
+                # A prefill chunk: the policy sees its attention, nothing can be evicted yet.
+                self.manager.observe(request_id, attention_of.get(request_id, StepAttention()))
+        squeezed = self._to_squeeze(decoding, num_waiting_blocks)
+        for request_id in decoding:
+            record = self.requests[request_id]
             attention = attention_of.get(request_id, StepAttention())
-            if request.num_computed_tokens < request.num_tokens:
-                self.manager.observe(request_id, attention)  # a prefill chunk: no eviction yet
-                continue
-            budget = record.spec.budget(record.kv.table.num_logical)
+            # Not squeezed: a step with a budget of everything it holds (the policy observes
+            # and counts the step, nothing is evicted).
+            squeeze = request_id in squeezed
+            budget = self._budget(record) if squeeze else record.kv.table.num_live
             evicted = self.manager.evict(request_id, budget, attention)
+            if len(evicted) and self.config.eviction == "on_demand":
+                self.num_evictions_under_pressure += 1
             if self.config.record_evictions:
                 record.evictions.append(evicted)
             self._reclaim(record)
         if self.config.check_invariants:
             self.check_invariants()
+
+    def _budget(self, record: ScheduledRequest) -> int:
+        return record.spec.budget(record.kv.table.num_logical)
+
+    def _to_squeeze(self, decoding: list[str], num_waiting_blocks: int) -> set[str]:
+        """Which of this step's decoding requests evict now (see ``after_step``)."""
+        if self.config.eviction == "eager":
+            return set(decoding)
+        own_timing = {
+            request_id
+            for request_id in decoding
+            if (policy := self.requests[request_id].kv.policy) is not None
+            and not policy.holds_budget_every_step
+        }
+        need = num_waiting_blocks + self.blocks_needed_next_step() - self.pool.num_free_blocks
+        squeezed = set(own_timing)
+        for request_id in self.squeeze_order(decoding):
+            if need <= 0:
+                break
+            squeezed.add(request_id)
+            need -= self.blocks_above_budget(request_id)
+        return squeezed
+
+    def blocks_needed_next_step(self) -> int:
+        """Blocks the running requests open with their next token (one each at a boundary)."""
+        return sum(
+            1
+            for record in self.requests.values()
+            if record.kv.table.num_slots % self.block_size == 0
+        )
+
+    def blocks_above_budget(self, request_id: str) -> int:
+        """Blocks eviction to its budget (then a repack) would give back now."""
+        record = self.requests[request_id]
+        if record.kv.policy is None:
+            return 0
+        table = record.kv.table
+        return max(
+            0,
+            len(table.block_ids) - cdiv(min(table.num_live, self._budget(record)), self.block_size),
+        )
+
+    def squeeze_order(self, request_ids: list[str]) -> list[str]:
+        """Requests with blocks above their budget, most first (ties: the older request)."""
+        above = {request_id: self.blocks_above_budget(request_id) for request_id in request_ids}
+        return sorted((r for r in request_ids if above[r] > 0), key=lambda r: -above[r])
 
     def _reclaim(self, record: ScheduledRequest) -> None:
         """Repack now; the workers copy the moves and cut vLLM's block row next step."""
@@ -250,7 +320,10 @@ class VTokenScheduler:
             free_blocks=self.pool.num_free_blocks,
             num_preemptions=self.num_preemptions,
             blocks_reclaimed=self.manager.num_blocks_reclaimed,
-            requests=self.manager.reports(),
+            num_evictions_under_pressure=self.num_evictions_under_pressure,
+            requests=self.manager.reports(
+                {request_id: self._budget(record) for request_id, record in self.requests.items()}
+            ),
         )
 
     def check_invariants(self) -> None:

@@ -298,10 +298,25 @@ def _update_from_output(original: Callable[..., Any]) -> Callable[..., Any]:
         state = scheduler_state(self)
         if state is not None:
             scores = getattr(model_runner_output, SCORES_ATTRIBUTE, None)
-            state.after_step(scheduler_output.num_scheduled_tokens, self.requests, scores)
+            state.after_step(
+                scheduler_output.num_scheduled_tokens,
+                self.requests,
+                scores,
+                num_waiting_blocks=_waiting_head_blocks(self, state),
+            )
         return original(self, scheduler_output, model_runner_output)
 
     return update_from_output
+
+
+def _waiting_head_blocks(scheduler: Any, state: VTokenScheduler) -> int:
+    """Blocks the head of vLLM's waiting queue needs to start (its whole sequence, plus
+    vLLM's watermark), 0 when nothing waits."""
+    if not scheduler.waiting:
+        return 0
+    head = scheduler.waiting.peek_request()
+    watermark = scheduler.kv_cache_manager.watermark_blocks
+    return state.blocks_needed_for(min(head.num_tokens, scheduler.max_model_len)) + watermark
 
 
 def _allocate_slots(original: Callable[..., Any]) -> Callable[..., Any]:

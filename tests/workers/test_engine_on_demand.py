@@ -1,0 +1,103 @@
+"""On-demand eviction in a real engine: tokens stay until memory is needed, then running
+requests are evicted to their budgets (and repacked) instead of vLLM preempting one.
+
+- no memory pressure: nothing is evicted and the tokens equal vanilla vLLM's;
+- a pool too small for its requests: ``on_demand`` finishes every request with no
+  preemption, where the same engine that never evicts (policy ``none``) preempts;
+- the tokens of an on-demand run equal the transformers reference engine replaying the
+  same evictions (SmolLM2-135M), so squeezing running requests keeps attention exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.workers.conftest import token_prompts
+from tests.workers.test_engine_eviction import Replay
+from vtoken import StandaloneBlockPool, VTokenManager
+from workers.engine import engine_state, internal_request_id, make_llm
+
+pytestmark = pytest.mark.slow
+
+BLOCK_SIZE = 32
+H2O_ON_DEMAND = {
+    "policy": "h2o",
+    "keep_ratio": 0.5,
+    "eviction": "on_demand",
+    "record_evictions": True,
+    "check_invariants": True,
+}
+
+
+def _generate(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+    return [list(output.outputs[0].token_ids) for output in outputs]
+
+
+def _evictions(llm, request_ids: list[str]) -> list[list]:
+    state = engine_state(llm)
+    return [state.finished[internal_request_id(state, r)].evictions for r in request_ids]
+
+
+def test_without_pressure_nothing_is_evicted_and_tokens_equal_vanilla(tiny_llama_path):
+    prompts = token_prompts([120, 90], seed=5)
+    kwargs = {"max_model_len": 512, "skip_tokenizer_init": True, "num_blocks": 64}
+    vanilla = make_llm(tiny_llama_path, None, **kwargs)
+    expected = _generate(vanilla, prompts, 40)
+    del vanilla
+    llm = make_llm(tiny_llama_path, H2O_ON_DEMAND, **kwargs)
+    assert _generate(llm, prompts, 40) == expected
+    state = engine_state(llm)
+    assert state.num_evictions_under_pressure == 0 and state.num_preemptions == 0
+    assert all(step.size == 0 for steps in _evictions(llm, ["0", "1"]) for step in steps)
+
+
+def _squeezed_run(model: str, config: dict, prompts: list[list[int]], max_tokens: int, **kw):
+    llm = make_llm(model, config, block_size=BLOCK_SIZE, **kw)
+    tokens = _generate(llm, prompts, max_tokens)
+    return llm, tokens
+
+
+def test_a_small_pool_evicts_running_requests_instead_of_preempting(tiny_llama_path):
+    """Four requests of 100 + 60 tokens (5 blocks each) on 16 blocks: without eviction they need 20."""
+    prompts = token_prompts([100, 100, 100, 100], seed=7)
+    kwargs = {"max_model_len": 256, "skip_tokenizer_init": True, "num_blocks": 17}
+    never_evicts = {"policy": "none", "check_invariants": True}
+    llm, tokens = _squeezed_run(tiny_llama_path, never_evicts, prompts, 60, **kwargs)
+    assert all(len(t) == 60 for t in tokens)
+    assert engine_state(llm).num_preemptions > 0  # without eviction vLLM must preempt
+    del llm
+    llm, tokens = _squeezed_run(tiny_llama_path, H2O_ON_DEMAND, prompts, 60, **kwargs)
+    assert all(len(t) == 60 for t in tokens)
+    state = engine_state(llm)
+    assert state.num_preemptions == 0
+    assert state.num_evictions_under_pressure > 0
+    evictions = _evictions(llm, ["0", "1", "2", "3"])
+    assert any(step.size for steps in evictions for step in steps)
+    # Squeezed only under pressure: some steps of every request evicted nothing.
+    assert all(any(step.size == 0 for step in steps) for steps in evictions)
+    assert state.pool.num_free_blocks == state.pool.num_blocks
+
+
+def test_squeezed_tokens_equal_the_reference_engine(smollm2_path):
+    from workers.hf_sim import HFSimEngine
+
+    reference = HFSimEngine(str(smollm2_path))
+    from bench.fragmentation import natural_prompts
+
+    prompts = natural_prompts(reference.tokenizer, 3, 100)
+    kwargs = {"max_model_len": 256, "num_blocks": 12}
+    llm, tokens = _squeezed_run(str(smollm2_path), H2O_ON_DEMAND, prompts, 40, **kwargs)
+    state = engine_state(llm)
+    assert state.num_preemptions == 0 and state.num_evictions_under_pressure > 0
+    evictions = _evictions(llm, ["0", "1", "2"])
+    assert any(step.size for steps in evictions for step in steps), "vacuous: no pressure"
+    del llm
+    for prompt, expected, evicted in zip(prompts, tokens, evictions, strict=True):
+        manager = VTokenManager(StandaloneBlockPool(64), BLOCK_SIZE)
+        result = reference.generate(prompt, 40, Replay(steps=evicted), lambda n: n, [manager])
+        assert result.token_ids == expected

@@ -42,10 +42,13 @@ class TenantLimits(_Frozen):
     eviction_budget_tokens: int | None = Field(default=None, gt=0)
 
 
-class TenantQuota(TenantLimits):
-    """A tenant's stored limits (Redis hash `vtoken:quotas`, one JSON value per tenant)."""
-
+class _Tenant(_Frozen):
     tenant_id: TenantId
+
+
+class TenantQuota(TenantLimits, _Tenant):
+    """A tenant's stored limits (Redis hash `vtoken:quotas`, one JSON value per tenant).
+    `tenant_id` comes first in its JSON (bases are laid out last to first)."""
 
 
 class TenantUsage(_Frozen):

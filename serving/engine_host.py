@@ -29,7 +29,7 @@ from controlplane.publisher import PublisherConfig, ReportPublisher
 from controlplane.redis_conn import REDIS_ERRORS, RedisConfig, connect
 from controlplane.store import RedisStore
 from controlplane.tracing import configure_tracing, extract_context
-from policies import CAP_POLICY, REGISTRY
+from policies import CAP_POLICY
 from vtoken.reports import EngineReport
 from workers.config import REQUEST_KEY, VTokenConfig, request_policy_spec
 
@@ -87,43 +87,37 @@ def counters_from_snapshot(report: EngineReport, running: int) -> EngineCounters
     )
 
 
-def request_spec(
-    spec: dict[str, Any], budget_tokens: int | None, keep_fraction: float | None
-) -> dict[str, Any] | None:
+def request_spec(spec: dict[str, Any], budget_tokens: int | None) -> dict[str, Any] | None:
     """A per-request override of the engine's vToken spec (``extra_args["vtoken_policy"]``).
 
     ``budget_tokens`` is the tenant's per-request KV cap (``TenantQuota.
     eviction_budget_tokens``, which admission counted on): it becomes the request's token
-    budget, under the engine's policy when that policy holds its budget every step (SnapKV
-    and PAGE compress once, ``none`` never evicts), else under ``policies.CAP_POLICY``.
-    ``keep_fraction`` < 1 (controller pressure) scales the budget down. ``None``: nothing
-    to override. A cap that makes no valid spec (e.g. 0 tokens) raises ``ValueError``: the
-    request is refused (HTTP 400), never run without its cap.
+    budget, under the engine's policy when that policy instance holds its budget every step
+    and protects fewer tokens than the cap (SnapKV and PAGE compress once, ``none`` never
+    evicts, StreamingLLM with a fixed window keeps it), else under ``policies.CAP_POLICY``.
+    ``None``: nothing to override. Controller pressure is not applied here: the engine
+    applies it to every running request of the tenant (``EngineHost.apply_pressure``). A
+    cap that makes no valid spec (e.g. 0 tokens) raises ``ValueError``: the request is
+    refused (HTTP 400), never run without its cap.
     """
+    if budget_tokens is None:
+        return None
     engine = VTokenConfig.model_validate(spec)
+    policy = engine.make_policy()
+    # This instance must hold a budget every step and protect fewer tokens than the cap
+    # (StreamingLLM with a fixed window limits itself and would keep its window).
+    holds_cap = (
+        policy.holds_budget_every_step
+        and policy.needs_budget
+        and policy.sinks + policy.recent < budget_tokens
+    )
     override: dict[str, Any]
-    if budget_tokens is not None:
-        if REGISTRY[engine.policy].holds_budget_every_step:
-            override = {"policy": engine.policy, "policy_args": engine.policy_args}
-        else:
-            override = {"policy": CAP_POLICY.name}
-        override["budget_tokens"] = budget_tokens
-    elif engine.keep_ratio is not None or engine.budget_tokens is not None:
-        override = {
-            k: spec[k]
-            for k in ("policy", "policy_args", "keep_ratio", "budget_tokens")
-            if spec.get(k) is not None
-        }
+    if holds_cap:
+        override = {"policy": engine.policy, "policy_args": engine.policy_args}
     else:
-        return None  # no budget to tighten: the policy needs none
+        override = {"policy": CAP_POLICY.name}
+    override["budget_tokens"] = budget_tokens
     request_policy_spec({REQUEST_KEY: override})  # raises ValueError when it is bad
-    if keep_fraction is None or keep_fraction >= 1.0:
-        return override if budget_tokens is not None else None
-    # keep_fraction is in (0, 1] (``TenantPressure``): the clamps keep the spec valid.
-    if override.get("keep_ratio") is not None:
-        override["keep_ratio"] = max(override["keep_ratio"] * keep_fraction, 0.01)
-    else:
-        override["budget_tokens"] = max(1, int(override["budget_tokens"] * keep_fraction))
     return override
 
 
@@ -235,15 +229,21 @@ class EngineHost:
                 {telemetry.ATTR_KV_PREFIX + k: getattr(report, k) for k in (*keys, "ideal_blocks")},
             )
 
+    async def apply_pressure(self, pressure: dict[str, float]) -> None:
+        """The controller's pressure here (``RoutingPlan.pressure``: tenant -> keep fraction)
+        reaches the engine when it changes: every running request of such a tenant, not
+        only new ones, is evicted to that fraction of its budget."""
+        if pressure == self.pressure:
+            return
+        from workers.api import async_set_pressure
+
+        await async_set_pressure(self.llm, pressure)
+        self.pressure = dict(pressure)
+
     def extra_args(self, request: GenerateRequest) -> dict[str, Any]:
-        """The request's tenant, and its own eviction budget: the tenant's cap, tightened
-        while the controller puts the tenant under pressure here (``RoutingPlan.pressure``)."""
+        """The request's tenant, and its own eviction budget: the tenant's cap."""
         extra: dict[str, Any] = {"tenant": request.tenant_id}
-        override = request_spec(
-            self.settings.vtoken,
-            request.eviction_budget_tokens,
-            self.pressure.get(request.tenant_id),
-        )
+        override = request_spec(self.settings.vtoken, request.eviction_budget_tokens)
         if override is not None:
             extra[REQUEST_KEY] = override
         return extra
@@ -311,7 +311,7 @@ class ReplicaReporter:
                     plan = None
                 if plan is not None:
                     mine = plan.pressure.get(self.host.replica_id, {})
-                    self.host.pressure = {t: p.keep_fraction for t, p in mine.items()}
+                    await self.host.apply_pressure({t: p.keep_fraction for t, p in mine.items()})
                 await asyncio.sleep(PLAN_POLL_S)
 
         await asyncio.gather(poll(), follow_plan(), self.publisher.run(self.stop))

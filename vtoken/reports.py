@@ -12,7 +12,6 @@ to plain data for its utility call, the caller validates it back (``workers/api.
 
 from __future__ import annotations
 
-from functools import cached_property
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -83,7 +82,8 @@ class EngineReport(BaseModel):
 
     ``blocks_reclaimed`` counts the blocks evictions and repacks gave back while their
     requests still ran (since the engine started). Tenant and engine totals are sums of
-    ``requests``, computed on first use and never sent.
+    ``requests``, computed when read (a property, so a ``model_copy`` never carries stale
+    totals) and never sent.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -98,13 +98,13 @@ class EngineReport(BaseModel):
     blocks_reclaimed: Count = 0
     requests: tuple[RequestReport, ...] = ()
 
-    @cached_property
+    @property
     def tenants(self) -> dict[str, KVUsage]:
         totals: dict[str, KVUsage] = {}
         for request in self.requests:
             totals[request.tenant] = totals.get(request.tenant, KVUsage()) + request
         return totals
 
-    @cached_property
+    @property
     def total(self) -> KVUsage:
         return sum(self.requests, KVUsage())

@@ -36,6 +36,7 @@ request holds what a block-granular manager would (``vtoken/manager.py``).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,6 +94,7 @@ class VTokenScheduler:
         self.finished: OrderedDict[str, FinishedRequest] = OrderedDict()
         self.num_preemptions = 0
         self.num_evictions_under_pressure = 0  # on_demand: request-steps evicted for room
+        self.pressure: dict[str, float] = {}  # tenant -> keep fraction (the controller's)
 
     def manages(self, request_id: str) -> bool:
         return request_id in self.requests
@@ -149,7 +151,9 @@ class VTokenScheduler:
         request only feeds its policy this step's attention, unless memory is needed:
         ``num_waiting_blocks`` (what the head of vLLM's waiting queue needs to start)
         plus a block for every running request whose next token opens one, beyond the
-        free blocks; then :meth:`squeeze_order` picks who evicts to budget now.
+        free blocks; then :meth:`squeeze_order` picks who evicts to budget now. Requests of
+        tenants under controller pressure (``set_pressure``) and policies that decide at one
+        step only evict every step in both modes.
         """
         attention_of = scores.attention if scores is not None else {}
         decoding = [
@@ -184,8 +188,19 @@ class VTokenScheduler:
         if self.config.check_invariants:
             self.check_invariants()
 
+    def set_pressure(self, pressure: Mapping[str, float]) -> None:
+        """The controller's eviction pressure: tenant -> keep fraction in (0, 1]. From the
+        next step every running request of such a tenant (not only new ones) is evicted to
+        ``fraction * its budget``, in both eviction modes; a tenant left out is released."""
+        bad = {tenant: f for tenant, f in pressure.items() if not 0.0 < f <= 1.0}
+        if bad:
+            raise ValueError(f"keep fractions must be in (0, 1]: {bad}")
+        self.pressure = {tenant: float(f) for tenant, f in pressure.items() if f < 1.0}
+
     def _budget(self, record: ScheduledRequest) -> int:
-        return record.spec.budget(record.kv.table.num_logical)
+        budget = record.spec.budget(record.kv.table.num_logical)
+        fraction = self.pressure.get(record.kv.tenant)
+        return budget if fraction is None else max(1, int(budget * fraction))
 
     def _to_squeeze(self, decoding: list[str], num_waiting_blocks: int) -> set[str]:
         """Which of this step's decoding requests evict now (see ``after_step``)."""
@@ -196,6 +211,7 @@ class VTokenScheduler:
             for request_id in decoding
             if (policy := self.requests[request_id].kv.policy) is not None
             and not policy.holds_budget_every_step
+            or self.requests[request_id].kv.tenant in self.pressure
         }
         need = num_waiting_blocks + self.blocks_needed_next_step() - self.pool.num_free_blocks
         squeezed = set(own_timing)
@@ -226,9 +242,15 @@ class VTokenScheduler:
         )
 
     def squeeze_order(self, request_ids: list[str]) -> list[str]:
-        """Requests with blocks above their budget, most first (ties: the older request)."""
+        """Requests with blocks above their budget: tenants under pressure first, then the
+        most blocks above budget (ties keep the given order)."""
         above = {request_id: self.blocks_above_budget(request_id) for request_id in request_ids}
-        return sorted((r for r in request_ids if above[r] > 0), key=lambda r: -above[r])
+
+        def key(request_id: str) -> tuple[bool, int]:
+            pressured = self.requests[request_id].kv.tenant in self.pressure
+            return (not pressured, -above[request_id])
+
+        return sorted((r for r in request_ids if above[r] > 0), key=key)
 
     def _reclaim(self, record: ScheduledRequest) -> None:
         """Repack now; the workers copy the moves and cut vLLM's block row next step."""

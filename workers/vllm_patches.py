@@ -116,6 +116,7 @@ def install() -> None:
     _wrap(ModelRunnerV2, "__init__", _refuse_runner)
     EngineCore.vtoken_counters = _engine_core_counters  # type: ignore[attr-defined]
     EngineCore.vtoken_request_counters = _engine_core_request_counters  # type: ignore[attr-defined]
+    EngineCore.vtoken_set_pressure = _engine_core_set_pressure  # type: ignore[attr-defined]
     setattr(Scheduler, _INSTALLED_FLAG, True)
 
 
@@ -142,7 +143,8 @@ def _version_guard(error: UnsupportedVLLMError):
 # ---------------------------------------------------------------------- scheduler side
 def scheduler_state(scheduler: Any) -> VTokenScheduler | None:
     """The ``VTokenScheduler`` of a vLLM ``Scheduler`` (``None`` when vToken is off)."""
-    return getattr(scheduler.kv_cache_manager, "vtoken", None)
+    # A custom ``SchedulerInterface`` may have no ``kv_cache_manager`` (vLLM reads it so).
+    return getattr(getattr(scheduler, "kv_cache_manager", None), "vtoken", None)
 
 
 SUPPORTED_SCHEDULER = "vllm.v1.core.sched.scheduler.Scheduler"
@@ -381,6 +383,16 @@ def _engine_core_request_counters(self: Any, request_id: str) -> dict[str, Any] 
     state = scheduler_state(self.scheduler)
     report = None if state is None else state.request_report(request_id)
     return None if report is None else report.model_dump(mode="json")
+
+
+def _engine_core_set_pressure(self: Any, pressure: dict[str, float]) -> bool:
+    """``EngineCore`` utility: the controller's per-tenant keep fractions for running
+    requests (``VTokenScheduler.set_pressure``); ``False`` when vToken is off."""
+    state = scheduler_state(self.scheduler)
+    if state is None:
+        return False
+    state.set_pressure(pressure)
+    return True
 
 
 # ---------------------------------------------------------------------- worker side

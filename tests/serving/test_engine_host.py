@@ -24,40 +24,39 @@ from vtoken.reports import EngineReport, RequestReport
 from workers.config import PolicySpec
 
 
-def test_request_spec_enforces_the_tenant_cap_and_pressure():
+def test_request_spec_enforces_the_tenant_cap():
     h2o = {"policy": "h2o", "policy_args": {"recent": 8}, "keep_ratio": 0.5}
-    # pressure alone scales the engine's own budget
-    assert request_spec(h2o, None, 0.5) == {
-        "policy": "h2o",
-        "policy_args": {"recent": 8},
-        "keep_ratio": 0.25,
-    }
-    assert request_spec(h2o, None, None) is None
-    assert request_spec(h2o, None, 1.0) is None
+    assert request_spec(h2o, None) is None  # no cap: the engine's spec (pressure is its job)
     # the tenant's cap becomes the budget, under the engine's per-step policy
-    assert request_spec(h2o, 300, None) == {
+    assert request_spec(h2o, 300) == {
         "policy": "h2o",
         "policy_args": {"recent": 8},
         "budget_tokens": 300,
     }
-    assert request_spec(h2o, 300, 0.1)["budget_tokens"] == 30
     # engines whose policy cannot hold a cap every step fall back to H2O for capped tenants
-    assert request_spec({"policy": "none"}, 64, None) == {"policy": "h2o", "budget_tokens": 64}
-    assert request_spec({"policy": "snapkv", "keep_ratio": 0.2}, 64, None) == {
+    assert request_spec({"policy": "none"}, 64) == {"policy": "h2o", "budget_tokens": 64}
+    assert request_spec({"policy": "snapkv", "keep_ratio": 0.2}, 64) == {
         "policy": "h2o",
         "budget_tokens": 64,
     }
-    assert request_spec({"policy": "none"}, None, 0.5) is None  # nothing to tighten
-    for override in (request_spec(h2o, 300, 0.5), request_spec({"policy": "none"}, 64, None)):
+    for override in (request_spec(h2o, 300), request_spec({"policy": "none"}, 64)):
         PolicySpec.model_validate(override)  # what the engine parses from extra_args
 
 
+def test_a_policy_instance_that_keeps_more_than_the_cap_is_not_trusted_with_it():
+    """StreamingLLM with a fixed window limits itself (it would keep sinks + 256 tokens), and
+    any policy whose protected tokens reach the cap could not hold it: H2O takes the cap."""
+    window = {"policy": "streaming_llm", "policy_args": {"sinks": 4, "recent": 256}}
+    assert request_spec(window, 64) == {"policy": "h2o", "budget_tokens": 64}
+    h2o = {"policy": "h2o", "policy_args": {"recent": 64}, "keep_ratio": 0.5}
+    assert request_spec(h2o, 64) == {"policy": "h2o", "budget_tokens": 64}
+    assert request_spec(h2o, 65)["policy_args"] == {"recent": 64}
+
+
 @pytest.mark.parametrize("cap", [0, -8])
-@pytest.mark.parametrize("pressure", [None, 0.5])
-def test_request_spec_refuses_a_cap_that_makes_no_valid_spec(cap, pressure):
-    """Refused even under pressure, whose clamp would otherwise turn the cap into 1."""
+def test_request_spec_refuses_a_cap_that_makes_no_valid_spec(cap):
     with pytest.raises(ValueError, match=r"vtoken_policy.*budget_tokens"):
-        request_spec({"policy": "h2o", "keep_ratio": 0.5}, cap, pressure)
+        request_spec({"policy": "h2o", "keep_ratio": 0.5}, cap)
 
 
 @dataclass
@@ -77,9 +76,9 @@ class _Once(_EveryStep):
 def test_the_caps_policy_follows_the_trait_not_the_name(monkeypatch):
     for cls in (_EveryStep, _Once):
         monkeypatch.setitem(policies.REGISTRY, cls.name, cls)
-    every_step = request_spec({"policy": "test_every_step", "keep_ratio": 0.5}, 64, None)
+    every_step = request_spec({"policy": "test_every_step", "keep_ratio": 0.5}, 64)
     assert every_step == {"policy": "test_every_step", "policy_args": {}, "budget_tokens": 64}
-    once = request_spec({"policy": "test_once", "keep_ratio": 0.5}, 64, None)
+    once = request_spec({"policy": "test_once", "keep_ratio": 0.5}, 64)
     assert once == {"policy": policies.CAP_POLICY.name, "budget_tokens": 64}
 
 

@@ -10,6 +10,8 @@ requests are evicted to their budgets (and repacked) instead of vLLM preempting 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from tests.workers.conftest import token_prompts
@@ -63,7 +65,7 @@ def _squeezed_run(model: str, config: dict, prompts: list[list[int]], max_tokens
 
 
 def test_a_small_pool_evicts_running_requests_instead_of_preempting(tiny_llama_path):
-    """Four requests of 100 + 60 tokens (5 blocks each) on 16 blocks: without eviction they need 20."""
+    """Four requests of 100 + 60 tokens (5 blocks each) on 16 blocks (20 without eviction)."""
     prompts = token_prompts([100, 100, 100, 100], seed=7)
     kwargs = {"max_model_len": 256, "skip_tokenizer_init": True, "num_blocks": 17}
     never_evicts = {"policy": "none", "check_invariants": True}
@@ -101,3 +103,41 @@ def test_squeezed_tokens_equal_the_reference_engine(smollm2_path):
         manager = VTokenManager(StandaloneBlockPool(64), BLOCK_SIZE)
         result = reference.generate(prompt, 40, Replay(steps=evicted), lambda n: n, [manager])
         assert result.token_ids == expected
+
+
+def test_controller_pressure_squeezes_running_requests_of_that_tenant_only(tiny_llama_path):
+    """Through the engine-core utility the replica calls when the plan changes."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from workers.api import engine_counters
+
+    llm = make_llm(
+        tiny_llama_path, H2O_ON_DEMAND, max_model_len=512, skip_tokenizer_init=True, num_blocks=64
+    )
+    engine, state = llm.llm_engine, engine_state(llm)
+    for index, (tenant, ids) in enumerate(
+        zip("ab", token_prompts([150, 150], seed=9), strict=True)
+    ):
+        params = SamplingParams(
+            max_tokens=60, temperature=0, ignore_eos=True, extra_args={"tenant": tenant}
+        )
+        engine.add_request(f"{tenant}{index}", TokensPrompt(prompt_token_ids=ids), params)
+    for _ in range(10):
+        engine.step()
+    before = {r.tenant: r for r in engine_counters(llm).requests}
+    assert before["a"].evicted_tokens == before["b"].evicted_tokens == 0  # no memory pressure
+    assert before["a"].reclaimable_blocks > 0  # held above its budget: the controller can ask
+    client = engine.engine_core
+    assert client.engine_core.vtoken_set_pressure({"a": 0.5}) is True
+    engine.step()
+    after = {r.tenant: r for r in engine_counters(llm).requests}
+    num_tokens = after["b"].live_tokens  # b kept every token so far
+    assert after["b"].evicted_tokens == 0 and num_tokens == 150 + 10
+    budget = int(math.ceil(0.5 * num_tokens) * 0.5)  # keep_ratio, then the keep fraction
+    assert after["a"].live_tokens == budget < before["a"].live_tokens
+    with pytest.raises(ValueError, match="keep fractions"):
+        client.engine_core.vtoken_set_pressure({"a": 1.5})
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert state.num_preemptions == 0

@@ -10,6 +10,7 @@ import typer
 from bench import concurrency as bench_concurrency
 from bench import controller as bench_controller
 from bench import fragmentation as bench_fragmentation
+from bench import preemption as bench_preemption
 from bench import repack as bench_repack
 from bench import scores as bench_scores
 from serving import admin_cli
@@ -27,6 +28,7 @@ bench_app.command("controller")(bench_controller.cli)
 bench_app.command("repack")(bench_repack.cli)
 bench_app.command("scores")(bench_scores.cli)
 bench_app.command("concurrency")(bench_concurrency.cli)
+bench_app.command("preemption")(bench_preemption.cli)
 admin_cli.register(app)
 
 

@@ -129,9 +129,11 @@ def test_library_runs_on_torchs_openmp_pool() -> None:
     maps no runtime of its own, and really splits layers over the requested threads."""
     _needs_library()
     runtimes = openmp_runtimes()
-    assert len(runtimes) == 1, f"OpenMP runtimes mapped: {sorted(runtimes)}"
-    torch_gomp = [os.path.basename(path) for path in runtimes] == ["libgomp.so.1"]
-    assert uses_openmp() == torch_gomp
+    # Other libraries may have mapped their own libgomp copy since the library was loaded
+    # (sentencepiece does): the decision was taken then, with what was mapped then.
+    if [os.path.basename(path) for path in runtimes] == ["libgomp.so.1"]:
+        assert uses_openmp()
+    torch_gomp = uses_openmp()
     layout, block_size, kv_heads, head_dim = KVLayout.CPU_ATTN, 16, 2, 64
     caches = [layout.new_cache(4, block_size, kv_heads, head_dim).normal_() for _ in range(4)]
     parts = layout.part_strides(caches[0])
@@ -140,6 +142,7 @@ def test_library_runs_on_torchs_openmp_pool() -> None:
     ran = cpu_repack(caches, src, dst, parts, block_size, kv_heads, head_dim, 3)
     assert ran == (3 if torch_gomp else 1)
     assert cpu_repack(caches, src, dst, parts, block_size, kv_heads, head_dim, 1) == 1
+    assert openmp_runtimes() == runtimes  # the library brought no runtime of its own
 
 
 @pytest.mark.parametrize("offset_bytes", [0, 16])

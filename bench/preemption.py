@@ -1,0 +1,169 @@
+"""`vtoken bench preemption`: a KV pool too small for its requests, three engines.
+
+The same ``--requests`` natural-text prompts of ``--prompt-tokens`` tokens, submitted
+together, each generating ``--new-tokens`` tokens greedily, on a pool of ``--num-blocks``
+32-token blocks (too few for all of them at once without eviction), with:
+
+- ``vanilla``: vLLM without a vToken config (it preempts and later recomputes requests);
+- ``eager``: vToken, H2O at ``--keep`` evicting every request to its budget every step;
+- ``on_demand``: vToken, the same H2O, evicting running requests only when the next step
+  or the head of the waiting queue needs blocks, instead of vLLM preempting one.
+
+Per engine: ``preemptions`` and ``recomputed_tokens`` (the computed tokens a preempted
+request loses and must recompute), ``evictions_under_pressure`` (request-steps squeezed,
+``on_demand``), ``completed`` requests, ``tokens_per_s`` (generated tokens over the wall
+time of the run), and the mean live tokens per request at the end (how much each engine
+evicted: what the speed costs in kept context). One process, engines one after another.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+ENGINES = ("vanilla", "eager", "on_demand")
+BLOCK_SIZE = 32
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    engine: str
+    preemptions: int
+    recomputed_tokens: int
+    evictions_under_pressure: int
+    completed: int
+    tokens_per_s: float
+    mean_live_tokens_at_end: float | None
+
+
+class PreemptionCounter:
+    """Counts vLLM's preemptions of one in-process engine (wraps its scheduler's
+    ``_preempt_request`` on the instance) and the computed tokens they throw away."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.preemptions = 0
+        self.recomputed_tokens = 0
+        original = scheduler._preempt_request
+
+        def counting(request: Any, *args: Any, **kwargs: Any) -> Any:
+            self.preemptions += 1
+            self.recomputed_tokens += int(request.num_computed_tokens)
+            return original(request, *args, **kwargs)
+
+        scheduler._preempt_request = counting
+
+
+def run_engine(
+    path: str,
+    engine: str,
+    prompts: list[list[int]],
+    num_blocks: int,
+    new_tokens: int,
+    keep: float,
+    **engine_args: Any,
+) -> Row:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from workers.engine import engine_scheduler, engine_state, make_llm
+
+    vtoken = (
+        None
+        if engine == "vanilla"
+        else {
+            "policy": "h2o",
+            "keep_ratio": keep,
+            "eviction": engine,
+        }
+    )
+    llm = make_llm(
+        path,
+        vtoken,
+        block_size=BLOCK_SIZE,
+        num_blocks=num_blocks,
+        max_model_len=len(prompts[0]) + new_tokens + BLOCK_SIZE,
+        max_num_seqs=len(prompts),
+        **engine_args,
+    )
+    counter = PreemptionCounter(engine_scheduler(llm))
+    state = engine_state(llm)
+    live_at_end: list[int] = []
+    if state is not None:
+        original_free, running = state.free, state.manager.requests
+
+        def free(request_id: str, preempted: bool = False) -> None:
+            if not preempted:
+                live_at_end.append(running[request_id].table.num_live)
+            original_free(request_id, preempted)
+
+        state.free = free  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    started = time.perf_counter()
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+    elapsed = time.perf_counter() - started
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    row = Row(
+        engine=engine,
+        preemptions=counter.preemptions,
+        recomputed_tokens=counter.recomputed_tokens,
+        evictions_under_pressure=state.num_evictions_under_pressure if state else 0,
+        completed=sum(o.finished for o in outputs),
+        tokens_per_s=round(generated / elapsed, 2),
+        mean_live_tokens_at_end=round(sum(live_at_end) / len(live_at_end), 1)
+        if live_at_end
+        else None,
+    )
+    del llm, state
+    gc.collect()  # the engine's shutdown must finish before the next one starts
+    return row
+
+
+def cli(
+    model: Annotated[str, typer.Option(help="Shipped model name or model folder.")] = "smollm2",
+    num_blocks: Annotated[int, typer.Option(min=4, help="KV pool size, 32-token blocks.")] = 64,
+    requests: Annotated[int, typer.Option(min=1)] = 16,
+    prompt_tokens: Annotated[int, typer.Option(min=32)] = 256,
+    new_tokens: Annotated[int, typer.Option(min=1)] = 128,
+    keep: Annotated[float, typer.Option(min=0.01, max=1.0, help="H2O keep ratio.")] = 0.5,
+    engines: Annotated[
+        str, typer.Option(help="Comma-separated subset of " + ",".join(ENGINES))
+    ] = ",".join(ENGINES),
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """Preemptions and throughput on a pool too small for its requests."""
+    from transformers import AutoTokenizer
+
+    from bench.fragmentation import PROMPT_TOPICS, natural_prompts
+    from workers.models import resolve_model
+
+    chosen = tuple(e.strip() for e in engines.split(",") if e.strip())
+    if not chosen or set(chosen) - set(ENGINES):
+        raise typer.BadParameter(f"engines must be among {ENGINES}, got {engines!r}")
+    path = str(resolve_model(model))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    topics = natural_prompts(tokenizer, len(PROMPT_TOPICS), prompt_tokens)
+    prompts = [topics[i % len(topics)] for i in range(requests)]
+    rows = []
+    for engine in chosen:
+        row = run_engine(path, engine, prompts, num_blocks, new_tokens, keep)
+        typer.echo(json.dumps(asdict(row)))
+        rows.append(row)
+    if json_path is not None:
+        document = {
+            "model": model,
+            "block_size": BLOCK_SIZE,
+            "num_blocks": num_blocks,
+            "requests": requests,
+            "prompt_tokens": prompt_tokens,
+            "new_tokens": new_tokens,
+            "policy": "h2o",
+            "keep": keep,
+            "rows": [asdict(r) for r in rows],
+        }
+        json_path.write_text(json.dumps(document, indent=2) + "\n")

@@ -27,8 +27,9 @@ from controlplane.clock import Clock
 from controlplane.keys import KeySpace
 from controlplane.models import TenantQuota
 
-# KEYS: quotas, usage, reservations, deadlines, rate bucket.
-# ARGV: tenant, request id, blocks, now_ms, lease_ms, prompt_tokens, rate burst seconds.
+# KEYS: quotas, usage, reservations, deadlines, rate bucket, reservation starts.
+# ARGV: tenant, request id, blocks, now_ms, lease_ms, prompt_tokens, rate burst seconds,
+#       max_tokens.
 # Returns {outcome, reason, retry_after_ms}.
 _ADMIT = """
 local raw = redis.call('HGET', KEYS[1], ARGV[1])
@@ -38,7 +39,10 @@ local blocks = tonumber(ARGV[3])
 local now_ms = tonumber(ARGV[4])
 if blocks > quota['kv_budget_blocks'] then return {'rejected', 'exceeds_budget', 0} end
 local expired = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now_ms)
-for _, request_id in ipairs(expired) do redis.call('HDEL', KEYS[3], request_id) end
+for _, request_id in ipairs(expired) do
+  redis.call('HDEL', KEYS[3], request_id)
+  redis.call('HDEL', KEYS[6], request_id)
+end
 redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now_ms)
 if redis.call('HEXISTS', KEYS[3], ARGV[2]) == 1 then
   return {'rejected', 'duplicate_request', 0}
@@ -68,6 +72,7 @@ if rate ~= cjson.null then
   redis.call('PEXPIRE', KEYS[5], math.ceil(capacity * 1000 / rate) + 1000)
 end
 redis.call('HSET', KEYS[3], ARGV[2], blocks)
+redis.call('HSET', KEYS[6], ARGV[2], ARGV[4] .. ' ' .. ARGV[8])
 redis.call('ZADD', KEYS[4], now_ms + tonumber(ARGV[5]), ARGV[2])
 return {'admitted', 'ok', 0}
 """
@@ -90,8 +95,8 @@ class AdmissionOutcome(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class AdmissionConfig:
     """`block_size` converts tokens to blocks; `reservation_ttl_s` bounds how long a
-    reservation outlives a crashed ingress; `throttle_retry_after_s` is the Retry-After
-    for budget and concurrency throttles (KV frees as requests finish, time unknown);
+    reservation outlives a crashed ingress; `throttle_retry_after_s` is the Retry-After of
+    concurrency throttles and the least one of budget throttles (`kv_retry_after_s`);
     `rate_burst_s` sizes the prompt-token bucket in seconds of rate."""
 
     block_size: int = 16
@@ -186,9 +191,18 @@ class Admission:
         self._settle = redis.register_script(_SETTLE)
 
     async def admit(
-        self, quota: TenantQuota, request_id: str, prompt_tokens: int, max_tokens: int
+        self,
+        quota: TenantQuota,
+        request_id: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        seconds_per_token: float | None = None,
     ) -> AdmissionDecision:
         """Reserve the request's KV peak, or say why not.
+
+        ``seconds_per_token`` (the measured time per output token, ``None`` when unknown)
+        lets a ``kv_budget`` throttle say when enough of the tenant's running requests
+        will have finished (:meth:`kv_retry_after_s`).
 
         `quota` is the caller's (possibly cached) copy; the script re-reads the stored one,
         so an admin change applies at once and a deleted tenant is rejected.
@@ -210,6 +224,7 @@ class Admission:
                     self.keys.reservations(tenant_id),
                     self.keys.reservation_deadlines(tenant_id),
                     self.keys.rate_bucket(tenant_id),
+                    self.keys.reservation_starts(tenant_id),
                 ],
                 args=[
                     tenant_id,
@@ -219,8 +234,13 @@ class Admission:
                     int(self.config.reservation_ttl_s * 1000),
                     prompt_tokens,
                     self.config.rate_burst_s,
+                    max_tokens,
                 ],
             )
+            if reason == "kv_budget":
+                retry_after_ms = int(
+                    1000 * await self.kv_retry_after_s(quota, blocks, seconds_per_token)
+                )
             decision = self._decision(
                 Reservation(tenant_id, request_id, blocks, bounds.steady),
                 outcome,
@@ -262,8 +282,37 @@ class Admission:
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.hdel(self.keys.reservations(tenant_id), request_id)
             pipe.zrem(self.keys.reservation_deadlines(tenant_id), request_id)
-            removed, _ = await pipe.execute()
+            pipe.hdel(self.keys.reservation_starts(tenant_id), request_id)
+            removed, _, _ = await pipe.execute()
         return bool(removed)
+
+    async def kv_retry_after_s(
+        self, quota: TenantQuota, blocks: int, seconds_per_token: float | None
+    ) -> float:
+        """When a request of ``blocks`` should fit the tenant's budget: each held request is
+        expected to finish ``max_tokens * seconds_per_token`` after it was admitted; walk
+        them by expected finish until enough blocks are free. Within
+        ``[throttle_retry_after_s, reservation_ttl_s]``; ``throttle_retry_after_s`` when the
+        pace is unknown or the reservations alone do not explain the shortfall (the
+        replicas reported more than was reserved)."""
+        floor, ceiling = self.config.throttle_retry_after_s, self.config.reservation_ttl_s
+        if seconds_per_token is None or seconds_per_token <= 0:
+            return floor
+        tenant_id = quota.tenant_id
+        held = await self._redis.hgetall(self.keys.reservations(tenant_id))
+        starts = await self._redis.hgetall(self.keys.reservation_starts(tenant_id))
+        now = self._clock.now()
+        finishes = []
+        for request_id, value in held.items():
+            admitted_ms, max_tokens = (starts.get(request_id) or f"{now * 1000} 0").split()
+            finish = float(admitted_ms) / 1000 + int(max_tokens) * seconds_per_token
+            finishes.append((finish, int(value)))
+        excess = sum(b for _, b in finishes) + blocks - quota.kv_budget_blocks
+        for finish, freed in sorted(finishes):
+            excess -= freed
+            if excess <= 0:
+                return min(max(finish - now, floor), ceiling)
+        return floor
 
     async def renew(self, reservation: Reservation) -> bool:
         """Push a held reservation's deadline to now + `reservation_ttl_s` (long streams

@@ -67,6 +67,11 @@ class KeySpace:
         """Hash: request id -> reserved blocks (the prefill peak, then the steady bound)."""
         return f"{self.prefix}:resv:{tenant_id}"
 
+    def reservation_starts(self, tenant_id: str) -> str:
+        """Hash: request id -> `admitted_ms max_tokens` (when it was admitted, how long its
+        answer may be): what a throttled request's Retry-After is estimated from."""
+        return f"{self.prefix}:resv-start:{tenant_id}"
+
     def reservation_deadlines(self, tenant_id: str) -> str:
         """Sorted set: request id -> deadline (ms since epoch) after which it lapses."""
         return f"{self.prefix}:resv-deadline:{tenant_id}"

@@ -111,6 +111,7 @@ class IngressState:
             redis, clock, AdmissionConfig(block_size=settings.block_size), keys, tracer=tracer
         )
         self.metrics = IngressMetrics()
+        self.pace = TokenPace()
 
     # ----------------------------------------------------------------- request pipeline
     async def tenant(self, request: Request) -> TenantQuota:
@@ -185,7 +186,9 @@ class IngressState:
     ) -> Reservation:
         """The request's KV reservation; 429 with ``Retry-After`` when the tenant must wait,
         400 when the request can never fit its quota."""
-        decision = await self.admission.admit(quota, request_id, prompt_tokens, max_tokens)
+        decision = await self.admission.admit(
+            quota, request_id, prompt_tokens, max_tokens, self.pace.seconds_per_token
+        )
         self.metrics.admission(quota.tenant_id, decision.outcome.value)
         if decision.outcome is AdmissionOutcome.THROTTLED:
             retry = max(1, round(decision.retry_after_s))
@@ -207,10 +210,16 @@ class IngressState:
     ) -> AsyncIterator[GenerateChunk]:
         try:
             stream = self.replicas.options(stream=True).generate.remote(request.model_dump())
+            tokens_seen, seen_at = 0, self.clock.now()
             async for raw in stream:
                 chunk = GenerateChunk.model_validate(raw)
                 if chunk.error:
                     raise HTTPError(400, chunk.error, "invalid_request")
+                now = self.clock.now()
+                if tokens_seen and chunk.completion_tokens > tokens_seen:  # decode, not prefill
+                    self.pace.observe(now - seen_at, chunk.completion_tokens - tokens_seen)
+                if chunk.completion_tokens > tokens_seen:
+                    tokens_seen, seen_at = chunk.completion_tokens, now
                 if chunk.completion_tokens and reservation.blocks > reservation.steady:
                     # A token is out, so prefill is over: from here the policy bounds the KV.
                     reservation = await self.admission.settle(reservation)
@@ -223,6 +232,23 @@ class IngressState:
             # Shielded: a client disconnect cancels this generator, not the release.
             await asyncio.shield(self.admission.release(reservation))
             self.metrics.latency(request.tenant_id, self.clock.now() - started)
+
+
+class TokenPace:
+    """Time per output token of the answers this ingress streams (an exponential moving
+    average over decode chunks; the first chunk, which carries the prefill, is left out).
+    ``seconds_per_token`` is ``None`` until a decode chunk was seen."""
+
+    def __init__(self, weight: float = 0.1) -> None:
+        self.weight = weight
+        self.seconds_per_token: float | None = None
+
+    def observe(self, seconds: float, num_tokens: int) -> None:
+        sample = max(seconds, 0.0) / num_tokens
+        previous = self.seconds_per_token
+        self.seconds_per_token = (
+            sample if previous is None else previous + self.weight * (sample - previous)
+        )
 
 
 async def parse_body(request: Request, model: type[BaseModel]) -> Any:

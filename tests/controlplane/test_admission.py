@@ -192,3 +192,29 @@ async def test_admission_span_carries_tenant_and_outcome(
     assert span.attributes[telemetry.ATTR_TENANT_ID] == "acme"
     assert span.attributes[telemetry.ATTR_ADMISSION_OUTCOME] == "rejected"
     assert span.attributes[telemetry.ATTR_ADMISSION_REASON] == "exceeds_budget"
+
+
+async def test_kv_budget_retry_after_follows_the_oldest_requests_expected_finish(
+    admission: Admission, store: RedisStore, clock: FakeClock, redis: aioredis.Redis, keys: KeySpace
+) -> None:
+    """Each held request is expected to end max_tokens x the measured time per token after
+    its admission; a throttled request may retry when enough of them have ended."""
+    tenant = quota("acme", budget=10)
+    await store.put_quota(tenant)
+    assert (await admission.admit(tenant, "old", 32, 48)).admitted  # 5 blocks, ends +24 s
+    clock.advance(2.0)
+    assert (await admission.admit(tenant, "new", 32, 48, seconds_per_token=0.5)).admitted
+    blocked = await admission.admit(tenant, "next", 32, 48, seconds_per_token=0.5)
+    assert (blocked.outcome, blocked.reason) == (AdmissionOutcome.THROTTLED, "kv_budget")
+    assert blocked.retry_after_s == pytest.approx(24.0 - 2.0)
+    two_needed = await admission.admit(tenant, "big", 64, 96, seconds_per_token=0.5)
+    assert two_needed.reason == "kv_budget"  # 10 blocks: both must end, the newer at +26 s
+    assert two_needed.retry_after_s == pytest.approx(26.0 - 2.0)
+    unknown_pace = await admission.admit(tenant, "next", 32, 48)
+    assert unknown_pace.retry_after_s == admission.config.throttle_retry_after_s
+    clock.advance(30.0)  # overdue requests: retry at the least Retry-After, not in the past
+    overdue = await admission.admit(tenant, "next", 32, 48, seconds_per_token=0.5)
+    assert overdue.retry_after_s == admission.config.throttle_retry_after_s
+    # A release forgets the request's start as well.
+    assert await admission.release(Reservation("acme", "old", 5, 5))
+    assert await redis.hkeys(keys.reservation_starts("acme")) == ["new"]

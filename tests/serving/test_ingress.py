@@ -327,3 +327,26 @@ async def test_the_reservation_shrinks_to_the_steady_bound_once_a_token_is_out(
     assert await ingress.state.admission.reserved_blocks("acme") == steady
     ingress.replicas.gate.set()
     assert (await answer).status_code == 200
+
+
+async def test_kv_budget_retry_after_comes_from_the_measured_token_pace(ingress: Ingress) -> None:
+    """The ingress times the decode chunks it streams; a budget 429 then says when the
+    tenant's running request is expected to end, not a constant."""
+    api_key = await ingress.add_tenant("acme", kv_budget_blocks=4)  # one 40-token answer
+    ingress.replicas.gate.clear()
+    warm_up = asyncio.create_task(ingress.complete(api_key))
+    await ingress.replicas.arrived.wait()
+    ingress.clock.advance(0.5)  # the second token comes 0.5 s after the first
+    ingress.replicas.gate.set()
+    assert (await warm_up).status_code == 200
+    assert ingress.state.pace.seconds_per_token == pytest.approx(0.5)
+    ingress.replicas.gate.clear()
+    ingress.replicas.arrived.clear()
+    running = asyncio.create_task(ingress.complete(api_key, max_tokens=40))
+    await asyncio.wait_for(ingress.replicas.arrived.wait(), 10)
+    ingress.clock.advance(3.0)
+    throttled = await ingress.complete(api_key, max_tokens=40)
+    assert throttled.status_code == 429
+    assert throttled.headers["Retry-After"] == str(round(40 * 0.5 - 3.0))  # 17 s
+    ingress.replicas.gate.set()
+    assert (await running).status_code == 200

@@ -52,19 +52,26 @@ class TenantQuota(TenantLimits, _Tenant):
 
 
 class TenantUsage(_Frozen):
-    """One tenant's footprint on one replica."""
+    """One tenant's footprint on one replica: `blocks` is its active KV there, `floor_blocks`
+    what evicting its requests to their budgets would bring it to (`reclaimable_blocks`)."""
 
     live_tokens: NonNegativeInt = 0
     blocks: NonNegativeInt = 0
+    floor_blocks: NonNegativeInt = 0
     requests: NonNegativeInt = 0
+
+    @property
+    def reclaimable_blocks(self) -> int:
+        return max(0, self.blocks - self.floor_blocks)
 
 
 class EngineCounters(_Frozen):
     """What an engine knows about its KV cache; the publisher's callable returns this.
 
     Invariants (validated): `free_blocks + used_blocks == total_blocks`;
-    `reclaimable_blocks <= used_blocks` (held minus ideal); the tenants' blocks sum to at
-    most `used_blocks`.
+    `reclaimable_blocks <= used_blocks` (held minus floor: what eviction to the requests'
+    budgets and a repack give back without a preemption); the tenants' blocks sum to at
+    most `used_blocks`. `preemptions` and `evictions_under_pressure` count since start.
     """
 
     block_size: int = Field(gt=0)
@@ -81,6 +88,8 @@ class EngineCounters(_Frozen):
     were still running (since the engine started)."""
     naive_equivalent_blocks: NonNegativeInt = 0
     """Blocks the running requests would hold under Naive-Evict (same decisions)."""
+    preemptions: NonNegativeInt = 0
+    evictions_under_pressure: NonNegativeInt = 0
     tenants: dict[TenantId, TenantUsage] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -104,7 +113,7 @@ class EngineCounters(_Frozen):
 
     @property
     def available_blocks(self) -> int:
-        """Blocks a new request could get: free now plus reclaimable by a repack."""
+        """Blocks a new request could get: free now plus reclaimable by eviction."""
         return self.free_blocks + self.reclaimable_blocks
 
 

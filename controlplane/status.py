@@ -29,6 +29,8 @@ async def cluster_status(store: RedisStore, now_s: float | None = None) -> dict[
             "live_tokens": report.live_tokens,
             "running_requests": report.running_requests,
             "queue_depth": report.queue_depth,
+            "preemptions": report.preemptions,
+            "evictions_under_pressure": report.evictions_under_pressure,
         }
         for replica_id, report in sorted(snapshot.fresh.items())
     ]
@@ -36,8 +38,11 @@ async def cluster_status(store: RedisStore, now_s: float | None = None) -> dict[
     held: dict[str, dict[str, int]] = {}
     for report in snapshot.fresh.values():
         for tenant_id, usage in report.tenants.items():
-            entry = held.setdefault(tenant_id, {"blocks": 0, "requests": 0, "live_tokens": 0})
+            entry = held.setdefault(
+                tenant_id, {"blocks": 0, "floor_blocks": 0, "requests": 0, "live_tokens": 0}
+            )
             entry["blocks"] += usage.blocks
+            entry["floor_blocks"] += usage.floor_blocks
             entry["requests"] += usage.requests
             entry["live_tokens"] += usage.live_tokens
     tenants = [
@@ -45,6 +50,7 @@ async def cluster_status(store: RedisStore, now_s: float | None = None) -> dict[
             "id": tenant_id,
             "quota_blocks": quota.kv_budget_blocks,
             "kv_blocks": held.get(tenant_id, {}).get("blocks", 0),
+            "floor_blocks": held.get(tenant_id, {}).get("floor_blocks", 0),
             "running_requests": held.get(tenant_id, {}).get("requests", 0),
             "live_tokens": held.get(tenant_id, {}).get("live_tokens", 0),
             "over_budget": bool(

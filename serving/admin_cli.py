@@ -129,7 +129,8 @@ def status(url: Url = DEFAULT_URL, admin_token: Token = "") -> None:
     snapshot = _admin("GET", url, admin_token, "/admin/status")
     console = Console()
     replicas = Table(title=f"replicas (plan version {snapshot['plan_version']})")
-    for column in ("replica", "fresh", "used/total", "reclaimable", "reclaimed", "running"):
+    columns = ("replica", "fresh", "used/total", "reclaimable", "reclaimed", "running", "preempted")
+    for column in columns:
         replicas.add_column(column)
     for r in snapshot["replicas"]:
         fresh = r.get("fresh", False)
@@ -140,14 +141,16 @@ def status(url: Url = DEFAULT_URL, admin_token: Token = "") -> None:
             str(r.get("reclaimable_blocks", "-")),
             str(r.get("blocks_reclaimed", "-")),
             str(r.get("running_requests", "-")),
+            str(r.get("preemptions", "-")),
         )
     tenants = Table(title="tenants")
-    for column in ("tenant", "KV blocks", "quota", "running", "over budget"):
+    for column in ("tenant", "active KV", "floor", "quota", "running", "over budget"):
         tenants.add_column(column)
     for t in snapshot["tenants"]:
         tenants.add_row(
             t["id"],
             str(t["kv_blocks"]),
+            str(t.get("floor_blocks", "-")),
             str(t["quota_blocks"]),
             str(t["running_requests"]),
             str(t["over_budget"]),

@@ -76,10 +76,13 @@ def counters_from_snapshot(report: EngineReport, running: int) -> EngineCounters
         running_requests=running,
         blocks_reclaimed=report.blocks_reclaimed,
         naive_equivalent_blocks=report.total.naive_blocks,
+        preemptions=report.num_preemptions,
+        evictions_under_pressure=report.num_evictions_under_pressure,
         tenants={
             tenant: TenantUsage(
                 live_tokens=usage.live_tokens,
                 blocks=usage.allocated_blocks,
+                floor_blocks=usage.floor_blocks,
                 requests=usage.num_requests,
             )
             for tenant, usage in report.tenants.items()

@@ -123,11 +123,19 @@ def test_counters_map_the_engine_report_into_a_valid_report():
         total_blocks=100,
         free_blocks=90,
         blocks_reclaimed=7,
-        requests=(request("r1", "a", 40, 2, 2), request("r2", "b", 100, 6, 4)),
+        num_preemptions=3,
+        num_evictions_under_pressure=5,
+        requests=(
+            request("r1", "a", 40, 2, 2),
+            request("r2", "b", 100, 6, 4).model_copy(update={"floor_blocks": 3}),
+        ),
     )
     counters = counters_from_snapshot(report, running=2)
+    assert (counters.preemptions, counters.evictions_under_pressure) == (3, 5)
+    assert counters.tenants["b"].floor_blocks == 3 and counters.tenants["b"].reclaimable_blocks == 3
+    assert counters.tenants["a"].reclaimable_blocks == 0  # no budget given: floor = ideal
     assert isinstance(counters, EngineCounters)
-    assert (counters.used_blocks, counters.live_tokens, counters.reclaimable_blocks) == (10, 140, 2)
+    assert (counters.used_blocks, counters.live_tokens, counters.reclaimable_blocks) == (10, 140, 3)
     assert counters.tenants["b"].blocks == 6 and counters.tenants["a"].requests == 1
     assert (counters.blocks_reclaimed, counters.naive_equivalent_blocks) == (7, 16)
     with pytest.raises(ValueError):  # tenants holding more than the pool says is used

@@ -97,9 +97,12 @@ class AdmissionConfig:
     """`block_size` converts tokens to blocks; `reservation_ttl_s` bounds how long a
     reservation outlives a crashed ingress; `throttle_retry_after_s` is the Retry-After of
     concurrency throttles and the least one of budget throttles (`kv_retry_after_s`);
+    `keep_ratio` is the engines' policy budget, when they hold one every step (it bounds
+    requests whose tenant sets no `eviction_budget_tokens`);
     `rate_burst_s` sizes the prompt-token bucket in seconds of rate."""
 
     block_size: int = 16
+    keep_ratio: float | None = None
     reservation_ttl_s: float = 600.0
     throttle_retry_after_s: float = 1.0
     rate_burst_s: float = 1.0
@@ -111,6 +114,8 @@ class AdmissionConfig:
             raise ValueError("reservation_ttl_s and throttle_retry_after_s must be positive")
         if self.rate_burst_s <= 0:
             raise ValueError("rate_burst_s must be positive")
+        if self.keep_ratio is not None and not 0 < self.keep_ratio <= 1:
+            raise ValueError("keep_ratio must be in (0, 1]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,17 +162,29 @@ class AdmissionDecision:
 
 
 def kv_bounds(
-    prompt_tokens: int, max_tokens: int, block_size: int, eviction_budget_tokens: int | None
+    prompt_tokens: int,
+    max_tokens: int,
+    block_size: int,
+    eviction_budget_tokens: int | None,
+    keep_ratio: float | None = None,
 ) -> KVBounds:
-    """The request's :class:`KVBounds`; ``ValueError`` on negative sizes or an empty request."""
+    """The request's :class:`KVBounds`; ``ValueError`` on negative sizes or an empty request.
+
+    The steady bound is the smallest of prompt + max_tokens, the tenant's per-request cap
+    (``eviction_budget_tokens``) and, without a cap, the engines' own ``keep_ratio`` of the
+    longest sequence; a budget counts one block more (the step's new tokens)."""
     if prompt_tokens < 0 or max_tokens < 0 or prompt_tokens + max_tokens == 0:
         raise ValueError(
             f"need prompt_tokens >= 0, max_tokens >= 0, not both 0 "
             f"(got {prompt_tokens}, {max_tokens})"
         )
-    steady = math.ceil((prompt_tokens + max_tokens) / block_size)
-    if eviction_budget_tokens is not None:
-        steady = min(steady, math.ceil(eviction_budget_tokens / block_size) + 1)
+    longest = prompt_tokens + max_tokens
+    steady = math.ceil(longest / block_size)
+    budget = eviction_budget_tokens
+    if budget is None and keep_ratio is not None:
+        budget = math.ceil(keep_ratio * longest)
+    if budget is not None:
+        steady = min(steady, math.ceil(budget / block_size) + 1)
     return KVBounds(prefill_peak=math.ceil(prompt_tokens / block_size), steady=steady)
 
 
@@ -210,7 +227,11 @@ class Admission:
         if not request_id:
             raise ValueError("request_id must be non-empty")
         bounds = kv_bounds(
-            prompt_tokens, max_tokens, self.config.block_size, quota.eviction_budget_tokens
+            prompt_tokens,
+            max_tokens,
+            self.config.block_size,
+            quota.eviction_budget_tokens,
+            self.config.keep_ratio,
         )
         blocks = bounds.peak
         tenant_id = quota.tenant_id
@@ -291,10 +312,10 @@ class Admission:
     ) -> float:
         """When a request of ``blocks`` should fit the tenant's budget: each held request is
         expected to finish ``max_tokens * seconds_per_token`` after it was admitted; walk
-        them by expected finish until enough blocks are free. Within
-        ``[throttle_retry_after_s, reservation_ttl_s]``; ``throttle_retry_after_s`` when the
-        pace is unknown or the reservations alone do not explain the shortfall (the
-        replicas reported more than was reserved)."""
+        them by expected finish until the committed KV (``max(reserved, reported)``) plus
+        ``blocks`` fits. Within ``[throttle_retry_after_s, reservation_ttl_s]``;
+        ``throttle_retry_after_s`` when the pace is unknown or the held requests' ends do
+        not make room."""
         floor, ceiling = self.config.throttle_retry_after_s, self.config.reservation_ttl_s
         if seconds_per_token is None or seconds_per_token <= 0:
             return floor
@@ -307,7 +328,11 @@ class Admission:
             admitted_ms, max_tokens = (starts.get(request_id) or f"{now * 1000} 0").split()
             finish = float(admitted_ms) / 1000 + int(max_tokens) * seconds_per_token
             finishes.append((finish, int(value)))
-        excess = sum(b for _, b in finishes) + blocks - quota.kv_budget_blocks
+        reported = int(await self._redis.hget(self.keys.usage, tenant_id) or 0)
+        reserved = sum(b for _, b in finishes)
+        # Committed KV is the larger of the two (as in the admission script); a request
+        # that ends frees its reservation and, presumably, as much of the reported KV.
+        excess = max(reserved, reported) + blocks - quota.kv_budget_blocks
         for finish, freed in sorted(finishes):
             excess -= freed
             if excess <= 0:

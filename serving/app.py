@@ -32,6 +32,22 @@ class AppArgs(BaseModel):
     engine: ReplicaSettings = Field(default_factory=ReplicaSettings)
 
 
+def policy_keep_ratio(vtoken: dict[str, Any]) -> float | None:
+    """The engines' keep ratio when their policy holds it every step, eagerly (admission
+    bounds a request without a tenant cap by it); ``None`` otherwise: on-demand eviction
+    keeps tokens beyond the ratio while memory is free, so only the request's own length
+    bounds it (a tenant's cap is held every step in both modes)."""
+    from workers.config import VTokenConfig
+
+    config = VTokenConfig.model_validate(vtoken)
+    policy = config.make_policy()
+    if config.eviction == "on_demand":
+        return None  # requests keep more than the ratio while memory is free
+    if not (policy.holds_budget_every_step and policy.needs_budget):
+        return None
+    return config.keep_ratio
+
+
 def build_app(args: dict[str, Any]) -> Application:
     """Serve builder: validates ``args`` (a bad value fails ``serve run`` with its field)."""
     from workers.models import resolve_model
@@ -67,5 +83,6 @@ def build_app(args: dict[str, Any]) -> Application:
         "admin_token": config.admin_token,
         "redis_url": config.redis_url,
         "key_prefix": config.key_prefix,
+        "keep_ratio": policy_keep_ratio(engine_settings.vtoken),
     }
     return Ingress.bind(engine, ingress_settings, controller)  # type: ignore[attr-defined]

@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 
 ADMIN_TOKEN = "demo-admin-token"
+MAX_ATTEMPTS = 30  # per request; each 429 waits its Retry-After (at most 5 s here)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,12 +93,14 @@ async def drive_tenant(
                 "stream": index % 2 == 1,
             }
             headers = {"Authorization": f"Bearer {api_key}"}
-            response = await client.post("/v1/completions", json=body, headers=headers)
+            for _ in range(MAX_ATTEMPTS):  # a well-behaved client: retry after Retry-After
+                response = await client.post("/v1/completions", json=body, headers=headers)
+                if response.status_code != 429:
+                    break
+                tally.throttled += 1
+                await asyncio.sleep(min(float(response.headers.get("Retry-After", "1")), 5.0))
             if response.status_code == 200:
                 tally.ok += 1
-            elif response.status_code == 429:
-                tally.throttled += 1
-                await asyncio.sleep(float(response.headers.get("Retry-After", "1")))
             else:
                 tally.failed += 1
 
@@ -170,7 +173,7 @@ def final_report(state: DemoState) -> dict[str, Any]:
             "quota_blocks": quotas[tenant_id],
             "peak_kv_blocks": state.tallies[tenant_id].peak_kv_blocks,
             "requests_ok": state.tallies[tenant_id].ok,
-            "requests_throttled": state.tallies[tenant_id].throttled,
+            "throttled_429s": state.tallies[tenant_id].throttled,
             "requests_failed": state.tallies[tenant_id].failed,
         }
         for tenant_id in quotas
@@ -182,6 +185,8 @@ def final_report(state: DemoState) -> dict[str, Any]:
             "peak_blocks_used": state.peak_used.get(r["id"], 0),
             "blocks_reclaimed": r["blocks_reclaimed"],
             "naive_equivalent_blocks": state.peak_naive.get(r["id"], 0),
+            "preemptions": r.get("preemptions", 0),
+            "evictions_under_pressure": r.get("evictions_under_pressure", 0),
         }
         for r in state.last_status.get("replicas", [])
         if r.get("fresh")
@@ -231,7 +236,7 @@ def run_demo(report_path: Path | None, num_replicas: int = 2) -> dict[str, Any]:
 
     console = Console()
     started = time.monotonic()
-    vtoken = {"policy": "h2o", "keep_ratio": 0.5}
+    vtoken = {"policy": "h2o", "keep_ratio": 0.5, "eviction": "on_demand"}
     console.print(f"Starting Redis, Ray and {num_replicas} SmolLM2 replicas (vToken + h2o)...")
     state = DemoState()
     with local_cluster(num_replicas, vtoken) as base_url:

@@ -35,6 +35,7 @@ from workers.config import REQUEST_KEY, VTokenConfig, request_policy_spec
 
 logger = logging.getLogger(__name__)
 PLAN_POLL_S = 1.0
+PLAN_MAX_AGE_S = 30.0  # an older plan's pressure is dropped: no controller is measuring
 COUNTERS_TIMEOUT_S = 2.0
 PLAN_READ_ERRORS: tuple[type[Exception], ...] = (*REDIS_ERRORS, ValueError)
 COUNTERS_MAX_AGE_PERIODS = 5  # older counters are not published: the replica goes stale
@@ -312,6 +313,8 @@ class ReplicaReporter:
                     # Redis away, or a plan this replica cannot parse: keep the last pressure.
                     logger.warning("replica %s: no plan (%s)", self.host.replica_id, error)
                     plan = None
+                if plan is not None and time.time() - plan.created_s > PLAN_MAX_AGE_S:
+                    plan = plan.model_copy(update={"pressure": {}})  # its controller is gone
                 if plan is not None:
                     mine = plan.pressure.get(self.host.replica_id, {})
                     await self.host.apply_pressure({t: p.keep_fraction for t, p in mine.items()})

@@ -70,6 +70,7 @@ class IngressSettings:
     admin_token: str
     redis_url: str
     key_prefix: str = "vtoken"
+    keep_ratio: float | None = None  # the engines' policy budget (admission's steady bound)
 
 
 class Tokenizer(Protocol):
@@ -108,7 +109,11 @@ class IngressState:
         self.store = RedisStore(redis, keys)
         self.tenant_keys = TenantKeys(redis, keys)
         self.admission = Admission(
-            redis, clock, AdmissionConfig(block_size=settings.block_size), keys, tracer=tracer
+            redis,
+            clock,
+            AdmissionConfig(block_size=settings.block_size, keep_ratio=settings.keep_ratio),
+            keys,
+            tracer=tracer,
         )
         self.metrics = IngressMetrics()
         self.pace = TokenPace()

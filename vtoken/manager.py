@@ -188,11 +188,15 @@ class VTokenManager:
 
     def report(self, request_id: str, budget_tokens: int | None = None) -> RequestReport:
         """The request's usage; ``budget_tokens`` (the live tokens its policy may keep now)
-        sets its floor, which is its ideal without a budget or a policy."""
+        sets its floor, which is its ideal without a budget, or under a policy that does not
+        evict to its budget whenever asked (``none``; SnapKV and PAGE decide once)."""
         request = self.requests[request_id]
         table = request.table
         floor = table.num_ideal_blocks
-        if budget_tokens is not None and request.policy is not None:
+        policy = request.policy
+        # Only a policy that evicts to its budget whenever asked can bring it lower.
+        evicts = policy is not None and policy.holds_budget_every_step and policy.needs_budget
+        if budget_tokens is not None and evicts:
             floor = min(floor, cdiv(min(table.num_live, budget_tokens), self.block_size))
         return RequestReport(
             request_id=request_id,

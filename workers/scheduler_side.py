@@ -63,6 +63,8 @@ class ScheduledRequest:
 
     kv: RequestKV
     spec: PolicySpec
+    capped: bool = False  # its spec is a per-request override (the tenant's cap)
+    pressure_target: int | None = None  # live tokens the controller's pressure allows
     pending_src: np.ndarray = field(default_factory=lambda: _EMPTY)
     pending_dst: np.ndarray = field(default_factory=lambda: _EMPTY)
     pending_num_blocks: int | None = None
@@ -134,7 +136,9 @@ class VTokenScheduler:
         kv = self.manager.add_request(
             request.request_id, request.num_prompt_tokens, tenant, spec.make_policy()
         )
-        self.requests[request.request_id] = ScheduledRequest(kv, spec)
+        self.requests[request.request_id] = ScheduledRequest(
+            kv, spec, capped=spec is not self.config
+        )
         self.stm.req_to_blocks[request.request_id]  # defaultdict: create the empty list
 
     # ------------------------------------------------------------------ steps
@@ -149,38 +153,29 @@ class VTokenScheduler:
 
         ``eager``: every request past its prefill evicts to its budget. ``on_demand``: a
         request only feeds its policy this step's attention, unless memory is needed:
-        ``num_waiting_blocks`` (what the head of vLLM's waiting queue needs to start)
-        plus a block for every running request whose next token opens one, beyond the
-        free blocks; then :meth:`squeeze_order` picks who evicts to budget now. Requests of
-        tenants under controller pressure (``set_pressure``) and policies that decide at one
-        step only evict every step in both modes.
+        ``num_waiting_blocks`` (what the head of vLLM's waiting queue needs to start), the
+        blocks running prefills still need, and a block for every decoding request whose
+        next token opens one, beyond the free blocks; then :meth:`squeeze_order` picks who
+        evicts to budget now. Always evicting, in both modes: requests under controller
+        pressure (``set_pressure``), requests under a tenant's per-request cap (admission
+        counted on it), and policies that decide at one step only.
         """
         attention_of = scores.attention if scores is not None else {}
-        decoding = [
-            request_id
-            for request_id in num_scheduled_tokens
-            if request_id in self.requests
-            and request_id in requests
-            and requests[request_id].num_computed_tokens >= requests[request_id].num_tokens
-        ]
-        for request_id in num_scheduled_tokens:
-            if (
-                request_id in self.requests
-                and request_id in requests
-                and request_id not in decoding
-            ):
-                # A prefill chunk: the policy sees its attention, nothing can be evicted yet.
-                self.manager.observe(request_id, attention_of.get(request_id, StepAttention()))
-        squeezed = self._to_squeeze(decoding, num_waiting_blocks)
+        running = [r for r in num_scheduled_tokens if r in self.requests and r in requests]
+        decoding = [r for r in running if requests[r].num_computed_tokens >= requests[r].num_tokens]
+        for request_id in set(running) - set(decoding):
+            # A prefill chunk: the policy sees its attention, nothing can be evicted yet.
+            self.manager.observe(request_id, attention_of.get(request_id, StepAttention()))
+        always, for_room = self._to_squeeze(decoding, requests, num_waiting_blocks)
         for request_id in decoding:
             record = self.requests[request_id]
             attention = attention_of.get(request_id, StepAttention())
             # Not squeezed: a step with a budget of everything it holds (the policy observes
             # and counts the step, nothing is evicted).
-            squeeze = request_id in squeezed
+            squeeze = request_id in always or request_id in for_room
             budget = self._budget(record) if squeeze else record.kv.table.num_live
             evicted = self.manager.evict(request_id, budget, attention)
-            if len(evicted) and self.config.eviction == "on_demand":
+            if len(evicted) and (request_id in for_room or record.kv.tenant in self.pressure):
                 self.num_evictions_under_pressure += 1
             if self.config.record_evictions:
                 record.evictions.append(evicted)
@@ -189,68 +184,95 @@ class VTokenScheduler:
             self.check_invariants()
 
     def set_pressure(self, pressure: Mapping[str, float]) -> None:
-        """The controller's eviction pressure: tenant -> keep fraction in (0, 1]. From the
-        next step every running request of such a tenant (not only new ones) is evicted to
-        ``fraction * its budget``, in both eviction modes; a tenant left out is released."""
+        """The controller's eviction pressure: tenant -> keep fraction in (0, 1] of what the
+        tenant holds now (``controlplane/pressure.py``: budget / measured active KV). Each
+        running request of such a tenant may keep that fraction of its live tokens (fixed
+        here, so a repeated call never compounds; a request added later starts from its
+        own live tokens at its first step), in both eviction modes; a tenant left out of
+        ``pressure`` is released."""
         bad = {tenant: f for tenant, f in pressure.items() if not 0.0 < f <= 1.0}
         if bad:
             raise ValueError(f"keep fractions must be in (0, 1]: {bad}")
-        self.pressure = {tenant: float(f) for tenant, f in pressure.items() if f < 1.0}
+        changed = {
+            t: float(f) for t, f in pressure.items() if f < 1.0 and f != self.pressure.get(t)
+        }
+        self.pressure = {t: float(f) for t, f in pressure.items() if f < 1.0}
+        for record in self.requests.values():
+            tenant = record.kv.tenant
+            if tenant not in self.pressure:
+                record.pressure_target = None
+            elif tenant in changed or record.pressure_target is None:
+                live = record.kv.table.num_live
+                record.pressure_target = max(1, int(live * self.pressure[tenant]))
 
     def _budget(self, record: ScheduledRequest) -> int:
         budget = record.spec.budget(record.kv.table.num_logical)
         fraction = self.pressure.get(record.kv.tenant)
-        return budget if fraction is None else max(1, int(budget * fraction))
+        if fraction is not None and record.pressure_target is None:  # added under pressure
+            record.pressure_target = max(1, int(record.kv.table.num_live * fraction))
+        if record.pressure_target is not None:
+            budget = min(budget, record.pressure_target)
+        return budget
 
-    def _to_squeeze(self, decoding: list[str], num_waiting_blocks: int) -> set[str]:
-        """Which of this step's decoding requests evict now (see ``after_step``)."""
+    def _evicts_to_budget(self, record: ScheduledRequest) -> bool:
+        """Whether its policy brings it to its budget when asked at any step (``none``
+        never evicts, SnapKV and PAGE decide once)."""
+        policy = record.kv.policy
+        return policy is not None and policy.holds_budget_every_step and policy.needs_budget
+
+    def _to_squeeze(
+        self, decoding: list[str], requests: dict[str, Any], num_waiting_blocks: int
+    ) -> tuple[set[str], set[str]]:
+        """This step's decoding requests that evict now: ``(always, for room)``."""
         if self.config.eviction == "eager":
-            return set(decoding)
-        own_timing = {
-            request_id
-            for request_id in decoding
-            if (policy := self.requests[request_id].kv.policy) is not None
-            and not policy.holds_budget_every_step
-            or self.requests[request_id].kv.tenant in self.pressure
-        }
-        need = num_waiting_blocks + self.blocks_needed_next_step() - self.pool.num_free_blocks
-        squeezed = set(own_timing)
-        for request_id in self.squeeze_order(decoding):
+            return set(decoding), set()
+        always = set()
+        for request_id in decoding:
+            record = self.requests[request_id]
+            policy = record.kv.policy
+            own_timing = policy is not None and not policy.holds_budget_every_step
+            if own_timing or record.capped or record.kv.tenant in self.pressure:
+                always.add(request_id)
+        need = (
+            num_waiting_blocks
+            + self.blocks_needed_next_step(requests)
+            - self.pool.num_free_blocks
+            - sum(self.blocks_above_budget(r) for r in always)
+        )
+        for_room: set[str] = set()
+        for request_id in self.squeeze_order([r for r in decoding if r not in always]):
             if need <= 0:
                 break
-            squeezed.add(request_id)
+            for_room.add(request_id)
             need -= self.blocks_above_budget(request_id)
-        return squeezed
+        return always, for_room
 
-    def blocks_needed_next_step(self) -> int:
-        """Blocks the running requests open with their next token (one each at a boundary)."""
-        return sum(
-            1
-            for record in self.requests.values()
-            if record.kv.table.num_slots % self.block_size == 0
-        )
+    def blocks_needed_next_step(self, requests: dict[str, Any]) -> int:
+        """Blocks the running requests may open next step: the rest of a prompt still in
+        prefill (a chunk may take all of it), one block for a decoding request at a block
+        boundary."""
+        needed = 0
+        for request_id, record in self.requests.items():
+            request = requests.get(request_id)
+            table = record.kv.table
+            remaining = 0 if request is None else request.num_tokens - request.num_computed_tokens
+            needed += table.num_blocks_needed(max(remaining, 1))
+        return needed
 
     def blocks_above_budget(self, request_id: str) -> int:
-        """Blocks eviction to its budget (then a repack) would give back now."""
+        """Blocks eviction to its budget (then a repack) would give back now; 0 for a policy
+        that would not evict if asked now."""
         record = self.requests[request_id]
-        if record.kv.policy is None:
+        if not self._evicts_to_budget(record):
             return 0
         table = record.kv.table
-        return max(
-            0,
-            len(table.block_ids) - cdiv(min(table.num_live, self._budget(record)), self.block_size),
-        )
+        kept = cdiv(min(table.num_live, self._budget(record)), self.block_size)
+        return max(0, len(table.block_ids) - kept)
 
     def squeeze_order(self, request_ids: list[str]) -> list[str]:
-        """Requests with blocks above their budget: tenants under pressure first, then the
-        most blocks above budget (ties keep the given order)."""
+        """Requests with blocks above their budget, most first (ties keep the given order)."""
         above = {request_id: self.blocks_above_budget(request_id) for request_id in request_ids}
-
-        def key(request_id: str) -> tuple[bool, int]:
-            pressured = self.requests[request_id].kv.tenant in self.pressure
-            return (not pressured, -above[request_id])
-
-        return sorted((r for r in request_ids if above[r] > 0), key=key)
+        return sorted((r for r in request_ids if above[r] > 0), key=lambda r: -above[r])
 
     def _reclaim(self, record: ScheduledRequest) -> None:
         """Repack now; the workers copy the moves and cut vLLM's block row next step."""

@@ -32,6 +32,9 @@ def test_kv_bounds() -> None:
     assert kv_bounds(1000, 1000, 16, 64) == KVBounds(prefill_peak=63, steady=5)
     assert kv_bounds(1000, 1000, 16, 64).peak == 63
     assert kv_bounds(10, 6, 16, 64).steady == 1  # never above prompt + max_tokens
+    # Without a tenant cap the engines' keep ratio bounds it: 0.5 x 2000 tokens + a block.
+    assert kv_bounds(1000, 1000, 16, None, keep_ratio=0.5) == KVBounds(63, 64)
+    assert kv_bounds(1000, 1000, 16, 64, keep_ratio=0.5).steady == 5  # the cap wins
     with pytest.raises(ValueError, match="prompt_tokens"):
         kv_bounds(-1, 5, 16, None)
     with pytest.raises(ValueError, match="not both 0"):
@@ -218,3 +221,20 @@ async def test_kv_budget_retry_after_follows_the_oldest_requests_expected_finish
     # A release forgets the request's start as well.
     assert await admission.release(Reservation("acme", "old", 5, 5))
     assert await redis.hkeys(keys.reservation_starts("acme")) == ["new"]
+
+
+async def test_kv_retry_after_counts_reported_usage_above_the_reservations(
+    admission: Admission, store: RedisStore, redis: aioredis.Redis, keys: KeySpace
+) -> None:
+    """Replicas may report more than was reserved (a request recomputed after a preemption):
+    the estimate starts from the larger of the two, as admission does."""
+    tenant = quota("acme", budget=10)
+    await store.put_quota(tenant)
+    assert (await admission.admit(tenant, "a", 16, 16)).admitted  # 2 blocks, ends +8 s
+    await redis.hset(keys.usage, "acme", 9)
+    blocked = await admission.admit(tenant, "b", 16, 16, seconds_per_token=0.5)
+    assert blocked.reason == "kv_budget"  # max(2, 9) + 2 > 10
+    assert blocked.retry_after_s == pytest.approx(8.0)  # when "a" ends: 9 - 2 + 2 <= 10
+    await redis.hset(keys.usage, "acme", 20)  # more than any held request's end frees
+    hopeless = await admission.admit(tenant, "b", 16, 16, seconds_per_token=0.5)
+    assert hopeless.retry_after_s == admission.config.throttle_retry_after_s

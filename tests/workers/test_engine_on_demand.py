@@ -10,8 +10,6 @@ requests are evicted to their budgets (and repacked) instead of vLLM preempting 
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
 from tests.workers.conftest import token_prompts
@@ -128,16 +126,50 @@ def test_controller_pressure_squeezes_running_requests_of_that_tenant_only(tiny_
     before = {r.tenant: r for r in engine_counters(llm).requests}
     assert before["a"].evicted_tokens == before["b"].evicted_tokens == 0  # no memory pressure
     assert before["a"].reclaimable_blocks > 0  # held above its budget: the controller can ask
-    client = engine.engine_core
-    assert client.engine_core.vtoken_set_pressure({"a": 0.5}) is True
+    set_pressure = engine.engine_core.engine_core.vtoken_set_pressure
+    assert set_pressure({"a": 0.5}) is True
     engine.step()
     after = {r.tenant: r for r in engine_counters(llm).requests}
-    num_tokens = after["b"].live_tokens  # b kept every token so far
-    assert after["b"].evicted_tokens == 0 and num_tokens == 150 + 10
-    budget = int(math.ceil(0.5 * num_tokens) * 0.5)  # keep_ratio, then the keep fraction
-    assert after["a"].live_tokens == budget < before["a"].live_tokens
+    target = before["a"].live_tokens // 2  # half of what the tenant held, not of its budget
+    assert after["a"].live_tokens == target
+    assert after["b"].evicted_tokens == 0 and after["b"].live_tokens == 150 + 10
+    set_pressure({"a": 0.5})  # the same plan again: no compounding
+    engine.step()
+    assert {r.tenant: r for r in engine_counters(llm).requests}["a"].live_tokens == target
+    set_pressure({})  # released: on demand, a keeps its new tokens again
+    engine.step()
+    engine.step()
+    assert {r.tenant: r for r in engine_counters(llm).requests}["a"].live_tokens == target + 2
     with pytest.raises(ValueError, match="keep fractions"):
-        client.engine_core.vtoken_set_pressure({"a": 1.5})
+        set_pressure({"a": 1.5})
     while engine.has_unfinished_requests():
         engine.step()
+    assert state.num_preemptions == 0
+
+
+def test_a_prompt_in_chunks_gets_room_from_requests_above_budget(tiny_llama_path):
+    """Chunked prefill (64-token steps): a 200-token prompt arriving while two requests
+    decode above their budgets gets its blocks by squeezing them, not by a preemption."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = make_llm(
+        tiny_llama_path,
+        {**H2O_ON_DEMAND, "record_evictions": False},
+        num_blocks=14,
+        max_model_len=320,
+        skip_tokenizer_init=True,
+        max_num_batched_tokens=64,
+    )
+    engine, state = llm.llm_engine, engine_state(llm)
+    first, second, late = token_prompts([70, 60, 200], seed=3)
+    params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    engine.add_request("A1", TokensPrompt(prompt_token_ids=first), params)
+    engine.add_request("A2", TokensPrompt(prompt_token_ids=second), params)
+    for _ in range(26):
+        engine.step()
+    engine.add_request("B", TokensPrompt(prompt_token_ids=late), params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert state.num_evictions_under_pressure > 0
     assert state.num_preemptions == 0

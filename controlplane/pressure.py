@@ -17,21 +17,29 @@ def tenant_usage_blocks(reports: Mapping[str, ReplicaReport]) -> dict[str, int]:
     return usage
 
 
+HEADROOM = 0.1
+"""A squeezed tenant is brought to (1 - HEADROOM) of its budget, not to the budget itself:
+once the pressure is released its requests grow again (a token per step each), and the
+headroom keeps that growth under the budget for a while instead of crossing it again at
+the next step."""
+
+
 def eviction_pressure(
     reports: Mapping[str, ReplicaReport],
     quotas: Mapping[str, TenantQuota],
     usage: Mapping[str, int],
+    headroom: float = HEADROOM,
 ) -> dict[str, dict[str, dict[str, float | int]]]:
     """`pressure[replica_id][tenant_id]` (plain `EvictionPressure` data) for every tenant
     whose cluster-wide usage exceeds its `kv_budget_blocks`: each replica should keep
-    `budget / usage` of the tenant's blocks there, so the tenant's total shrinks back to
-    its budget. Tenants without a quota (deleted) get no pressure; their requests drain
-    on their own."""
+    `(1 - headroom) * budget / usage` of the tenant's blocks there, so the tenant's total
+    shrinks back under its budget. Tenants without a quota (deleted) get no pressure; their
+    requests drain on their own."""
     keep: dict[str, float] = {}
     for tenant_id, blocks in usage.items():
         quota = quotas.get(tenant_id)
         if quota is not None and blocks > quota.kv_budget_blocks:
-            keep[tenant_id] = quota.kv_budget_blocks / blocks
+            keep[tenant_id] = (1.0 - headroom) * quota.kv_budget_blocks / blocks
     pressure: dict[str, dict[str, dict[str, float | int]]] = {}
     if not keep:
         return pressure

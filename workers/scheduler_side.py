@@ -86,8 +86,15 @@ class VTokenScheduler:
     kept equal to the tables' block ids). Invariants in ``check_invariants``.
     """
 
-    def __init__(self, config: VTokenConfig, block_pool: Any, single_type_manager: Any) -> None:
+    def __init__(
+        self,
+        config: VTokenConfig,
+        block_pool: Any,
+        single_type_manager: Any,
+        max_step_tokens: int | None = None,
+    ) -> None:
         self.config = config
+        self.max_step_tokens = max_step_tokens  # vLLM's token budget of one step
         self.pool = VLLMBlockPool(block_pool)
         self.block_size = int(single_type_manager.block_size)
         self.stm = single_type_manager
@@ -95,7 +102,8 @@ class VTokenScheduler:
         self.requests: dict[str, ScheduledRequest] = {}
         self.finished: OrderedDict[str, FinishedRequest] = OrderedDict()
         self.num_preemptions = 0
-        self.num_evictions_under_pressure = 0  # on_demand: request-steps evicted for room
+        # request-steps evicted for room (on_demand) or under controller pressure
+        self.num_evictions_under_pressure = 0
         self.pressure: dict[str, float] = {}  # tenant -> keep fraction (the controller's)
 
     def manages(self, request_id: str) -> bool:
@@ -166,6 +174,11 @@ class VTokenScheduler:
         for request_id in set(running) - set(decoding):
             # A prefill chunk: the policy sees its attention, nothing can be evicted yet.
             self.manager.observe(request_id, attention_of.get(request_id, StepAttention()))
+        for request_id in decoding:
+            record = self.requests[request_id]
+            fraction = self.pressure.get(record.kv.tenant)
+            if fraction is not None and record.pressure_target is None:  # new under pressure
+                record.pressure_target = max(1, int(record.kv.table.num_live * fraction))
         always, for_room = self._to_squeeze(decoding, requests, num_waiting_blocks)
         for request_id in decoding:
             record = self.requests[request_id]
@@ -187,9 +200,9 @@ class VTokenScheduler:
         """The controller's eviction pressure: tenant -> keep fraction in (0, 1] of what the
         tenant holds now (``controlplane/pressure.py``: budget / measured active KV). Each
         running request of such a tenant may keep that fraction of its live tokens (fixed
-        here, so a repeated call never compounds; a request added later starts from its
-        own live tokens at its first step), in both eviction modes; a tenant left out of
-        ``pressure`` is released."""
+        here, so a repeated call never compounds; a request still in prefill, or added
+        later, starts from its own live tokens at its first decoding step), in both eviction
+        modes; a tenant left out of ``pressure`` is released."""
         bad = {tenant: f for tenant, f in pressure.items() if not 0.0 < f <= 1.0}
         if bad:
             raise ValueError(f"keep fractions must be in (0, 1]: {bad}")
@@ -198,18 +211,14 @@ class VTokenScheduler:
         }
         self.pressure = {t: float(f) for t, f in pressure.items() if f < 1.0}
         for record in self.requests.values():
-            tenant = record.kv.tenant
-            if tenant not in self.pressure:
-                record.pressure_target = None
+            tenant, table = record.kv.tenant, record.kv.table
+            if tenant not in self.pressure or table.num_logical < record.kv.prompt_len:
+                record.pressure_target = None  # released, or in prefill: set once it decodes
             elif tenant in changed or record.pressure_target is None:
-                live = record.kv.table.num_live
-                record.pressure_target = max(1, int(live * self.pressure[tenant]))
+                record.pressure_target = max(1, int(table.num_live * self.pressure[tenant]))
 
     def _budget(self, record: ScheduledRequest) -> int:
         budget = record.spec.budget(record.kv.table.num_logical)
-        fraction = self.pressure.get(record.kv.tenant)
-        if fraction is not None and record.pressure_target is None:  # added under pressure
-            record.pressure_target = max(1, int(record.kv.table.num_live * fraction))
         if record.pressure_target is not None:
             budget = min(budget, record.pressure_target)
         return budget
@@ -248,14 +257,16 @@ class VTokenScheduler:
         return always, for_room
 
     def blocks_needed_next_step(self, requests: dict[str, Any]) -> int:
-        """Blocks the running requests may open next step: the rest of a prompt still in
-        prefill (a chunk may take all of it), one block for a decoding request at a block
+        """Blocks the running requests may open next step: a prompt still in prefill its next
+        chunk (at most the step's token budget), a decoding request one block at a block
         boundary."""
         needed = 0
         for request_id, record in self.requests.items():
             request = requests.get(request_id)
             table = record.kv.table
             remaining = 0 if request is None else request.num_tokens - request.num_computed_tokens
+            if self.max_step_tokens is not None:
+                remaining = min(remaining, self.max_step_tokens)  # one chunk per step
             needed += table.num_blocks_needed(max(remaining, 1))
         return needed
 

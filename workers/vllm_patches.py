@@ -277,7 +277,9 @@ def _scheduler_init(original: Callable[..., Any]) -> Callable[..., Any]:
 
         if type(single_type_manager) is not FullAttentionManager or self.defer_block_free:
             raise ValueError("vToken needs plain full attention without deferred block frees")
-        manager.vtoken = VTokenScheduler(config, manager.block_pool, single_type_manager)
+        manager.vtoken = VTokenScheduler(
+            config, manager.block_pool, single_type_manager, self.max_num_scheduled_tokens
+        )
         logger.info("vToken active: %s", config.model_dump_json())
 
     return __init__

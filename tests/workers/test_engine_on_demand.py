@@ -173,3 +173,41 @@ def test_a_prompt_in_chunks_gets_room_from_requests_above_budget(tiny_llama_path
         engine.step()
     assert state.num_evictions_under_pressure > 0
     assert state.num_preemptions == 0
+
+
+def test_pressure_during_chunked_prefill_applies_to_the_whole_prompt(tiny_llama_path):
+    """A request of a pressured tenant still in prefill gets its target from its whole
+    prompt at its first decoding step (not from the chunk computed so far), and reading
+    the counters meanwhile changes nothing."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from workers.api import engine_counters
+
+    llm = make_llm(
+        tiny_llama_path,
+        H2O_ON_DEMAND,
+        num_blocks=64,
+        max_model_len=512,
+        skip_tokenizer_init=True,
+        max_num_batched_tokens=64,
+    )
+    engine = llm.llm_engine
+    (prompt,) = token_prompts([200], seed=4)
+    params = SamplingParams(
+        max_tokens=8, temperature=0, ignore_eos=True, extra_args={"tenant": "a"}
+    )
+    engine.add_request("p", TokensPrompt(prompt_token_ids=prompt), params)
+    while not engine_counters(llm).requests:
+        engine.step()  # until the first 64-token chunk is in
+    (report,) = engine_counters(llm).requests
+    assert 0 < report.live_tokens < 200
+    engine.engine_core.engine_core.vtoken_set_pressure({"a": 0.25})
+    live = []
+    while engine.has_unfinished_requests():
+        reports = engine_counters(llm).requests  # polled mid-prefill, as a replica does
+        live += [r.live_tokens for r in reports]
+        engine.step()
+    # Prefill chunks of 64, then a quarter of its whole prompt (not of a chunk) from there on.
+    assert live[:3] == [64, 128, 192]
+    assert live[3:] == [200 // 4] * (len(live) - 3), live

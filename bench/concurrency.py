@@ -127,14 +127,9 @@ def run_cases(
     limit: int,
     modes: tuple[str, ...] = ("vtoken", "naive"),
 ) -> list[Case]:
-    from transformers import AutoTokenizer
+    from bench.fragmentation import PROMPT_TOPICS, model_prompts
 
-    from bench.fragmentation import PROMPT_TOPICS, natural_prompts
-    from workers.models import resolve_model
-
-    path = str(resolve_model(model))
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    prompts = natural_prompts(tokenizer, len(PROMPT_TOPICS), prompt_tokens)
+    path, prompts = model_prompts(model, len(PROMPT_TOPICS), prompt_tokens)
     results = []
     for mode in modes:
         results += _run_mode(path, mode, prompts, num_blocks, new_tokens, limit)

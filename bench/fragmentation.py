@@ -55,6 +55,16 @@ def natural_prompts(tokenizer: object, count: int, num_tokens: int) -> list[list
     return prompts
 
 
+def model_prompts(model: str, count: int, num_tokens: int) -> tuple[str, list[list[int]]]:
+    """The model's folder and ``natural_prompts`` tokenized by its own tokenizer."""
+    from transformers import AutoTokenizer
+
+    from workers.models import resolve_model
+
+    path = str(resolve_model(model))
+    return path, natural_prompts(AutoTokenizer.from_pretrained(path), count, num_tokens)
+
+
 def keep_budget(keep: float, num_tokens: int) -> int:
     """Live-token budget after a step: ``ceil(keep * sequence length)``."""
     return math.ceil(keep * num_tokens)
@@ -141,15 +151,12 @@ def run_vllm(
     engine) and ``max_num_seqs`` keeps the pool from preempting (a resumed request would
     start over); a run that preempted anyway raises.
     """
-    from transformers import AutoTokenizer
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from workers.engine import engine_state, internal_request_id, make_llm
-    from workers.models import resolve_model
 
-    path = str(resolve_model(model))
-    prompts = natural_prompts(AutoTokenizer.from_pretrained(path), num_prompts, prompt_tokens)
+    path, prompts = model_prompts(model, num_prompts, prompt_tokens)
     cases = [(p, k) for p in policies for k in keeps for _ in prompts]
     totals: dict[tuple[str, float, str], float] = {}
     for mode in ("vtoken", "naive"):

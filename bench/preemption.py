@@ -137,17 +137,12 @@ def cli(
     json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
 ) -> None:
     """Preemptions and throughput on a pool too small for its requests."""
-    from transformers import AutoTokenizer
-
-    from bench.fragmentation import PROMPT_TOPICS, natural_prompts
-    from workers.models import resolve_model
+    from bench.fragmentation import PROMPT_TOPICS, model_prompts
 
     chosen = tuple(e.strip() for e in engines.split(",") if e.strip())
     if not chosen or set(chosen) - set(ENGINES):
         raise typer.BadParameter(f"engines must be among {ENGINES}, got {engines!r}")
-    path = str(resolve_model(model))
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    topics = natural_prompts(tokenizer, len(PROMPT_TOPICS), prompt_tokens)
+    path, topics = model_prompts(model, len(PROMPT_TOPICS), prompt_tokens)
     prompts = [topics[i % len(topics)] for i in range(requests)]
     rows = []
     for engine in chosen:

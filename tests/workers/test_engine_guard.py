@@ -34,6 +34,13 @@ def _vllm_config(model: str, **engine_args):
     ).create_engine_config()
 
 
+def _start(model: str, scheduler_cls, vtoken=VTOKEN):
+    """An in-process engine of the tiny model with the given scheduler class."""
+    return make_llm(
+        model, vtoken, max_model_len=512, skip_tokenizer_init=True, scheduler_cls=scheduler_cls
+    )
+
+
 def _scheduler():
     from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -144,13 +151,7 @@ class ForeignScheduler:
 
 def test_a_scheduler_outside_vllms_class_tree_is_refused_at_construction(tiny_llama_path):
     with pytest.raises(UnsupportedEngineError, match="scheduler class .*ForeignScheduler"):
-        make_llm(
-            tiny_llama_path,
-            VTOKEN,
-            max_model_len=512,
-            skip_tokenizer_init=True,
-            scheduler_cls=ForeignScheduler,
-        )
+        _start(tiny_llama_path, ForeignScheduler)
 
 
 def test_refusal_reaches_the_caller_with_an_engine_core_process(tiny_llama_path, monkeypatch):
@@ -158,25 +159,13 @@ def test_refusal_reaches_the_caller_with_an_engine_core_process(tiny_llama_path,
     (not vLLM's generic "Engine core initialization failed")."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     with pytest.raises(UnsupportedEngineError, match="AsyncScheduler"):
-        make_llm(
-            tiny_llama_path,
-            VTOKEN,
-            max_model_len=512,
-            skip_tokenizer_init=True,
-            scheduler_cls=ASYNC_SCHEDULER,
-        )
+        _start(tiny_llama_path, ASYNC_SCHEDULER)
 
 
 def test_async_scheduler_engine_refuses_to_start(tiny_llama_path):
     """No request is needed: ``LLM(...)`` itself raises."""
     with pytest.raises(UnsupportedEngineError, match="AsyncScheduler.*async_scheduling=False"):
-        make_llm(
-            tiny_llama_path,
-            VTOKEN,
-            max_model_len=512,
-            skip_tokenizer_init=True,
-            scheduler_cls=ASYNC_SCHEDULER,
-        )
+        _start(tiny_llama_path, ASYNC_SCHEDULER)
 
 
 def test_async_scheduler_engine_without_vtoken_serves(tiny_llama_path):
@@ -184,13 +173,7 @@ def test_async_scheduler_engine_without_vtoken_serves(tiny_llama_path):
 
     from workers.engine import engine_scheduler
 
-    llm = make_llm(
-        tiny_llama_path,
-        None,
-        max_model_len=512,
-        skip_tokenizer_init=True,
-        scheduler_cls=ASYNC_SCHEDULER,
-    )
+    llm = _start(tiny_llama_path, ASYNC_SCHEDULER, vtoken=None)
     assert type(engine_scheduler(llm)).__name__ == "AsyncScheduler"
     (prompt,) = token_prompts([40])
     (output,) = llm.generate(

@@ -4,7 +4,7 @@ controller. ``build_app`` is the Serve config's ``import_path`` target."""
 from __future__ import annotations
 
 import secrets
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from ray.serve import Application
@@ -30,19 +30,26 @@ class AppArgs(BaseModel):
     max_ongoing_requests: int = Field(default=16, ge=1)
     controller_period_s: float = Field(default=0.5, gt=0)
     engine: ReplicaSettings = Field(default_factory=ReplicaSettings)
+    admission: Literal["active_kv", "worst_case"] = "active_kv"
+    """``active_kv``: a request counts its prompt until prefill ends, then its policy's
+    bound; ``worst_case``: it counts prompt + max_tokens for its whole life, no credit for
+    eviction (a tenant's own ``eviction_budget_tokens`` still bounds it) - the baseline
+    of ``vtoken bench quotas``."""
 
 
 def policy_keep_ratio(vtoken: dict[str, Any]) -> float | None:
-    """The engines' keep ratio when their policy holds it every step, eagerly (admission
-    bounds a request without a tenant cap by it); ``None`` otherwise: on-demand eviction
-    keeps tokens beyond the ratio while memory is free, so only the request's own length
-    bounds it (a tenant's cap is held every step in both modes)."""
+    """The engines' keep ratio when their policy evicts to it whenever asked (admission
+    bounds a request without a tenant cap by it after prefill); ``None`` otherwise (policy
+    ``none``, an absolute budget, or a policy that compresses once).
+
+    In ``on_demand`` mode a request keeps more than its ratio while memory is free; that
+    excess is reclaimable, and the controller's pressure takes it back as soon as the
+    tenant's measured active KV passes its budget, so the ratio still bounds what the
+    tenant's requests count against it."""
     from workers.config import VTokenConfig
 
     config = VTokenConfig.model_validate(vtoken)
     policy = config.make_policy()
-    if config.eviction == "on_demand":
-        return None  # requests keep more than the ratio while memory is free
     if not (policy.holds_budget_every_step and policy.needs_budget):
         return None
     return config.keep_ratio
@@ -83,6 +90,8 @@ def build_app(args: dict[str, Any]) -> Application:
         "admin_token": config.admin_token,
         "redis_url": config.redis_url,
         "key_prefix": config.key_prefix,
-        "keep_ratio": policy_keep_ratio(engine_settings.vtoken),
+        "keep_ratio": (
+            policy_keep_ratio(engine_settings.vtoken) if config.admission == "active_kv" else None
+        ),
     }
     return Ingress.bind(engine, ingress_settings, controller)  # type: ignore[attr-defined]

@@ -64,7 +64,7 @@ class PlanInputs:
 @dataclass(frozen=True, slots=True)
 class PlanResult:
     plan: RoutingPlan
-    usage_blocks: dict[str, int]  # per tenant, cluster-wide; admission reads it
+    usage_blocks: dict[str, int]  # per tenant, cluster-wide, at floors; admission reads it
     num_moves: int  # tenants whose replica set changed
 
 
@@ -138,7 +138,22 @@ def compute_plan(inputs: PlanInputs, config: PlannerConfig) -> PlanResult:
             "pressure": eviction_pressure(reports, inputs.quotas, usage),
         }
     )
-    return PlanResult(plan, usage, num_moves)
+    return PlanResult(plan, committed_blocks(reports), num_moves)
+
+
+def committed_blocks(reports: Mapping[str, ReplicaReport]) -> dict[str, int]:
+    """What each tenant's running requests count against its budget, cluster-wide: their
+    floors (``TenantUsage.floor_blocks``), not what they hold. The difference is reclaimable
+    on demand: an ``on_demand`` engine keeps tokens above a request's budget while memory
+    is free, and the plan's pressure takes them back as soon as the tenant's active KV
+    passes its budget, so charging them at admission would refuse requests that fit.
+    Tenants at 0 are omitted."""
+    committed: dict[str, int] = {}
+    for report in reports.values():
+        for tenant_id, tenant in report.tenants.items():
+            if tenant.floor_blocks:
+                committed[tenant_id] = committed.get(tenant_id, 0) + tenant.floor_blocks
+    return committed
 
 
 def _initial_loads(live: Mapping[str, ReplicaReport], routes: dict[str, list[str]]) -> _Loads:

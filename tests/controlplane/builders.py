@@ -20,10 +20,14 @@ def report(
     reclaimable: int = 0,
     queue_depth: int = 0,
     draining: bool = False,
+    floors: dict[str, int] | None = None,
 ) -> ReplicaReport:
-    """A consistent report: used = the tenants' blocks + `extra_used`."""
+    """A consistent report: used = the tenants' blocks + `extra_used`; a tenant's floor is
+    what it holds unless `floors` says less."""
+    floors = floors or {}
     usage = {
-        t: TenantUsage(blocks=b, live_tokens=b * 16, requests=1) for t, b in (tenants or {}).items()
+        t: TenantUsage(blocks=b, floor_blocks=floors.get(t, b), live_tokens=b * 16, requests=1)
+        for t, b in (tenants or {}).items()
     }
     used = sum(u.blocks for u in usage.values()) + extra_used
     return ReplicaReport(

@@ -121,6 +121,18 @@ def test_over_budget_tenant_gets_eviction_pressure() -> None:
     assert 27 + 13 < 45
 
 
+def test_admission_is_charged_floors_while_pressure_follows_what_tenants_hold() -> None:
+    # On-demand requests of "a" hold 60 blocks, but eviction to their budgets gives back 45.
+    reports = [
+        report("r1", 10.0, {"a": 40, "b": 5}, floors={"a": 10}),
+        report("r2", 10.0, {"a": 20}, floors={"a": 5}),
+    ]
+    result = plan_once(reports, [quota("a", budget=45), quota("b", budget=10)])
+    assert result.usage_blocks == {"a": 15, "b": 5}
+    assert result.plan.tenants["a"].usage_blocks == 60 and result.plan.tenants["a"].over_budget
+    assert set(result.plan.pressure) == {"r1", "r2"}
+
+
 def test_no_live_replicas_gives_an_empty_plan() -> None:
     result = plan_once([], [quota("a")], stale=frozenset({"r1"}))
     assert result.plan.tenants == {} and result.plan.drained_replica_ids == ("r1",)

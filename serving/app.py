@@ -3,26 +3,29 @@ controller. ``build_app`` is the Serve config's ``import_path`` target."""
 
 from __future__ import annotations
 
-import secrets
+import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
+from controlplane.admin_token import AdminTokenSource, check_admin_token
 from serving.controller import ControllerDeployment
 from serving.engine_host import EngineReplica, ReplicaSettings
 from serving.ingress import Ingress
 from serving.router import VTokenRequestRouter
 
 
-class AppArgs(BaseModel):
-    """Arguments of ``build_app`` (the ``args`` of a Serve config application)."""
+class AppArgs(AdminTokenSource):
+    """Arguments of ``build_app`` (the ``args`` of a Serve config application).
 
-    model_config = ConfigDict(extra="forbid")
+    The admin token is never one of them: it is read from ``$admin_token_env`` or
+    ``admin_token_file`` (see :class:`AdminTokenSource`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=False)
 
     redis_url: str
-    admin_token: str = Field(default_factory=lambda: secrets.token_urlsafe(16), min_length=8)
     key_prefix: str = "vtoken"
     num_replicas: int = Field(default=1, ge=1)
     replica_num_cpus: float = Field(default=1.0, ge=0)
@@ -35,6 +38,16 @@ class AppArgs(BaseModel):
     bound; ``worst_case``: it counts prompt + max_tokens for its whole life, no credit for
     eviction (a tenant's own ``eviction_budget_tokens`` still bounds it) - the baseline
     of ``vtoken bench quotas``."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_token_literal(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "admin_token" in data:
+            raise ValueError(
+                "admin_token must not be written in the Serve config: set "
+                "$VTOKEN_ADMIN_TOKEN (or admin_token_env / admin_token_file) instead"
+            )
+        return data
 
 
 def policy_keep_ratio(vtoken: dict[str, Any]) -> float | None:
@@ -55,11 +68,20 @@ def policy_keep_ratio(vtoken: dict[str, Any]) -> float | None:
     return config.keep_ratio
 
 
-def build_app(args: dict[str, Any]) -> Application:
-    """Serve builder: validates ``args`` (a bad value fails ``serve run`` with its field)."""
+def build_app(args: dict[str, Any], *, admin_token: str | None = None) -> Application:
+    """Serve builder: validates ``args`` (a bad value fails ``serve run`` with its field).
+
+    The admin token is ``admin_token`` when a Python caller passes one, else read from the
+    environment or the secret file ``args`` name; either way a placeholder or a token under
+    32 characters fails here, at start, with a ``ValueError``."""
     from workers.models import resolve_model
 
     config = AppArgs.model_validate(args)
+    token = (
+        check_admin_token(admin_token, "build_app(admin_token=...)")
+        if admin_token is not None
+        else config.read(os.environ)
+    )
     engine_settings = config.engine.model_copy(
         update={
             "redis_url": config.engine.redis_url or config.redis_url,
@@ -87,7 +109,7 @@ def build_app(args: dict[str, Any]) -> Application:
         "tokenizer_path": str(resolve_model(engine_settings.model)),
         "max_model_len": engine_settings.max_model_len,
         "block_size": engine_settings.block_size,
-        "admin_token": config.admin_token,
+        "admin_token": token,
         "redis_url": config.redis_url,
         "key_prefix": config.key_prefix,
         "keep_ratio": (

@@ -1,10 +1,15 @@
-"""Serve application wiring that needs no Ray: what admission learns of the engines."""
+"""Serve application wiring that needs no Ray: what admission learns of the engines, and
+where the admin token comes from."""
 
 from __future__ import annotations
 
-import pytest
+import re
+from pathlib import Path
 
-from serving.app import policy_keep_ratio
+import pytest
+import yaml
+
+from serving.app import AppArgs, build_app, policy_keep_ratio
 
 
 @pytest.mark.parametrize(
@@ -22,3 +27,40 @@ def test_admission_learns_the_engines_keep_ratio_only_when_the_policy_evicts_to_
     vtoken, expected
 ):
     assert policy_keep_ratio(vtoken) == expected
+
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+SECRET_KEYS = re.compile(r"^\s*(admin_token|api_key|password|secret|token)\s*:", re.MULTILINE)
+
+
+def _serve_configs() -> list[Path]:
+    return [p for p in sorted(DEPLOY.glob("*.yaml")) if "applications" in p.read_text()]
+
+
+def test_deploy_holds_no_secret_literal():
+    assert _serve_configs(), "no Serve config found in deploy/"
+    for path in sorted(DEPLOY.glob("*.yaml")):
+        assert not SECRET_KEYS.search(path.read_text()), path.name
+
+
+@pytest.mark.parametrize("path", _serve_configs(), ids=lambda p: p.name)
+def test_deploy_serve_configs_validate_and_name_where_the_token_is_read(path: Path):
+    for application in yaml.safe_load(path.read_text())["applications"]:
+        args = AppArgs.model_validate(application["args"])
+        assert args.admin_token_file is not None or args.admin_token_env
+
+
+def test_an_admin_token_literal_in_the_serve_config_is_refused():
+    with pytest.raises(ValueError, match="admin_token must not be written in the Serve config"):
+        AppArgs.model_validate({"redis_url": "redis://x", "admin_token": "x" * 40})
+
+
+def test_build_app_refuses_a_missing_or_weak_token_at_start(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("VTOKEN_ADMIN_TOKEN", raising=False)
+    with pytest.raises(ValueError, match="no admin token"):
+        build_app({"redis_url": "redis://127.0.0.1:1/0"})
+    monkeypatch.setenv("VTOKEN_ADMIN_TOKEN", "replace-with-a-secret")
+    with pytest.raises(ValueError, match="placeholder"):
+        build_app({"redis_url": "redis://127.0.0.1:1/0"})
+    with pytest.raises(ValueError, match="fewer than 32"):
+        build_app({"redis_url": "redis://127.0.0.1:1/0"}, admin_token="demo-admin-token")

@@ -1,8 +1,9 @@
 """The controller loop: reports + quotas -> routing plan, usage and eviction pressure.
 
 One controller leads at a time (`ControllerLease`); standbys loop too and take over when
-the lease lapses, resuming from the plan stored in Redis. When Redis is away the loop
-keeps its last plan (`current_plan`), backs off and reconnects; quotas live in Redis
+the lease lapses, resuming from the plan stored in Redis. When Redis is away or refuses
+writes (any `RedisError`, `OutOfMemoryError` and `ReadOnlyError` included) the loop keeps
+its last plan (`current_plan`), backs off and retries; quotas live in Redis
 (the controller only caches them per version), so nothing is lost across an outage.
 """
 
@@ -225,9 +226,14 @@ class Controller:
         while not stop.is_set():
             try:
                 await self.step()
-            except REDIS_ERRORS as error:
+            except REDIS_ERRORS as error:  # unreachable, OOM, read-only: all survivable
                 delay = backoff.next_delay_s()
-                logger.warning("controller: Redis unavailable (%s); retry in %.2fs", error, delay)
+                logger.warning(
+                    "controller: Redis error (%s: %s); retry in %.2fs",
+                    type(error).__name__,
+                    error,
+                    delay,
+                )
                 await self._clock.sleep(delay)
                 continue
             backoff.reset()

@@ -4,8 +4,11 @@ Engine-agnostic: it takes a callable that returns the engine's `EngineCounters` 
 a few integers the engine already keeps; it must not block or take locks the engine
 holds for long). Publishing never blocks the engine loop: the Redis write is async with
 a timeout below one period, a failed or slow write is dropped (the next report replaces
-it anyway) and the publisher backs off while Redis is away. Ticks are scheduled on a
-fixed grid, so a slow tick does not make later reports drift.
+it anyway) and the publisher backs off while Redis is away or refuses writes (every
+`RedisError`: a lost connection, `OutOfMemoryError` at `maxmemory`, `ReadOnlyError` after a
+failover). Ticks are scheduled on a fixed grid, so a slow tick does not make later reports
+drift. The publisher's health is never the engine's: an engine whose reports cannot be
+written keeps serving, and `report_age_s` says how old its last written report is.
 """
 
 from __future__ import annotations
@@ -50,9 +53,13 @@ class PublisherConfig:
 
 @dataclass(frozen=True, slots=True)
 class PublishStats:
+    """Counts since start; `last_published_s`: the clock time of the last written report
+    (None before the first)."""
+
     published: int
     failed: int
     last_error: str | None
+    last_published_s: float | None = None
 
 
 class ReportPublisher:
@@ -72,10 +79,17 @@ class ReportPublisher:
         self._published = 0
         self._failed = 0
         self._last_error: str | None = None
+        self._last_published_s: float | None = None
 
     @property
     def stats(self) -> PublishStats:
-        return PublishStats(self._published, self._failed, self._last_error)
+        return PublishStats(self._published, self._failed, self._last_error, self._last_published_s)
+
+    def report_age_s(self) -> float | None:
+        """Seconds since the last report reached Redis; None when none has yet."""
+        if self._last_published_s is None:
+            return None
+        return max(0.0, self._clock.now() - self._last_published_s)
 
     def build_report(self) -> ReplicaReport:
         """The report for now; raises `ValueError` if the counters are inconsistent."""
@@ -107,6 +121,7 @@ class ReportPublisher:
                 span.set_attribute(telemetry.ATTR_ERROR_KIND, type(error).__name__)
                 return False
         self._published += 1
+        self._last_published_s = self._clock.now()
         return True
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -117,6 +132,10 @@ class ReportPublisher:
         next_tick = self._clock.now()
         while not stop.is_set():
             if await self.publish_once():
+                if backoff.failures:
+                    logger.info(
+                        "report publisher: writing again after %d failures", backoff.failures
+                    )
                 backoff.reset()
                 next_tick += self.config.period_s
                 delay = next_tick - self._clock.now()

@@ -10,12 +10,17 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 _SCHEMES = ("redis", "rediss", "unix")
 
-REDIS_ERRORS: tuple[type[Exception], ...] = (RedisConnectionError, RedisTimeoutError, OSError)
-"""What a lost or unreachable Redis raises; the loops catch these, back off and retry."""
+REDIS_ERRORS: tuple[type[Exception], ...] = (RedisError, OSError)
+"""Everything a Redis command may raise: a lost or unreachable server, and every error
+reply (`ResponseError` and its subclasses `OutOfMemoryError` at `maxmemory` with
+`noeviction`, `ReadOnlyError` on a replica, `BusyLoadingError` while it loads its
+append-only file). The loops catch all of them, back off and retry; a capacity or
+failover problem in Redis must never stop a loop (nor restart an engine)."""
 
 
 @dataclass(frozen=True, slots=True)

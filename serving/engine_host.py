@@ -317,10 +317,29 @@ class ReplicaReporter:
                     plan = plan.model_copy(update={"pressure": {}})  # its controller is gone
                 if plan is not None:
                     mine = plan.pressure.get(self.host.replica_id, {})
-                    await self.host.apply_pressure({t: p.keep_fraction for t, p in mine.items()})
+                    try:
+                        await self.host.apply_pressure(
+                            {t: p.keep_fraction for t, p in mine.items()}
+                        )
+                    except Exception:  # noqa: BLE001 - a dead engine fails its own health check
+                        logger.exception(
+                            "replica %s: applying pressure failed", self.host.replica_id
+                        )
                 await asyncio.sleep(PLAN_POLL_S)
 
         await asyncio.gather(poll(), follow_plan(), self.publisher.run(self.stop))
+
+    def status(self) -> dict[str, Any]:
+        """What the reporter did: reports written and failed, the last error, and the age of
+        the last report that reached Redis (None before the first): visible here and in
+        the controller's view of the replica, never a reason to restart the engine."""
+        stats = self.publisher.stats
+        return {
+            "report_age_s": self.publisher.report_age_s(),
+            "published": stats.published,
+            "failed": stats.failed,
+            "last_error": stats.last_error,
+        }
 
 
 @serve.deployment(name="engine", health_check_period_s=5, health_check_timeout_s=30)
@@ -346,9 +365,18 @@ class EngineReplica:
         return (await self.host.refresh_counters()).model_dump()
 
     async def check_health(self) -> None:
+        """The engine's health only. The report loop never decides it: a loop that stopped
+        (it should not: it survives every Redis error) is logged and started again, and its
+        report age shows in :meth:`report_status` and goes stale in the controller's view."""
         await self.host.check_health()
-        if self._task is not None and self._task.done():
-            raise RuntimeError("report loop stopped")
+        if self.reporter is not None and self._task is not None and self._task.done():
+            if not self._task.cancelled() and self._task.exception() is not None:
+                logger.error("replica report loop stopped: %r", self._task.exception())
+            self._task = asyncio.get_running_loop().create_task(self.reporter.run())
+
+    async def report_status(self) -> dict[str, Any]:
+        """The reporter's status (:meth:`ReplicaReporter.status`); empty without Redis."""
+        return self.reporter.status() if self.reporter is not None else {}
 
     def record_routing_stats(self) -> dict[str, Any]:
         counters = self.host.counters

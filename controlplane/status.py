@@ -1,4 +1,10 @@
-"""``GET /admin/status`` and ``vtoken status``: replicas, tenants, KV held vs quota."""
+"""``GET /admin/status`` and ``vtoken status``: replicas, tenants, KV held vs quota.
+
+Per tenant: its budget (``quota_blocks``), active KV (``kv_blocks``: what its running
+requests hold, summed over fresh reports), ``floor_blocks`` (what eviction to their
+budgets would bring them to; admission charges this), ``reclaimable_blocks`` (the
+difference), its warm set in the current plan, and the plan's eviction pressure on it
+(replica id -> keep fraction; empty while it is within budget)."""
 
 from __future__ import annotations
 
@@ -45,20 +51,30 @@ async def cluster_status(store: RedisStore, now_s: float | None = None) -> dict[
             entry["floor_blocks"] += usage.floor_blocks
             entry["requests"] += usage.requests
             entry["live_tokens"] += usage.live_tokens
-    tenants = [
-        {
-            "id": tenant_id,
-            "quota_blocks": quota.kv_budget_blocks,
-            "kv_blocks": held.get(tenant_id, {}).get("blocks", 0),
-            "floor_blocks": held.get(tenant_id, {}).get("floor_blocks", 0),
-            "running_requests": held.get(tenant_id, {}).get("requests", 0),
-            "live_tokens": held.get(tenant_id, {}).get("live_tokens", 0),
-            "over_budget": bool(
-                plan and tenant_id in plan.tenants and plan.tenants[tenant_id].over_budget
-            ),
+    tenants = []
+    for tenant_id, quota in sorted(quotas.items()):
+        usage = held.get(tenant_id, {})
+        route = plan.tenants.get(tenant_id) if plan else None
+        pressure = {
+            replica_id: by_tenant[tenant_id].keep_fraction
+            for replica_id, by_tenant in (plan.pressure.items() if plan else ())
+            if tenant_id in by_tenant
         }
-        for tenant_id, quota in sorted(quotas.items())
-    ]
+        blocks, floor = usage.get("blocks", 0), usage.get("floor_blocks", 0)
+        tenants.append(
+            {
+                "id": tenant_id,
+                "quota_blocks": quota.kv_budget_blocks,
+                "kv_blocks": blocks,
+                "floor_blocks": floor,
+                "reclaimable_blocks": max(0, blocks - floor),
+                "running_requests": usage.get("requests", 0),
+                "live_tokens": usage.get("live_tokens", 0),
+                "over_budget": bool(route and route.over_budget),
+                "replicas": [w.replica_id for w in route.replicas] if route else [],
+                "pressure": pressure,
+            }
+        )
     return {
         "plan_version": plan.version if plan else None,
         "replicas": replicas,

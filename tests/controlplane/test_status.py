@@ -1,0 +1,40 @@
+"""``cluster_status``: what ``/admin/status`` and ``vtoken status`` show per tenant."""
+
+from __future__ import annotations
+
+from controlplane.controller import Controller, ControllerConfig
+from controlplane.lease import ControllerLease
+from controlplane.status import cluster_status
+from controlplane.store import RedisStore
+from tests.controlplane.builders import quota, report
+from tests.controlplane.fakes import FakeClock
+
+
+async def test_status_shows_budget_active_kv_floor_reclaimable_and_pressure(
+    store: RedisStore, clock: FakeClock
+) -> None:
+    await store.put_quota(quota("over", budget=40))
+    await store.put_quota(quota("within", budget=40))
+    await store.put_quota(quota("idle", budget=10))
+    reports = [
+        report("r1", clock.now(), {"over": 30, "within": 8}, floors={"over": 12}),
+        report("r2", clock.now(), {"over": 20}, floors={"over": 9}),
+    ]
+    await store.publish_reports(reports, ttl_s=60)
+    config = ControllerConfig(period_s=0.5, lease_ttl_s=5.0, report_max_age_s=0.5)
+    lease = ControllerLease(store.redis, "ctl", config.lease_ttl_s, store.keys)
+    assert (await Controller(store, lease, clock, config).step()).leader
+
+    status = await cluster_status(store, now_s=clock.now())
+    tenants = {t["id"]: t for t in status["tenants"]}
+    over = tenants["over"]
+    assert (over["quota_blocks"], over["kv_blocks"], over["floor_blocks"]) == (40, 50, 21)
+    assert over["reclaimable_blocks"] == 29 and over["over_budget"]
+    # squeezed on both replicas to 90% of budget / what it holds
+    assert set(over["pressure"]) == {"r1", "r2"}
+    assert over["pressure"]["r1"] == 0.9 * 40 / 50
+    within = tenants["within"]
+    assert (within["kv_blocks"], within["reclaimable_blocks"], within["pressure"]) == (8, 0, {})
+    assert not within["over_budget"] and within["replicas"]
+    assert tenants["idle"]["kv_blocks"] == 0 and tenants["idle"]["running_requests"] == 0
+    assert status["plan_version"] is not None

@@ -33,10 +33,13 @@ class ControllerConfig:
     """`report_max_age_s`: a report older than this is stale and its replica is drained
     (replicas report every ~0.1 s); `forget_after_s`: a replica silent this long is no
     longer listed at all. `lease_ttl_s` must exceed `period_s` so the leader renews in
-    time; a standby takes over at most `lease_ttl_s` after the leader dies."""
+    time; a standby takes over at most `lease_ttl_s` after the leader dies. `usage_ttl_s`:
+    the per-tenant usage admission reads expires this long after the last plan write, so
+    a stopped controller leaves no frozen numbers behind (it must exceed `period_s`)."""
 
     period_s: float = 0.5
     lease_ttl_s: float = 2.0
+    usage_ttl_s: float = 5.0
     report_max_age_s: float = 0.5
     forget_after_s: float = 60.0
     backoff_base_s: float = 0.05
@@ -50,6 +53,8 @@ class ControllerConfig:
             raise ValueError("period_s and report_max_age_s must be positive")
         if self.lease_ttl_s <= self.period_s:
             raise ValueError(f"lease_ttl_s ({self.lease_ttl_s}) must exceed period_s")
+        if self.usage_ttl_s <= self.period_s:
+            raise ValueError(f"usage_ttl_s ({self.usage_ttl_s}) must exceed period_s")
         if self.forget_after_s < self.report_max_age_s:
             raise ValueError("forget_after_s must be >= report_max_age_s")
         if self.quota_full_read_cycles < 1 or self.gc_full_collect_cycles < 1:
@@ -171,7 +176,9 @@ class Controller:
             result = await asyncio.to_thread(compute_plan, inputs, self.planner_config)
         plan_done = time.perf_counter()
         with self._tracer.start_as_current_span(telemetry.SPAN_PLAN_WRITE):
-            write = await self._lease.write_plan(result.plan, result.usage_blocks)
+            write = await self._lease.write_plan(
+                result.plan, result.usage_blocks, self.config.usage_ttl_s
+            )
         timings = {
             "read_s": read_done - started,
             "plan_s": plan_done - read_done,

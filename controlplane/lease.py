@@ -45,7 +45,7 @@ return 0
 """
 
 # KEYS: lease, plan, plan version, plan fence, usage.
-# ARGV: owner, fence, version, plan JSON, usage JSON (tenant -> blocks).
+# ARGV: owner, fence, version, plan JSON, usage JSON (tenant -> blocks), usage ttl_ms.
 _WRITE_PLAN = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] .. '|' .. ARGV[2] then
   return 'lease_lost'
@@ -64,6 +64,7 @@ redis.call('DEL', KEYS[5])
 for tenant, blocks in pairs(cjson.decode(ARGV[5])) do
   redis.call('HSET', KEYS[5], tenant, blocks)
 end
+redis.call('PEXPIRE', KEYS[5], ARGV[6])
 return 'written'
 """
 
@@ -119,8 +120,15 @@ class ControllerLease:
         """Give the lease up (on clean shutdown) so a standby takes over at once."""
         return bool(await self._release(keys=[self.keys.lease], args=[self.owner, fence]))
 
-    async def write_plan(self, plan: RoutingPlan, usage_blocks: Mapping[str, int]) -> PlanWrite:
-        """Write `plan` and the per-tenant usage admission reads, iff still entitled to."""
+    async def write_plan(
+        self, plan: RoutingPlan, usage_blocks: Mapping[str, int], usage_ttl_s: float
+    ) -> PlanWrite:
+        """Write `plan` and the per-tenant usage admission reads, iff still entitled to.
+
+        The usage expires `usage_ttl_s` after the write: when no controller measures any
+        more, admission counts the reservations alone instead of frozen numbers."""
+        if usage_ttl_s <= 0:
+            raise ValueError(f"usage_ttl_s must be positive, got {usage_ttl_s}")
         outcome = await self._write_plan(
             keys=[
                 self.keys.lease,
@@ -135,6 +143,7 @@ class ControllerLease:
                 plan.version,
                 plan.model_dump_json(),
                 json.dumps(dict(usage_blocks), separators=(",", ":")),
+                max(1, int(usage_ttl_s * 1000)),
             ],
         )
         return PlanWrite(outcome)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
@@ -13,16 +14,20 @@ from controlplane.admission import (
     KVBounds,
     Reservation,
     kv_bounds,
+    reservation_total_key,
 )
 from controlplane.keys import KeySpace
 from controlplane.store import RedisStore
 from tests.controlplane.builders import quota
-from tests.controlplane.fakes import FakeClock
 
 
 @pytest.fixture
-def admission(redis: aioredis.Redis, keys: KeySpace, clock: FakeClock) -> Admission:
-    return Admission(redis, clock, AdmissionConfig(block_size=16, reservation_ttl_s=60), keys)
+async def admission(redis: aioredis.Redis, keys: KeySpace) -> AsyncIterator[Admission]:
+    admission = Admission(redis, AdmissionConfig(block_size=16, reservation_ttl_s=60), keys)
+    yield admission
+    # Invariant: each tenant's running total is the sum of its held reservations.
+    for key in await redis.keys(f"{keys.prefix}:resv:*"):
+        await admission.check_invariants(key.rsplit(":", 1)[1])
 
 
 def test_kv_bounds() -> None:
@@ -42,12 +47,12 @@ def test_kv_bounds() -> None:
 
 
 async def test_a_prompt_larger_than_the_budget_is_never_held(
-    redis: aioredis.Redis, keys: KeySpace, clock: FakeClock, store: RedisStore
+    redis: aioredis.Redis, keys: KeySpace, store: RedisStore
 ) -> None:
     """Budget 10 blocks, eviction budget 48 tokens, 2,000-token prompts, block size 32: each
     prompt holds 63 blocks until its prefill ends, so none may be admitted (a reservation of
     the steady bound alone would admit five, 315 blocks against a budget of 10)."""
-    admission = Admission(redis, clock, AdmissionConfig(block_size=32), keys)
+    admission = Admission(redis, AdmissionConfig(block_size=32), keys)
     tenant = quota("acme", budget=10).model_copy(update={"eviction_budget_tokens": 48})
     await store.put_quota(tenant)
     for index in range(5):
@@ -57,9 +62,9 @@ async def test_a_prompt_larger_than_the_budget_is_never_held(
 
 
 async def test_reservation_shrinks_to_its_steady_bound_after_prefill(
-    redis: aioredis.Redis, keys: KeySpace, clock: FakeClock, store: RedisStore
+    redis: aioredis.Redis, keys: KeySpace, store: RedisStore
 ) -> None:
-    admission = Admission(redis, clock, AdmissionConfig(block_size=32), keys)
+    admission = Admission(redis, AdmissionConfig(block_size=32), keys)
     tenant = quota("acme", budget=10).model_copy(update={"eviction_budget_tokens": 48})
     await store.put_quota(tenant)
     first = await admission.admit(tenant, "r1", 200, 64)  # peak 7 (prompt), steady 3
@@ -75,6 +80,7 @@ async def test_reservation_shrinks_to_its_steady_bound_after_prefill(
     assert await admission.release(second.reservation)
     await admission.settle(second.reservation)
     assert await admission.reserved_blocks("acme") == 3
+    await admission.check_invariants("acme")
 
 
 async def test_exactly_at_budget_then_one_block_over(
@@ -136,35 +142,109 @@ async def test_fifty_concurrent_admissions_respect_the_budget(
 
 
 async def test_concurrency_limit_and_lapsed_reservations(
-    admission: Admission, store: RedisStore, clock: FakeClock
+    redis: aioredis.Redis, keys: KeySpace, store: RedisStore
 ) -> None:
+    """Reservations lapse on Redis's clock (0.4 s here) unless renewed."""
+    admission = Admission(redis, AdmissionConfig(reservation_ttl_s=0.4), keys)
     tenant = quota("acme", budget=100, max_concurrent_requests=2)
     await store.put_quota(tenant)
     assert (await admission.admit(tenant, "a", 1, 1)).admitted
     assert (await admission.admit(tenant, "b", 1, 1)).admitted
     assert (await admission.admit(tenant, "c", 1, 1)).reason == "max_concurrent_requests"
-    clock.advance(30)
+    await asyncio.sleep(0.2)
     held = await admission.admit(tenant, "c", 1, 1)
     assert held.reason == "max_concurrent_requests"
     assert await admission.renew(Reservation("acme", "b", 1, 1))  # b streams on
-    clock.advance(31)  # the ingress that held a died: its reservation lapses
+    await asyncio.sleep(0.3)  # the ingress that held a died: its reservation lapses
     assert (await admission.admit(tenant, "c", 1, 1)).admitted
     assert await admission.reserved_blocks("acme") == 2
     assert not await admission.renew(Reservation("acme", "a", 1, 1))
-    clock.advance(61)  # b's holder died too
+    await asyncio.sleep(0.5)  # b's holder died too
     assert (await admission.admit(tenant, "d", 1, 1)).admitted
+    assert await admission.reserved_blocks("acme") == 1
+    await admission.check_invariants("acme")
+
+
+async def test_renew_does_not_bring_back_a_lapsed_reservation(
+    redis: aioredis.Redis, keys: KeySpace, store: RedisStore
+) -> None:
+    admission = Admission(redis, AdmissionConfig(reservation_ttl_s=0.1), keys)
+    await store.put_quota(quota("acme"))
+    decision = await admission.admit(quota("acme"), "a", 1, 1)
+    assert decision.reservation is not None
+    await asyncio.sleep(0.15)
+    assert not await admission.renew(decision.reservation)  # lapsed, not yet purged
+    assert (await admission.admit(quota("acme"), "b", 1, 1)).admitted
     assert await admission.reserved_blocks("acme") == 1
 
 
-async def test_prompt_token_rate(admission: Admission, store: RedisStore, clock: FakeClock) -> None:
+async def test_prompt_token_rate(admission: Admission, store: RedisStore) -> None:
     tenant = quota("acme", budget=1000, prompt_tokens_per_s=100)
     await store.put_quota(tenant)
     assert (await admission.admit(tenant, "a", 80, 1)).admitted  # bucket 100 -> 20
     throttled = await admission.admit(tenant, "b", 50, 1)
     assert throttled.reason == "prompt_token_rate"
-    assert throttled.retry_after_s == pytest.approx(0.3)
-    clock.advance(0.3)
+    assert throttled.retry_after_s == pytest.approx(0.3, abs=0.02)
+    await asyncio.sleep(throttled.retry_after_s + 0.02)
     assert (await admission.admit(tenant, "b", 50, 1)).admitted
+
+
+async def test_deadlines_and_starts_are_on_redis_time(
+    admission: Admission, store: RedisStore, redis: aioredis.Redis, keys: KeySpace
+) -> None:
+    """No ingress clock goes into a reservation: its deadline is Redis's TIME + the TTL."""
+    await store.put_quota(quota("acme"))
+    before = await admission.redis_now_s()
+    assert (await admission.admit(quota("acme"), "a", 1, 7)).admitted
+    after = await admission.redis_now_s()
+    deadline_ms = await redis.zscore(keys.reservation_deadlines("acme"), "a")
+    assert deadline_ms is not None
+    assert (before + 60) * 1000 - 1 <= deadline_ms <= (after + 60) * 1000 + 1
+    admitted_ms, max_tokens = (await redis.hget(keys.reservation_starts("acme"), "a")).split()
+    assert before * 1000 - 1 <= int(admitted_ms) <= after * 1000 + 1 and max_tokens == "7"
+
+
+async def test_the_running_total_follows_admit_settle_release_and_lapse(
+    redis: aioredis.Redis, keys: KeySpace, store: RedisStore
+) -> None:
+    """Admission reads one running total per tenant, never the sum of every reservation;
+    every script that changes a reservation keeps it equal to that sum."""
+    admission = Admission(redis, AdmissionConfig(block_size=16, reservation_ttl_s=0.3), keys)
+    tenant = quota("acme", budget=100, eviction_budget_tokens=16)
+    await store.put_quota(tenant)
+    first = (await admission.admit(tenant, "a", 160, 8)).reservation  # peak 10, steady 2
+    second = (await admission.admit(tenant, "b", 32, 0)).reservation  # 2
+    assert first is not None and second is not None
+    assert await admission.reserved_blocks("acme") == 12
+    await admission.settle(first)
+    assert await admission.reserved_blocks("acme") == 4
+    assert await admission.release(second) and not await admission.release(second)
+    assert await admission.reserved_blocks("acme") == 2
+    await admission.check_invariants("acme")
+    await asyncio.sleep(0.35)  # "a" lapses: the next admission purges it from the total
+    assert (await admission.admit(tenant, "c", 16, 0)).admitted
+    assert await admission.reserved_blocks("acme") == 1
+    await admission.check_invariants("acme")
+    assert not await admission.release(first)  # lapsed already: the total is not touched
+    assert await admission.reserved_blocks("acme") == 1
+
+
+async def test_the_running_total_is_what_admission_counts(
+    admission: Admission, store: RedisStore, redis: aioredis.Redis, keys: KeySpace
+) -> None:
+    """Without a total (reservations from before it existed) admission sums them once;
+    afterwards it trusts the total, not the reservations hash."""
+    tenant = quota("acme", budget=10)
+    await store.put_quota(tenant)
+    await redis.hset(keys.reservations("acme"), mapping={"old-1": 4, "old-2": 4})
+    await redis.zadd(keys.reservation_deadlines("acme"), {"old-1": 2**50, "old-2": 2**50})
+    assert (await admission.admit(tenant, "a", 32, 0)).admitted  # 4 + 4 + 2 = 10
+    assert await redis.get(reservation_total_key(keys, "acme")) == "10"
+    await redis.set(reservation_total_key(keys, "acme"), 0)  # the total decides, not HVALS
+    assert (await admission.admit(tenant, "b", 32, 0)).admitted
+    await redis.set(reservation_total_key(keys, "acme"), 12)
+    for request_id in ("old-1", "old-2", "a", "b"):
+        await admission.release(Reservation("acme", request_id, 0, 0))
 
 
 async def test_quota_change_applies_at_once(admission: Admission, store: RedisStore) -> None:
@@ -177,7 +257,7 @@ async def test_quota_change_applies_at_once(admission: Admission, store: RedisSt
 
 
 async def test_admission_span_carries_tenant_and_outcome(
-    redis: aioredis.Redis, keys: KeySpace, clock: FakeClock, store: RedisStore
+    redis: aioredis.Redis, keys: KeySpace, store: RedisStore
 ) -> None:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -186,7 +266,7 @@ async def test_admission_span_carries_tenant_and_outcome(
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    traced = Admission(redis, clock, keys=keys, tracer=provider.get_tracer("test"))
+    traced = Admission(redis, keys=keys, tracer=provider.get_tracer("test"))
     await store.put_quota(quota("acme", budget=1))
     await traced.admit(quota("acme", budget=1), "r1", 100, 0)
     (span,) = exporter.get_finished_spans()
@@ -198,29 +278,44 @@ async def test_admission_span_carries_tenant_and_outcome(
 
 
 async def test_kv_budget_retry_after_follows_the_oldest_requests_expected_finish(
-    admission: Admission, store: RedisStore, clock: FakeClock, redis: aioredis.Redis, keys: KeySpace
+    redis: aioredis.Redis, keys: KeySpace, store: RedisStore
 ) -> None:
     """Each held request is expected to end max_tokens x the measured time per token after
-    its admission; a throttled request may retry when enough of them have ended."""
+    its admission (on Redis's clock); a throttled request may retry when enough of them
+    have ended."""
+    config = AdmissionConfig(block_size=16, throttle_retry_after_s=0.01)
+    admission = Admission(redis, config, keys)
+    pace = 0.05  # s per token: a 48-token answer takes 2.4 s
     tenant = quota("acme", budget=10)
     await store.put_quota(tenant)
-    assert (await admission.admit(tenant, "old", 32, 48)).admitted  # 5 blocks, ends +24 s
-    clock.advance(2.0)
-    assert (await admission.admit(tenant, "new", 32, 48, seconds_per_token=0.5)).admitted
-    blocked = await admission.admit(tenant, "next", 32, 48, seconds_per_token=0.5)
+    assert (await admission.admit(tenant, "old", 32, 48)).admitted  # 5 blocks, ends +2.4 s
+    await asyncio.sleep(0.2)
+    assert (await admission.admit(tenant, "new", 32, 48, seconds_per_token=pace)).admitted
+    blocked = await admission.admit(tenant, "next", 32, 48, seconds_per_token=pace)
     assert (blocked.outcome, blocked.reason) == (AdmissionOutcome.THROTTLED, "kv_budget")
-    assert blocked.retry_after_s == pytest.approx(24.0 - 2.0)
-    two_needed = await admission.admit(tenant, "big", 64, 96, seconds_per_token=0.5)
-    assert two_needed.reason == "kv_budget"  # 10 blocks: both must end, the newer at +26 s
-    assert two_needed.retry_after_s == pytest.approx(26.0 - 2.0)
+    assert blocked.retry_after_s == pytest.approx(2.4 - 0.2, abs=0.05)
+    two_needed = await admission.admit(tenant, "big", 64, 96, seconds_per_token=pace)
+    assert two_needed.reason == "kv_budget"  # 10 blocks: both must end, the newer at +2.6 s
+    assert two_needed.retry_after_s == pytest.approx(2.6 - 0.2, abs=0.05)
     unknown_pace = await admission.admit(tenant, "next", 32, 48)
     assert unknown_pace.retry_after_s == admission.config.throttle_retry_after_s
-    clock.advance(30.0)  # overdue requests: retry at the least Retry-After, not in the past
-    overdue = await admission.admit(tenant, "next", 32, 48, seconds_per_token=0.5)
-    assert overdue.retry_after_s == admission.config.throttle_retry_after_s
     # A release forgets the request's start as well.
     assert await admission.release(Reservation("acme", "old", 5, 5))
     assert await redis.hkeys(keys.reservation_starts("acme")) == ["new"]
+    assert await admission.release(Reservation("acme", "new", 5, 5))
+
+
+async def test_overdue_requests_retry_at_the_least_retry_after(
+    redis: aioredis.Redis, keys: KeySpace, store: RedisStore
+) -> None:
+    admission = Admission(redis, AdmissionConfig(block_size=16), keys)
+    tenant = quota("acme", budget=5)
+    await store.put_quota(tenant)
+    assert (await admission.admit(tenant, "old", 32, 48)).admitted  # expected to end at +0.48
+    await asyncio.sleep(0.5)
+    overdue = await admission.admit(tenant, "next", 32, 48, seconds_per_token=0.01)
+    assert overdue.retry_after_s == admission.config.throttle_retry_after_s
+    assert await admission.release(Reservation("acme", "old", 5, 5))
 
 
 async def test_kv_retry_after_counts_reported_usage_above_the_reservations(
@@ -234,7 +329,7 @@ async def test_kv_retry_after_counts_reported_usage_above_the_reservations(
     await redis.hset(keys.usage, "acme", 9)
     blocked = await admission.admit(tenant, "b", 16, 16, seconds_per_token=0.5)
     assert blocked.reason == "kv_budget"  # max(2, 9) + 2 > 10
-    assert blocked.retry_after_s == pytest.approx(8.0)  # when "a" ends: 9 - 2 + 2 <= 10
+    assert blocked.retry_after_s == pytest.approx(8.0, abs=0.05)  # "a" ends: 9 - 2 + 2 <= 10
     await redis.hset(keys.usage, "acme", 20)  # more than any held request's end frees
     hopeless = await admission.admit(tenant, "b", 16, 16, seconds_per_token=0.5)
     assert hopeless.retry_after_s == admission.config.throttle_retry_after_s

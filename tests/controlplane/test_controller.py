@@ -206,3 +206,27 @@ async def test_leader_replaces_an_invalid_stored_plan(store: RedisStore, clock: 
     assert result.plan.version == 42
     stored = await store.read_plan()
     assert stored is not None and stored.tenants["a"].replicas[0].replica_id == "r1"
+
+
+async def test_a_stopped_controller_leaves_no_frozen_usage(
+    store: RedisStore, clock: FakeClock
+) -> None:
+    """The usage admission reads expires when no controller writes plans any more, so a
+    tenant is not throttled forever by the last numbers a dead controller measured."""
+    from controlplane.admission import Admission, AdmissionConfig
+
+    config = ControllerConfig(period_s=0.05, lease_ttl_s=1.0, usage_ttl_s=0.3)
+    tenant = quota("a", budget=10)
+    await store.put_quota(tenant)
+    await store.publish_report(report("r1", clock.now(), {"a": 9}), ttl_s=60)
+    lease = ControllerLease(store.redis, "ctl", config.lease_ttl_s, store.keys)
+    result = await Controller(store, lease, clock, config).step()
+    assert result.write is PlanWrite.WRITTEN
+    assert await store.read_usage() == {"a": 9}
+    admission = Admission(store.redis, AdmissionConfig(block_size=16), store.keys)
+    assert (await admission.admit(tenant, "r1", 32, 0)).reason == "kv_budget"  # 9 + 2 > 10
+    await asyncio.sleep(0.35)  # the controller is gone: nobody measures any more
+    assert await store.read_usage() == {}
+    assert (await admission.admit(tenant, "r1", 32, 0)).admitted
+    with pytest.raises(ValueError, match="usage_ttl_s"):
+        ControllerConfig(period_s=1.0, lease_ttl_s=2.0, usage_ttl_s=1.0)

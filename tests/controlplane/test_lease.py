@@ -32,13 +32,13 @@ async def test_only_the_holder_writes_and_a_stale_holder_is_rejected(
     old = ControllerLease(redis, "ctl-old", ttl_s=0.1, keys=keys)
     new = ControllerLease(redis, "ctl-new", ttl_s=5, keys=keys)
     assert await old.acquire_or_renew() == LeaseHeld(1)
-    assert await new.write_plan(plan(0, 1), {}) is PlanWrite.LEASE_LOST
-    assert await old.write_plan(plan(0, 1), {"a": 3}) is PlanWrite.WRITTEN
+    assert await new.write_plan(plan(0, 1), {}, 60) is PlanWrite.LEASE_LOST
+    assert await old.write_plan(plan(0, 1), {"a": 3}, 60) is PlanWrite.WRITTEN
     await asyncio.sleep(0.15)  # the old holder stalls past its lease
     assert await new.acquire_or_renew() == LeaseHeld(2)
-    assert await new.write_plan(plan(1, 2), {}) is PlanWrite.WRITTEN
+    assert await new.write_plan(plan(1, 2), {}, 60) is PlanWrite.WRITTEN
     # The stale holder wakes up and writes with its old fence: refused, plan untouched.
-    assert await old.write_plan(plan(2, 1), {"a": 9}) is PlanWrite.LEASE_LOST
+    assert await old.write_plan(plan(2, 1), {"a": 9}, 60) is PlanWrite.LEASE_LOST
     stored = await store.read_plan()
     assert stored is not None and (stored.version, stored.fence) == (1, 2)
     assert await store.read_usage() == {}
@@ -48,10 +48,10 @@ async def test_fence_and_version_checks(redis: aioredis.Redis, keys: KeySpace) -
     lease = ControllerLease(redis, "ctl", ttl_s=5, keys=keys)
     held = await lease.acquire_or_renew()
     assert held == LeaseHeld(1)
-    assert await lease.write_plan(plan(5, 1), {"t": 2}) is PlanWrite.WRITTEN
-    assert await lease.write_plan(plan(5, 1), {}) is PlanWrite.STALE_VERSION
+    assert await lease.write_plan(plan(5, 1), {"t": 2}, 60) is PlanWrite.WRITTEN
+    assert await lease.write_plan(plan(5, 1), {}, 60) is PlanWrite.STALE_VERSION
     await redis.set(keys.plan_fence, 7)  # a later fence has written
-    assert await lease.write_plan(plan(6, 1), {}) is PlanWrite.STALE_FENCE
+    assert await lease.write_plan(plan(6, 1), {}, 60) is PlanWrite.STALE_FENCE
     assert await RedisStore(redis, keys).read_usage() == {"t": 2}
 
 
@@ -60,3 +60,14 @@ def test_bad_lease_arguments(redis: aioredis.Redis) -> None:
         ControllerLease(redis, "a|b", ttl_s=1)
     with pytest.raises(ValueError, match="ttl_s"):
         ControllerLease(redis, "a", ttl_s=0)
+
+
+async def test_usage_expires_when_no_plan_is_written(redis: aioredis.Redis, keys: KeySpace) -> None:
+    lease = ControllerLease(redis, "ctl", ttl_s=5, keys=keys)
+    await lease.acquire_or_renew()
+    assert await lease.write_plan(plan(0, 1), {"t": 2}, usage_ttl_s=0.2) is PlanWrite.WRITTEN
+    assert 0 < await redis.pttl(keys.usage) <= 200
+    await asyncio.sleep(0.25)
+    assert await RedisStore(redis, keys).read_usage() == {}
+    with pytest.raises(ValueError, match="usage_ttl_s"):
+        await lease.write_plan(plan(1, 1), {}, usage_ttl_s=0)

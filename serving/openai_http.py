@@ -3,8 +3,17 @@
 Every request: authenticate the tenant from ``Authorization: Bearer <key>``; validate the
 body; tokenize (so admission knows the prompt size and an oversize prompt is a 400 before
 any engine sees it); admit against the tenant's KV budget (429 + Retry-After when over);
-call a replica through Ray Serve (the vtoken router picks which); release the reservation
-when the answer is complete, whatever happens. Prompts and keys never reach spans or logs.
+call a replica through Ray Serve (the vtoken router picks which); renew the reservation
+every third of its TTL while the answer runs; release it when the answer is complete,
+whatever happens (best-effort: a release Redis cannot take now is retried in the
+background, never turned into an error for a finished answer). Prompts and keys never
+reach spans or logs.
+
+Faults reach clients as OpenAI error bodies (``{"error": {"message", "type", "code"}}``),
+never as plain-text 500s and never with internals (Redis's address, a traceback, a Ray
+error's text): Redis away or refusing (any ``RedisError``) before the answer starts, or
+a replica that fails, is a 503 ``server_error`` with ``Retry-After`` (quotas fail closed);
+once a stream has started, an SSE ``error`` event with ``type`` comes before ``[DONE]``.
 
 :class:`IngressState` gets its Redis client, clock, tokenizer, tracer and replica handle
 from its caller (the Serve deployment in :mod:`serving.ingress` builds the real ones), so
@@ -15,10 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import redis.asyncio as aioredis
 from fastapi import Request
@@ -40,8 +50,18 @@ from controlplane.openai_models import (
     GenerateChunk,
     GenerateRequest,
 )
+from controlplane.redis_conn import REDIS_ERRORS
+from controlplane.releases import Releaser
 from controlplane.store import RedisStore
 from controlplane.tracing import inject_context
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+REDIS_RETRY_AFTER_S = 2
+"""Retry-After of a 503 while Redis is away (its clients reconnect within ~1 s)."""
+REPLICA_RETRY_AFTER_S = 1
+"""Retry-After of a 503 when a replica failed (Serve routes the retry to another)."""
 
 THROTTLE_REASONS = {
     "kv_budget": "over its KV budget",
@@ -71,6 +91,7 @@ class IngressSettings:
     redis_url: str
     key_prefix: str = "vtoken"
     keep_ratio: float | None = None  # the engines' policy budget (admission's steady bound)
+    reservation_ttl_s: float = 600.0  # a running request renews it every third of this
 
 
 class Tokenizer(Protocol):
@@ -110,11 +131,15 @@ class IngressState:
         self.tenant_keys = TenantKeys(redis, keys)
         self.admission = Admission(
             redis,
-            clock,
-            AdmissionConfig(block_size=settings.block_size, keep_ratio=settings.keep_ratio),
+            AdmissionConfig(
+                block_size=settings.block_size,
+                keep_ratio=settings.keep_ratio,
+                reservation_ttl_s=settings.reservation_ttl_s,
+            ),
             keys,
             tracer=tracer,
         )
+        self.releaser = Releaser(self.admission)
         self.metrics = IngressMetrics()
         self.pace = TokenPace()
 
@@ -123,8 +148,8 @@ class IngressState:
         api_key = bearer(request.headers.get("authorization"))
         if api_key is None:
             raise HTTPError(401, "missing API key: send 'Authorization: Bearer <key>'", "auth")
-        tenant_id = await self.tenant_keys.tenant_for(api_key)
-        quota = await self.store.get_quota(tenant_id) if tenant_id else None
+        tenant_id = await redis_or_503(self.tenant_keys.tenant_for(api_key))
+        quota = await redis_or_503(self.store.get_quota(tenant_id)) if tenant_id else None
         if quota is None:
             raise HTTPError(401, "unknown API key", "auth")
         return quota
@@ -182,7 +207,7 @@ class IngressState:
                 return StreamingResponse(
                     sse(chunks, answer),
                     media_type="text/event-stream",
-                    background=BackgroundTask(self.admission.release, reservation),
+                    background=BackgroundTask(self.releaser.release, reservation),
                 )
             return JSONResponse(await collect(chunks, answer))
 
@@ -191,8 +216,10 @@ class IngressState:
     ) -> Reservation:
         """The request's KV reservation; 429 with ``Retry-After`` when the tenant must wait,
         400 when the request can never fit its quota."""
-        decision = await self.admission.admit(
-            quota, request_id, prompt_tokens, max_tokens, self.pace.seconds_per_token
+        decision = await redis_or_503(
+            self.admission.admit(
+                quota, request_id, prompt_tokens, max_tokens, self.pace.seconds_per_token
+            )
         )
         self.metrics.admission(quota.tenant_id, decision.outcome.value)
         if decision.outcome is AdmissionOutcome.THROTTLED:
@@ -213,6 +240,8 @@ class IngressState:
     async def _generate(
         self, request: GenerateRequest, reservation: Reservation, started: float
     ) -> AsyncIterator[GenerateChunk]:
+        renewal = asyncio.get_running_loop().create_task(self._renew_while_running(reservation))
+        stream: Any = None
         try:
             stream = self.replicas.options(stream=True).generate.remote(request.model_dump())
             tokens_seen, seen_at = 0, self.clock.now()
@@ -227,16 +256,72 @@ class IngressState:
                     tokens_seen, seen_at = chunk.completion_tokens, now
                 if chunk.completion_tokens and reservation.blocks > reservation.steady:
                     # A token is out, so prefill is over: from here the policy bounds the KV.
-                    reservation = await self.admission.settle(reservation)
+                    reservation = await self._settle(reservation)
                 yield chunk
+            stream = None  # finished: nothing to cancel
         except HTTPError:
             raise
+        except asyncio.CancelledError:
+            raise
         except Exception as error:  # the replica died or refused mid-request
-            raise HTTPError(503, f"the engine replica failed: {error}", "server_error") from None
+            # The error's text (a Ray traceback, addresses) is for the logs, not the client.
+            logger.warning("request %s: replica failed: %r", request.request_id, error)
+            raise HTTPError(
+                503,
+                "the engine replica failed; retry the request",
+                "server_error",
+                headers={"Retry-After": str(REPLICA_RETRY_AFTER_S)},
+            ) from None
         finally:
-            # Shielded: a client disconnect cancels this generator, not the release.
-            await asyncio.shield(self.admission.release(reservation))
+            renewal.cancel()
+            if stream is not None and hasattr(stream, "cancel"):
+                stream.cancel()  # the client left or we failed: the engine aborts, frees KV
+            # Shielded: a client disconnect cancels this generator, not the release, and
+            # the release never raises (a failed one is retried in the background).
+            await asyncio.shield(self.releaser.release(reservation))
             self.metrics.latency(request.tenant_id, self.clock.now() - started)
+
+    async def _settle(self, reservation: Reservation) -> Reservation:
+        """Shrink to the steady bound; on a Redis error keep the peak (over-reserving is
+        safe) and let the answer go on."""
+        try:
+            return await self.admission.settle(reservation)
+        except REDIS_ERRORS as error:
+            logger.warning("settle of %s failed: %s", reservation.request_id, type(error).__name__)
+            return reservation
+
+    async def _renew_while_running(self, reservation: Reservation) -> None:
+        """Renew the reservation every third of its TTL until cancelled, so a request
+        running longer than the TTL keeps counting against its tenant's quota. A renewal
+        Redis refuses is retried at the next third (two may fail before it lapses).
+        Timed with the event loop's clock: it paces calls, the deadline is Redis's."""
+        period_s = self.admission.config.reservation_ttl_s / 3
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                if not await self.admission.renew(reservation):
+                    logger.warning(
+                        "reservation of %s lapsed before renewal", reservation.request_id
+                    )
+            except REDIS_ERRORS as error:
+                logger.warning(
+                    "renewal of %s failed: %s", reservation.request_id, type(error).__name__
+                )
+
+
+async def redis_or_503(call: Awaitable[T]) -> T:
+    """``await call``; a Redis error becomes a 503 with Retry-After (quotas fail closed).
+    The error's text names Redis's address: it is logged, never answered."""
+    try:
+        return await call
+    except REDIS_ERRORS as error:
+        logger.warning("Redis unavailable at the ingress: %r", error)
+        raise HTTPError(
+            503,
+            "the quota store is unavailable; retry the request",
+            "server_error",
+            headers={"Retry-After": str(REDIS_RETRY_AFTER_S)},
+        ) from None
 
 
 class TokenPace:
@@ -322,15 +407,23 @@ async def collect(chunks: AsyncIterator[GenerateChunk], answer: Answer) -> dict[
     return body
 
 
+def _error_event(message: str, kind: str, code: int) -> dict[str, Any]:
+    """The OpenAI error body, for JSON responses and SSE error events alike."""
+    return {"error": {"message": message, "type": kind, "code": code}}
+
+
 async def sse(chunks: AsyncIterator[GenerateChunk], answer: Answer) -> AsyncIterator[str]:
     """Server-sent events, one per chunk, then ``[DONE]``; an error after the headers went
-    out is reported as an ``error`` event."""
+    out is reported as an ``error`` event (the OpenAI error body) before ``[DONE]``: a stream
+    never just stops."""
     try:
         async for chunk in chunks:
             choice = _choice(chunk.text, chunk.finish_reason, answer.chat, streaming=True)
             yield f"data: {json.dumps(answer.envelope(choice, streaming=True))}\n\n"
     except HTTPError as error:
-        yield f"data: {json.dumps({'error': {'message': error.message, 'code': error.status}})}\n\n"
+        yield f"data: {json.dumps(_error_event(error.message, error.kind, error.status))}\n\n"
     except Exception as error:  # headers are sent: report in the stream, then end it
-        yield f"data: {json.dumps({'error': {'message': str(error), 'code': 500}})}\n\n"
+        logger.exception("request %s: stream failed", answer.request_id, exc_info=error)
+        body = _error_event("internal error; retry the request", "server_error", 500)
+        yield f"data: {json.dumps(body)}\n\n"
     yield "data: [DONE]\n\n"

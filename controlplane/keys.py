@@ -72,6 +72,10 @@ class KeySpace:
         answer may be): what a throttled request's Retry-After is estimated from."""
         return f"{self.prefix}:resv-start:{tenant_id}"
 
+    def reservation_total(self, tenant_id: str) -> str:
+        """String: the sum of the tenant's reservations in blocks (kept by admission)."""
+        return f"{self.prefix}:resv-total:{tenant_id}"
+
     def reservation_deadlines(self, tenant_id: str) -> str:
         """Sorted set: request id -> deadline (ms since epoch) after which it lapses."""
         return f"{self.prefix}:resv-deadline:{tenant_id}"
@@ -79,3 +83,12 @@ class KeySpace:
     def rate_bucket(self, tenant_id: str) -> str:
         """Hash `tokens`, `at_ms`: the tenant's prompt-token bucket."""
         return f"{self.prefix}:rate:{tenant_id}"
+
+    @property
+    def api_keys(self) -> str:
+        """Hash: API key digest -> tenant id (what authentication reads)."""
+        return f"{self.prefix}:apikeys"
+
+    def tenant_api_keys(self, tenant_id: str) -> str:
+        """Hash: key id -> API key digest, for each key of the tenant (list and revoke)."""
+        return f"{self.prefix}:apikey-ids:{tenant_id}"

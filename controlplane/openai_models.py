@@ -1,34 +1,87 @@
 """OpenAI-compatible request bodies (the subset vtoken serves) and the internal request
 that crosses from the ingress to a replica.
 
-Unknown fields from OpenAI clients are ignored, known ones are validated; a client-sent
-``cache_salt`` is dropped: the server salts the prefix cache per tenant.
+Contract of the bodies: a field this server does not serve (``best_of``, ``echo``,
+``tools``, ``logit_bias``, ``suffix``, ...) is a validation error naming it, never silently
+ignored; ``n > 1`` and ``logprobs``/``top_logprobs`` are refused by name until the engine
+path returns several choices and log-probabilities. ``null`` means "the default", as in
+OpenAI's API. A client-sent ``cache_salt`` is accepted and dropped: the server salts the
+prefix cache per tenant. Stop strings are bounded in number and length.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MaxTokens = Annotated[int, Field(ge=1, le=1_000_000)]
+MAX_STOP_SEQUENCES = 4  # OpenAI's own limit
+MAX_STOP_CHARS = 256  # each stop string is matched against the output at every step
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
+def prompt_chars(body: dict[str, Any]) -> int:
+    """Characters of prompt text in a raw (unvalidated) completion or chat body: the
+    ``prompt`` string(s), or every message's text content. Anything else counts 0, so
+    this is safe on any JSON object and cheap next to tokenizing."""
+
+    def text(value: Any) -> int:
+        if isinstance(value, str):
+            return len(value)
+        if isinstance(value, list):
+            return sum(text(item) for item in value)
+        if isinstance(value, dict):
+            return text(value.get("text")) + text(value.get("content"))
+        return 0
+
+    return text(body.get("prompt")) + text(body.get("messages"))
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(min_length=1)
+    model: str = Field(min_length=1, max_length=256)
     max_tokens: MaxTokens = 16
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
-    stop: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, max_length=4)
+    stop: list[StopString] | None = Field(default=None, max_length=MAX_STOP_SEQUENCES)
     stream: bool = False
+    user: str | None = Field(default=None, max_length=256)  # the end user, for the client
+    cache_salt: str | None = Field(default=None, exclude=True, max_length=256)  # dropped
+    n: int = 1
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
 
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_as_list(cls, value: object) -> object:
         return [value] if isinstance(value, str) else value
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError("only n=1 is served (several choices per request are not yet)")
+        return value
+
+    @field_validator("logprobs", "top_logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: bool | int | None) -> bool | int | None:
+        if value is None or value is False:
+            return value
+        raise ValueError("log-probabilities are not served yet")
 
 
 class CompletionRequest(_Body):
@@ -44,11 +97,30 @@ class CompletionRequest(_Body):
         return value
 
 
+class TextPart(BaseModel):
+    """One part of a message's content; only text is served."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """A chat message; list content is joined from its text parts."""
+
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant"]
     content: str
+    name: str | None = Field(default=None, max_length=256, exclude=True)  # accepted, unused
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _join_text_parts(cls, value: object) -> object:
+        if isinstance(value, list):
+            return "".join(TextPart.model_validate(part).text for part in value)
+        return value
 
 
 class ChatCompletionRequest(_Body):
@@ -66,6 +138,8 @@ class GenerateRequest(BaseModel):
     top_p: float
     seed: int | None = None
     stop: list[str] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     eviction_budget_tokens: int | None = None  # the tenant's per-request KV cap (admission)
     trace_context: dict[str, str] = Field(default_factory=dict)
 

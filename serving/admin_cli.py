@@ -71,14 +71,15 @@ def tenant_set(
     prompt_tokens_per_s: float | None = None,
     eviction_budget_tokens: int | None = None,
     api_key: Annotated[
-        str | None, typer.Option(help="Add this key (a new tenant otherwise gets one).")
+        str | None,
+        typer.Option(help="Add this key, 32+ characters (a new tenant otherwise gets one)."),
     ] = None,
     url: Url = DEFAULT_URL,
     admin_token: Token = "",
 ) -> None:
     """Create a tenant, or change the given fields of an existing one (others are kept);
-    prints the quota (and a new tenant's generated key, once). Values are checked against
-    the quota model (``TenantLimits``) before the quota is sent."""
+    prints the quota (and a new tenant's generated key, once; ``tenant key`` manages keys).
+    Values are checked against the quota model (``TenantLimits``) before the quota is sent."""
     given = {
         "kv_budget_blocks": kv_budget_blocks,
         "weight": weight,
@@ -118,7 +119,43 @@ def tenant_list(url: Url = DEFAULT_URL, admin_token: Token = "") -> None:
 
 @tenant_app.command("delete")
 def tenant_delete(tenant_id: str, url: Url = DEFAULT_URL, admin_token: Token = "") -> None:
+    """Revoke the tenant's keys, drop its reservations, then delete its quota."""
     typer.echo(json.dumps(_admin("DELETE", url, admin_token, f"/admin/tenants/{tenant_id}")))
+
+
+key_app = typer.Typer(no_args_is_help=True, help="Add, list and revoke a tenant's API keys.")
+tenant_app.add_typer(key_app, name="key")
+
+
+@key_app.command("add")
+def key_add(
+    tenant_id: str,
+    api_key: Annotated[
+        str | None, typer.Option(help="Add this key (32+ characters) instead of a generated one.")
+    ] = None,
+    url: Url = DEFAULT_URL,
+    admin_token: Token = "",
+) -> None:
+    """Give the tenant another key; prints its id (and a generated key, once)."""
+    body = {"api_key": api_key} if api_key is not None else {}
+    added = _admin("POST", url, admin_token, f"/admin/tenants/{tenant_id}/keys", body)
+    typer.echo(json.dumps(added, indent=2))
+
+
+@key_app.command("list")
+def key_list(tenant_id: str, url: Url = DEFAULT_URL, admin_token: Token = "") -> None:
+    """The tenant's key ids (never the keys)."""
+    listed = _admin("GET", url, admin_token, f"/admin/tenants/{tenant_id}/keys")
+    typer.echo(json.dumps(listed, indent=2))
+
+
+@key_app.command("revoke")
+def key_revoke(
+    tenant_id: str, key_id: str, url: Url = DEFAULT_URL, admin_token: Token = ""
+) -> None:
+    """Revoke one key by its id; the tenant's other keys stay valid."""
+    path = f"/admin/tenants/{tenant_id}/keys/{key_id}"
+    typer.echo(json.dumps(_admin("DELETE", url, admin_token, path)))
 
 
 def status(url: Url = DEFAULT_URL, admin_token: Token = "") -> None:

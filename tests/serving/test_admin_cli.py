@@ -51,3 +51,19 @@ def test_a_value_the_model_refuses_is_never_sent(calls: list[tuple[str, str, Any
     assert [method for method, _, _ in calls] == ["GET"]
     new = CliRunner().invoke(admin_cli.tenant_app, ["set", "newcomer", "--weight", "3"])
     assert new.exit_code == 2 and "--kv-budget-blocks is required" in new.output
+
+
+def test_key_commands_add_list_and_revoke_by_id(calls: list[tuple[str, str, Any]]) -> None:
+    runner = CliRunner()
+    added = runner.invoke(admin_cli.tenant_app, ["key", "add", "acme"])
+    chosen = runner.invoke(admin_cli.tenant_app, ["key", "add", "acme", "--api-key", "k" * 40])
+    listed = runner.invoke(admin_cli.tenant_app, ["key", "list", "acme"])
+    revoked = runner.invoke(admin_cli.tenant_app, ["key", "revoke", "acme", "key-0123"])
+    for result in (added, chosen, listed, revoked):
+        assert result.exit_code == 0, result.output
+    assert calls == [
+        ("POST", "/admin/tenants/acme/keys", {}),
+        ("POST", "/admin/tenants/acme/keys", {"api_key": "k" * 40}),
+        ("GET", "/admin/tenants/acme/keys", None),
+        ("DELETE", "/admin/tenants/acme/keys/key-0123", None),
+    ]

@@ -1,155 +1,19 @@
-"""The ingress app in-process: a real redis-server, SmolLM2's tokenizer, a fake clock, an
-in-memory span exporter and a fake engine handle (the e2e tests drive the real engines)."""
+"""The OpenAI API of the ingress in-process (see ``ingress_harness``): answers, admission,
+errors, spans; the admin API's tenant quotas."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
-import httpx
 import pytest
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from controlplane import telemetry
-from controlplane.keys import KeySpace
 from controlplane.models import TenantQuota
-from controlplane.redis_conn import RedisConfig, connect
-from serving.ingress import build_api
-from serving.openai_http import IngressSettings, IngressState
-from tests.controlplane.fakes import FakeClock
-from tests.redis_server import RedisServer, unique_keys
-
-ADMIN = "admin-token-for-tests"
-MODEL = "smollm2"
-BLOCK_SIZE = 16
-PROMPT = "The secret prompt zebra-42 must never reach a span"
-
-
-class FakeReplicas:
-    """A Serve handle to engines answering "Hello there" in two chunks. Records every
-    request; while answering, waits on `gate` and notes the tenant's reserved blocks."""
-
-    def __init__(self, state_of: Any) -> None:
-        self.requests: list[dict[str, Any]] = []
-        self.reserved_while_answering: list[int] = []
-        self.gate = asyncio.Event()
-        self.gate.set()
-        self.arrived = asyncio.Event()
-        self.fail = False
-        self._state_of = state_of
-        self.generate = SimpleNamespace(remote=self._remote)
-
-    def options(self, stream: bool) -> FakeReplicas:
-        assert stream
-        return self
-
-    def _remote(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        self.requests.append(request)
-        return self._answer(request)
-
-    async def _answer(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        admission = self._state_of().admission
-        self.reserved_while_answering.append(await admission.reserved_blocks(request["tenant_id"]))
-        self.arrived.set()
-        prompt_tokens = len(request["prompt_token_ids"])
-        yield {"text": "Hello", "prompt_tokens": prompt_tokens, "completion_tokens": 1}
-        await self.gate.wait()
-        if self.fail:
-            raise RuntimeError("replica died")
-        yield {
-            "text": " there",
-            "finish_reason": "length",
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": 2,
-        }
-
-
-@dataclass
-class Ingress:
-    client: httpx.AsyncClient
-    state: IngressState
-    replicas: FakeReplicas
-    clock: FakeClock
-    spans: InMemorySpanExporter
-    keys: KeySpace
-    api_keys: dict[str, str] = field(default_factory=dict)
-
-    async def add_tenant(self, tenant_id: str, **limits: Any) -> str:
-        response = await self.client.put(
-            f"/admin/tenants/{tenant_id}", json=limits, headers=admin()
-        )
-        assert response.status_code == 201, response.text
-        self.api_keys[tenant_id] = response.json()["api_key"]
-        return self.api_keys[tenant_id]
-
-    async def complete(self, api_key: str, **body: Any) -> httpx.Response:
-        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, **body}
-        return await self.client.post("/v1/completions", json=body, headers=bearer(api_key))
-
-    def finished(self, name: str) -> list[ReadableSpan]:
-        return [span for span in self.spans.get_finished_spans() if span.name == name]
-
-
-def bearer(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
-
-
-def admin() -> dict[str, str]:
-    return bearer(ADMIN)
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(Path(tmp_path_factory.mktemp("redis")))
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(smollm2_path: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(smollm2_path)
-
-
-@pytest.fixture
-async def ingress(redis_server: RedisServer, tokenizer: Any) -> AsyncIterator[Ingress]:
-    keys = unique_keys()
-    settings = IngressSettings(
-        model_name=MODEL,
-        tokenizer_path="unused: the tokenizer is injected",
-        max_model_len=128,
-        block_size=BLOCK_SIZE,
-        admin_token=ADMIN,
-        redis_url=redis_server.url,
-        key_prefix=keys.prefix,
-    )
-    redis, clock, spans = (
-        connect(RedisConfig(url=redis_server.url)),
-        FakeClock(),
-        InMemorySpanExporter(),
-    )
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(spans))
-    replicas = FakeReplicas(lambda: state)
-    state = IngressState(settings, replicas, redis, clock, tokenizer, provider.get_tracer("test"))
-    transport = httpx.ASGITransport(app=build_api(state))
-    async with httpx.AsyncClient(transport=transport, base_url="http://ingress") as client:
-        under_test = Ingress(client, state, replicas, clock, spans, keys)
-        yield under_test
-    # Invariant: every answered or refused request gave its reservation back.
-    for tenant_id in under_test.api_keys:
-        assert await state.admission.reserved_blocks(tenant_id) == 0, tenant_id
-    await redis.aclose()
+from tests.serving.ingress_harness import BLOCK_SIZE, MODEL, PROMPT, Ingress, admin, bearer
 
 
 async def test_a_completion_answers_with_usage_and_gives_its_reservation_back(
@@ -259,12 +123,21 @@ async def test_prompt_rate_retry_after_follows_the_injected_clock(
     assert (await ingress.complete(api_key)).status_code == 200
 
 
-async def test_a_failing_replica_is_503_and_releases(ingress: Ingress) -> None:
+async def test_a_failing_replica_is_503_without_its_error_text(
+    ingress: Ingress, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The replica's exception (on a cluster a Ray traceback) is logged under the request
+    id the client gets, never answered."""
     api_key = await ingress.add_tenant("acme", kv_budget_blocks=8)
     ingress.replicas.fail = True
-    response = await ingress.complete(api_key)
+    with caplog.at_level(logging.INFO):
+        response = await ingress.complete(api_key)
     assert response.status_code == 503
-    assert "replica died" in response.json()["error"]["message"]
+    error = response.json()["error"]
+    assert error["type"] == "server_error" and error["code"] == 503
+    request_id = response.headers["x-request-id"]
+    assert "replica died" not in response.text and request_id in error["message"]
+    assert any(request_id in record.getMessage() for record in caplog.records)
 
 
 async def test_spans_carry_the_tenant_and_never_the_prompt_or_key(ingress: Ingress) -> None:

@@ -1,0 +1,153 @@
+"""Every failure of the ingress as an OpenAI error body, and a request id on every response.
+
+Contract: each response carries ``x-request-id`` (a fresh id per request); each error body
+is ``{"error": {"message", "type", "code"}}`` with ``code`` the HTTP status and ``type`` one
+of :data:`ERROR_TYPES`. Client errors (4xx) keep their message; server errors (5xx) and
+unhandled exceptions answer a fixed text with the request id, and the real cause (replica
+exceptions, Redis addresses, tracebacks) goes only to the server log, under the same id.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.datastructures import MutableHeaders
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from serving.input_limits import ASGIApp, InputError, Message, Receive, Scope, Send
+from serving.openai_http import HTTPError
+
+logger = logging.getLogger("vtoken.ingress")
+
+REQUEST_ID_HEADER = "x-request-id"
+_SCOPE_KEY = "vtoken.request_id"
+ERROR_TYPES = frozenset(
+    {
+        "invalid_request",
+        "request_too_large",
+        "auth",
+        "not_found",
+        "method_not_allowed",
+        "conflict",
+        "rate_limit",
+        "service_unavailable",
+        "server_error",
+    }
+)
+_TYPE_OF_STATUS = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+_SERVER_MESSAGES = {
+    503: "the service is unavailable right now; retry later",
+    504: "the request timed out; retry later",
+}
+
+
+def error_body(status: int, message: str, kind: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "code": status}}
+
+
+def request_id_of(scope: Scope) -> str:
+    return str(scope.get(_SCOPE_KEY, "-"))
+
+
+def client_message(scope: Scope, status: int, message: str, kind: str) -> str:
+    """What the client reads; logs the error under the request id (5xx with the cause)."""
+    request_id = request_id_of(scope)
+    if status < 500:
+        logger.info("request %s: %d %s: %s", request_id, status, kind, message)
+        return message
+    logger.error("request %s: %d %s: %s", request_id, status, kind, message)
+    text = _SERVER_MESSAGES.get(status, "internal server error")
+    return f"{text} (request id {request_id})"
+
+
+def _json(scope: Scope, status: int, message: str, kind: str, headers: Any = None) -> JSONResponse:
+    body = error_body(status, client_message(scope, status, message, kind), kind)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+async def _http_error(request: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, HTTPError)
+    return _json(request.scope, error.status, error.message, error.kind, error.headers)
+
+
+async def _starlette_error(request: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, StarletteHTTPException)
+    status = error.status_code
+    kind = _TYPE_OF_STATUS.get(status, "invalid_request" if status < 500 else "server_error")
+    message = f"{error.detail}: {request.method} {request.url.path}"
+    return _json(request.scope, status, message, kind, getattr(error, "headers", None))
+
+
+async def _validation_error(request: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, RequestValidationError)
+    problems = "; ".join(
+        f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors()
+    )
+    return _json(request.scope, 400, f"invalid request: {problems}", "invalid_request")
+
+
+async def answer_input_error(scope: Scope, send: Send, error: InputError) -> None:
+    """The response to a request :mod:`serving.input_limits` refused."""
+    response = _json(scope, error.status, error.message, error.kind)
+    await response({"type": "http"}, _no_receive, send)
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}
+
+
+def install_error_handlers(api: FastAPI) -> None:
+    """OpenAI error bodies for our errors, FastAPI's and Starlette's (404, 405, 422->400),
+    and :class:`RequestIdMiddleware` around the app (unhandled exceptions -> 500)."""
+    api.add_exception_handler(HTTPError, _http_error)
+    api.add_exception_handler(StarletteHTTPException, _starlette_error)
+    api.add_exception_handler(RequestValidationError, _validation_error)
+
+
+class RequestIdMiddleware:
+    """Gives each HTTP request an id (``x-request-id`` on its response) and turns an
+    exception that escapes the app into a 500 error body, logged with its traceback. When
+    the response had already started (a stream), the body is ended instead."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = uuid.uuid4().hex
+        scope[_SCOPE_KEY] = request_id
+        started = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                message.setdefault("headers", [])
+                MutableHeaders(scope=message).append(REQUEST_ID_HEADER, request_id)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            logger.exception("request %s: unhandled error", request_id)
+            if started:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+            message = f"internal server error (request id {request_id})"
+            body = error_body(500, message, "server_error")
+            await send_with_id(
+                {
+                    "type": "http.response.start",
+                    "status": 500,
+                    "headers": [(b"content-type", b"application/json")],
+                }
+            )
+            await send({"type": "http.response.body", "body": json.dumps(body).encode()})

@@ -1,0 +1,137 @@
+"""The ingress app in-process for tests: a real redis-server, SmolLM2's tokenizer, a fake
+clock, an in-memory span exporter and a fake engine handle (the e2e tests drive the real
+engines). The fixtures that use it are in ``tests/serving/conftest.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+from fastapi import FastAPI
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from controlplane.keys import KeySpace
+from controlplane.redis_conn import RedisConfig, connect
+from serving.ingress import build_api
+from serving.input_limits import InputLimits
+from serving.openai_http import IngressSettings, IngressState
+from tests.controlplane.fakes import FakeClock
+from tests.redis_server import unique_keys
+
+ADMIN = secrets.token_urlsafe(32)
+MODEL = "smollm2"
+BLOCK_SIZE = 16
+PROMPT = "The secret prompt zebra-42 must never reach a span"
+
+
+class FakeReplicas:
+    """A Serve handle to engines answering "Hello there" in two chunks. Records every
+    request; while answering, waits on `gate` and notes the tenant's reserved blocks."""
+
+    def __init__(self, state_of: Any) -> None:
+        self.requests: list[dict[str, Any]] = []
+        self.reserved_while_answering: list[int] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.arrived = asyncio.Event()
+        self.fail = False
+        self._state_of = state_of
+        self.generate = SimpleNamespace(remote=self._remote)
+
+    def options(self, stream: bool) -> FakeReplicas:
+        assert stream
+        return self
+
+    def _remote(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        self.requests.append(request)
+        return self._answer(request)
+
+    async def _answer(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        admission = self._state_of().admission
+        self.reserved_while_answering.append(await admission.reserved_blocks(request["tenant_id"]))
+        self.arrived.set()
+        prompt_tokens = len(request["prompt_token_ids"])
+        yield {"text": "Hello", "prompt_tokens": prompt_tokens, "completion_tokens": 1}
+        await self.gate.wait()
+        if self.fail:
+            raise RuntimeError("replica died")
+        yield {
+            "text": " there",
+            "finish_reason": "length",
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": 2,
+        }
+
+
+@dataclass
+class Ingress:
+    client: httpx.AsyncClient
+    state: IngressState
+    replicas: FakeReplicas
+    clock: FakeClock
+    spans: InMemorySpanExporter
+    keys: KeySpace
+    api: FastAPI
+    api_keys: dict[str, str] = field(default_factory=dict)
+
+    async def add_tenant(self, tenant_id: str, **limits: Any) -> str:
+        response = await self.client.put(
+            f"/admin/tenants/{tenant_id}", json=limits, headers=admin()
+        )
+        assert response.status_code == 201, response.text
+        self.api_keys[tenant_id] = response.json()["api_key"]
+        return self.api_keys[tenant_id]
+
+    async def complete(self, api_key: str, **body: Any) -> httpx.Response:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, **body}
+        return await self.client.post("/v1/completions", json=body, headers=bearer(api_key))
+
+    def finished(self, name: str) -> list[ReadableSpan]:
+        return [span for span in self.spans.get_finished_spans() if span.name == name]
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def admin() -> dict[str, str]:
+    return bearer(ADMIN)
+
+
+@contextlib.asynccontextmanager
+async def running_ingress(
+    redis_url: str, tokenizer: Any, limits: InputLimits | None = None
+) -> AsyncIterator[Ingress]:
+    """An ingress on a fresh key space; at exit asserts that every answered or refused
+    request gave its reservation back."""
+    keys = unique_keys()
+    settings = IngressSettings(
+        model_name=MODEL,
+        tokenizer_path="unused: the tokenizer is injected",
+        max_model_len=128,
+        block_size=BLOCK_SIZE,
+        admin_token=ADMIN,
+        redis_url=redis_url,
+        key_prefix=keys.prefix,
+    )
+    redis, clock, spans = connect(RedisConfig(url=redis_url)), FakeClock(), InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    replicas = FakeReplicas(lambda: state)
+    state = IngressState(settings, replicas, redis, clock, tokenizer, provider.get_tracer("test"))
+    api = build_api(state, limits)
+    transport = httpx.ASGITransport(app=api)
+    async with httpx.AsyncClient(transport=transport, base_url="http://ingress") as client:
+        under_test = Ingress(client, state, replicas, clock, spans, keys, api)
+        yield under_test
+    for tenant_id in under_test.api_keys:
+        assert await state.admission.reserved_blocks(tenant_id) == 0, tenant_id
+    await redis.aclose()

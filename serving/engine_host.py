@@ -25,8 +25,9 @@ from controlplane.clock import SystemClock
 from controlplane.keys import KeySpace
 from controlplane.models import EngineCounters, TenantUsage
 from controlplane.openai_models import GenerateChunk, GenerateRequest
+from controlplane.plan_follower import PlanFollower
 from controlplane.publisher import PublisherConfig, ReportPublisher
-from controlplane.redis_conn import REDIS_ERRORS, RedisConfig, connect
+from controlplane.redis_conn import RedisConfig, connect
 from controlplane.store import RedisStore
 from controlplane.tracing import configure_tracing, extract_context
 from policies import CAP_POLICY
@@ -37,7 +38,6 @@ logger = logging.getLogger(__name__)
 PLAN_POLL_S = 1.0
 PLAN_MAX_AGE_S = 30.0  # an older plan's pressure is dropped: no controller is measuring
 COUNTERS_TIMEOUT_S = 2.0
-PLAN_READ_ERRORS: tuple[type[Exception], ...] = (*REDIS_ERRORS, ValueError)
 COUNTERS_MAX_AGE_PERIODS = 5  # older counters are not published: the replica goes stale
 
 
@@ -293,6 +293,7 @@ class ReplicaReporter:
             period_s=host.settings.report_period_s,
         )
         self.publisher = ReportPublisher(store, host.fresh_counters, SystemClock(), config)
+        self.plan = PlanFollower(store, host.replica_id, SystemClock(), PLAN_MAX_AGE_S)
         self.store = store
         self.stop = asyncio.Event()
 
@@ -307,24 +308,12 @@ class ReplicaReporter:
 
         async def follow_plan() -> None:
             while not self.stop.is_set():
+                # One GET per poll; the plan itself only when its version moved.
+                pressure = await self.plan.poll()
                 try:
-                    plan = await self.store.read_plan()
-                except PLAN_READ_ERRORS as error:
-                    # Redis away, or a plan this replica cannot parse: keep the last pressure.
-                    logger.warning("replica %s: no plan (%s)", self.host.replica_id, error)
-                    plan = None
-                if plan is not None and time.time() - plan.created_s > PLAN_MAX_AGE_S:
-                    plan = plan.model_copy(update={"pressure": {}})  # its controller is gone
-                if plan is not None:
-                    mine = plan.pressure.get(self.host.replica_id, {})
-                    try:
-                        await self.host.apply_pressure(
-                            {t: p.keep_fraction for t, p in mine.items()}
-                        )
-                    except Exception:  # noqa: BLE001 - a dead engine fails its own health check
-                        logger.exception(
-                            "replica %s: applying pressure failed", self.host.replica_id
-                        )
+                    await self.host.apply_pressure(pressure)
+                except Exception:  # noqa: BLE001 - a dead engine fails its own health check
+                    logger.exception("replica %s: applying pressure failed", self.host.replica_id)
                 await asyncio.sleep(PLAN_POLL_S)
 
         await asyncio.gather(poll(), follow_plan(), self.publisher.run(self.stop))

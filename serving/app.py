@@ -14,6 +14,7 @@ from controlplane.admin_token import AdminTokenSource, check_admin_token
 from serving.controller import ControllerDeployment
 from serving.engine_host import EngineReplica, ReplicaSettings
 from serving.ingress import Ingress
+from serving.input_limits import InputLimits
 from serving.router import VTokenRequestRouter
 
 
@@ -33,6 +34,7 @@ class AppArgs(AdminTokenSource):
     max_ongoing_requests: int = Field(default=16, ge=1)
     controller_period_s: float = Field(default=0.5, gt=0)
     engine: ReplicaSettings = Field(default_factory=ReplicaSettings)
+    limits: InputLimits = Field(default_factory=InputLimits)
     admission: Literal["active_kv", "worst_case"] = "active_kv"
     """``active_kv``: a request counts its prompt until prefill ends, then its policy's
     bound; ``worst_case``: it counts prompt + max_tokens for its whole life, no credit for
@@ -110,6 +112,7 @@ def build_app(args: dict[str, Any], *, admin_token: str | None = None) -> Applic
         "max_model_len": engine_settings.max_model_len,
         "block_size": engine_settings.block_size,
         "admin_token": token,
+        "limits": config.limits.model_dump(),
         "redis_url": config.redis_url,
         "key_prefix": config.key_prefix,
         "keep_ratio": (

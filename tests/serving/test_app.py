@@ -64,3 +64,10 @@ def test_build_app_refuses_a_missing_or_weak_token_at_start(monkeypatch: pytest.
         build_app({"redis_url": "redis://127.0.0.1:1/0"})
     with pytest.raises(ValueError, match="fewer than 32"):
         build_app({"redis_url": "redis://127.0.0.1:1/0"}, admin_token="demo-admin-token")
+
+
+def test_input_limits_are_serve_config_args():
+    args = AppArgs.model_validate({"redis_url": "redis://x", "limits": {"max_prompt_chars": 10}})
+    assert args.limits.max_prompt_chars == 10
+    with pytest.raises(ValueError, match="max_body_bytes"):
+        AppArgs.model_validate({"redis_url": "redis://x", "limits": {"max_body_bytes": 0}})

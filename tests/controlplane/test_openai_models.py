@@ -1,0 +1,88 @@
+"""The OpenAI request bodies: served fields validated, every other field refused by name."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from controlplane.openai_models import (
+    MAX_STOP_CHARS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    prompt_chars,
+)
+
+BASE = {"model": "m", "prompt": "hi"}
+
+
+def test_served_sampling_fields_are_accepted():
+    body = CompletionRequest.model_validate(
+        {
+            **BASE,
+            "seed": 7,
+            "stop": "\n",
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "presence_penalty": 0.5,
+            "frequency_penalty": -0.5,
+            "max_tokens": 12,
+            "user": "end-user-1",
+            "n": 1,
+            "logprobs": None,
+            "cache_salt": "ignored",
+        }
+    )
+    assert (body.seed, body.stop, body.temperature, body.top_p) == (7, ["\n"], 0.5, 0.9)
+    assert (body.presence_penalty, body.frequency_penalty, body.max_tokens) == (0.5, -0.5, 12)
+    assert "cache_salt" not in body.model_dump()
+
+
+@pytest.mark.parametrize(
+    "field", ["best_of", "echo", "tools", "logit_bias", "suffix", "tool_choice", "functions"]
+)
+def test_an_unserved_field_is_refused_by_name(field):
+    with pytest.raises(ValidationError) as raised:
+        CompletionRequest.model_validate({**BASE, field: 1})
+    assert raised.value.errors()[0]["loc"] == (field,)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("n", 2), ("logprobs", 2), ("logprobs", 0), ("top_logprobs", 3)]
+)
+def test_several_choices_and_logprobs_are_refused_by_name(field, value):
+    with pytest.raises(ValidationError) as raised:
+        CompletionRequest.model_validate({**BASE, field: value})
+    assert raised.value.errors()[0]["loc"] == (field,)
+
+
+def test_chat_logprobs_false_and_nulls_mean_the_defaults():
+    body = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            "logprobs": False,
+            "temperature": None,
+            "stop": None,
+        }
+    )
+    assert body.temperature == 1.0 and body.stop is None
+    assert body.messages[0].content == "hi"
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": [{"role": "user", "content": "x", "tool_calls": []}]}
+        )
+
+
+@pytest.mark.parametrize("stop", [["a"] * 5, ["x" * (MAX_STOP_CHARS + 1)], "x" * 5_000_000, [""]])
+def test_stop_strings_are_bounded(stop):
+    with pytest.raises(ValidationError) as raised:
+        CompletionRequest.model_validate({**BASE, "stop": stop})
+    assert raised.value.errors()[0]["loc"][0] == "stop"
+
+
+def test_prompt_chars_counts_text_of_any_shape():
+    assert prompt_chars({"prompt": "abc"}) == 3
+    assert prompt_chars({"prompt": ["ab", "cd"]}) == 4
+    messages = [{"role": "user", "content": "abc"}, {"content": [{"type": "text", "text": "de"}]}]
+    assert prompt_chars({"messages": messages}) == 5
+    assert prompt_chars({"prompt": 5, "messages": {"x": None}}) == 0

@@ -244,7 +244,7 @@ class IngressState:
         stream: Any = None
         try:
             stream = self.replicas.options(stream=True).generate.remote(request.model_dump())
-            tokens_seen, seen_at = 0, self.clock.now()
+            tokens_seen, seen_at, finished = 0, self.clock.now(), False
             async for raw in stream:
                 chunk = GenerateChunk.model_validate(raw)
                 if chunk.error:
@@ -257,8 +257,11 @@ class IngressState:
                 if chunk.completion_tokens and reservation.blocks > reservation.steady:
                     # A token is out, so prefill is over: from here the policy bounds the KV.
                     reservation = await self._settle(reservation)
+                finished = chunk.finish_reason is not None
                 yield chunk
-            stream = None  # finished: nothing to cancel
+            stream = None  # ended: nothing to cancel
+            if not finished:  # a replica that vanished must not look like a short answer
+                raise RuntimeError("the replica's stream ended without a finish reason")
         except HTTPError:
             raise
         except asyncio.CancelledError:

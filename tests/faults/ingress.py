@@ -26,8 +26,9 @@ PROMPT = "Say hello to the fault suite"
 
 class ReplicaStream:
     """One answer: "Hello", then (once `gate` opens) " there", or an exception when the
-    handle was told to fail. Records whether the caller cancelled it (Serve's
-    `DeploymentResponseGenerator.cancel`, which aborts the engine request)."""
+    handle was told to `fail`, or nothing more when told to `cut`. Records whether the
+    caller cancelled it (Serve's `DeploymentResponseGenerator.cancel`, which aborts the
+    engine request)."""
 
     def __init__(self, handle: FakeReplicas, request: dict[str, Any]) -> None:
         self.cancelled = False
@@ -49,6 +50,8 @@ class ReplicaStream:
         await handle.gate.wait()
         if handle.fail:
             raise RuntimeError("replica died: ActorDiedError at 10.1.2.3:6379 Traceback (...)")
+        if handle.cut:
+            return  # the stream just ends: no finish reason, no error
         yield {
             "text": " there",
             "finish_reason": "length",
@@ -66,6 +69,7 @@ class FakeReplicas:
         self.gate.set()
         self.arrived = asyncio.Event()
         self.fail = False
+        self.cut = False
         self.generate = SimpleNamespace(remote=self._remote)
 
     def options(self, stream: bool) -> FakeReplicas:

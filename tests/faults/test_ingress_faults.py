@@ -184,12 +184,16 @@ async def test_an_ingress_whose_clock_is_ten_minutes_ahead_changes_nothing(
     await b.releaser.close()
 
 
-@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    ("stream", "how"), [(s, h) for s in (False, True) for h in ("fail", "cut")]
+)
 async def test_a_replica_dying_mid_answer_ends_it_with_an_error(
-    stream: bool, ingress: Ingress, redis_server: RedisServer
+    stream: bool, how: str, ingress: Ingress, redis_server: RedisServer
 ) -> None:
+    """The replica raises (Ray's ActorDiedError) or its stream just stops: either way the
+    client gets an error, never an answer silently cut short."""
     await ingress.add_tenant("acme", kv_budget_blocks=8)
-    ingress.replicas.fail = True
+    setattr(ingress.replicas, how, True)
     response = await ingress.complete("acme", stream=stream)
     assert not leaks_internals(response.text, redis_server.port), response.text
     if stream:
@@ -201,3 +205,20 @@ async def test_a_replica_dying_mid_answer_ends_it_with_an_error(
     else:
         assert_openai_503(response, redis_server.port)
     assert await ingress.state.admission.reserved_blocks("acme") == 0
+
+
+async def test_a_client_that_leaves_cancels_the_engine_request_and_releases(
+    ingress: Ingress,
+) -> None:
+    """The handler is cancelled mid-answer (the client hung up): the replica stream is
+    cancelled (Serve then aborts the vLLM request, freeing its KV: see
+    tests/serving/test_engine_host.py) and the reservation is given back."""
+    await ingress.add_tenant("acme", kv_budget_blocks=8)
+    ingress.replicas.gate.clear()
+    answer = asyncio.create_task(ingress.complete("acme"))
+    await asyncio.wait_for(ingress.replicas.arrived.wait(), 10)
+    answer.cancel()
+    await asyncio.gather(answer, return_exceptions=True)
+    (stream,) = ingress.replicas.streams
+    assert stream.cancelled
+    assert await wait_released(ingress.state.admission, "acme", timeout_s=5) == 0

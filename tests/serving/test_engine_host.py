@@ -181,3 +181,75 @@ def test_health_never_depends_on_the_report_loop():
         replica._task.cancel()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.slow
+def test_a_caller_that_goes_away_aborts_the_engine_request_and_frees_its_kv(tmp_path, smollm2_path):
+    """What Serve does when the ingress cancels (the client disconnected): the replica's
+    generator is cancelled or closed mid-answer. vLLM must abort the request: it stops
+    running and every KV block it held is free again (the engine's counters say so)."""
+    import os
+
+    from tests.tiny_model import make_tiny_llama
+    from workers.engine import CPU_ENV
+
+    for name, value in CPU_ENV.items():
+        os.environ.setdefault(name, value)
+    folder = make_tiny_llama(tmp_path / "tiny", tokenizer_source=smollm2_path)
+    settings = ReplicaSettings(
+        model=str(folder), block_size=32, max_model_len=1024, max_num_seqs=4, num_blocks=64
+    )
+
+    def request(request_id: str) -> GenerateRequest:
+        return GenerateRequest(
+            request_id=request_id,
+            tenant_id="leaver",
+            prompt_token_ids=list(range(1, 200)),
+            max_tokens=800,
+            temperature=1.0,
+            top_p=1.0,
+            seed=7,
+        )
+
+    async def scenario() -> list[tuple[int, int]]:
+        host = EngineHost(settings, "r1")
+        seen: list[tuple[int, int]] = []
+        try:
+            # (1) The consumer's task is cancelled (Serve cancels the replica call).
+            started = asyncio.Event()
+
+            async def consume() -> None:
+                async for chunk in host.generate(request("cancelled")):
+                    if chunk.completion_tokens >= 3:
+                        started.set()
+
+            task = asyncio.create_task(consume())
+            await asyncio.wait_for(started.wait(), 120)
+            held = await host.refresh_counters()
+            assert held.running_requests == 1 and held.used_blocks >= 7  # 199-token prompt
+            task.cancel()
+            seen.append(await _drained(host))
+            # (2) The generator is closed after a few chunks (the stream was abandoned).
+            stream = host.generate(request("closed"))
+            async for chunk in stream:
+                if chunk.completion_tokens >= 3:
+                    break
+            await stream.aclose()
+            seen.append(await _drained(host))
+        finally:
+            host.shutdown()
+        return seen
+
+    for running, used in asyncio.run(scenario()):
+        assert (running, used) == (0, 0)
+
+
+async def _drained(host: EngineHost, timeout_s: float = 30.0) -> tuple[int, int]:
+    """(running requests, used blocks) once both are 0, or when `timeout_s` passed."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        counters = await host.refresh_counters()
+        if (counters.used_blocks == 0 and host.running == 0) or loop.time() > deadline:
+            return host.running, counters.used_blocks
+        await asyncio.sleep(0.1)

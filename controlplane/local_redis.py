@@ -27,9 +27,11 @@ def free_port() -> int:
 
 
 class LocalRedis:
-    """One `redis-server` process. `persistent=True` keeps an append-only file in
-    `directory`, so `restart()` (graceful SIGTERM, then start on the same port) keeps
-    every key; `persistent=False` keeps nothing on disk (benchmarks)."""
+    """One `redis-server` process. `persistent=True` (the default, and what the demo and
+    tests run) keeps an append-only file in `directory` (`appendonly yes`, fsync every
+    second), so tenants, API keys and reservations survive `restart()` (graceful SIGTERM,
+    then start on the same port) and even `kill()` (SIGKILL: at most the last second of
+    writes is lost); `persistent=False` keeps nothing on disk (benchmarks only)."""
 
     def __init__(
         self,
@@ -68,6 +70,8 @@ class LocalRedis:
         args += ["--dir", str(self.directory), "--save", "", "--daemonize", "no"]
         args += ["--logfile", str(self.directory / "redis.log")]
         args += ["--appendonly", "yes" if self.persistent else "no"]
+        if self.persistent:
+            args += ["--appendfsync", "everysec"]
         if self.password:
             args += ["--requirepass", self.password]
         with open(self.directory / "redis.stderr", "ab") as stderr:
@@ -104,6 +108,13 @@ class LocalRedis:
         try:
             process.wait(timeout_s)
         except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would: no final flush of the append-only file."""
+        process, self._process = self._process, None
+        if process is not None and process.poll() is None:
             process.kill()
             process.wait()
 

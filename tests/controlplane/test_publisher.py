@@ -17,7 +17,7 @@ from tests.redis_server import RedisServer, free_port, unique_keys
 
 @pytest.fixture(scope="module")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    with RedisServer(Path(tmp_path_factory.mktemp("redis")), persistent=False) as server:
+    with RedisServer(Path(tmp_path_factory.mktemp("redis"))) as server:
         yield server
 
 

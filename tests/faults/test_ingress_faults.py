@@ -40,7 +40,7 @@ def tokenizer(smollm2_path: Path) -> Any:
 @pytest.fixture
 def own_server(tmp_path: Path) -> Iterator[RedisServer]:
     """A server of this test alone (it may be stopped)."""
-    with RedisServer(tmp_path / "redis", persistent=False) as server:
+    with RedisServer(tmp_path / "redis") as server:
         yield server
 
 

@@ -93,7 +93,8 @@ class RedisStore:
         return None if raw is None else TenantQuota.model_validate_json(raw)
 
     async def delete_quota(self, tenant_id: str) -> bool:
-        """Delete a tenant; True when it existed. Its reservations lapse on their own."""
+        """Delete a tenant's quota only; True when it existed. Deleting a tenant for good
+        (keys and reservations too, atomically) is :func:`controlplane.tenants.remove_tenant`."""
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hdel(self.keys.quotas, tenant_id)
             pipe.incr(self.keys.quotas_version)

@@ -27,13 +27,17 @@ failover problem in Redis must never stop a loop (nor restart an engine)."""
 class RedisConfig:
     """How to reach Redis. `redis://`, `rediss://` (TLS) and `unix://` URLs are accepted;
     a password may sit in the URL (`redis://:secret@host:6379/0`) or in `password`,
-    which wins. Short timeouts keep a dead Redis from stalling a loop for long."""
+    which wins. Short timeouts keep a dead Redis from stalling a loop for long. At most
+    `max_connections` commands are in flight per client; more wait up to
+    `connect_timeout_s` for a free connection instead of failing at once (redis-py's
+    default pool refuses the 101st concurrent command with `MaxConnectionsError`)."""
 
     url: str = "redis://127.0.0.1:6379/0"
     password: str | None = field(default=None, repr=False)
     socket_timeout_s: float = 1.0
     connect_timeout_s: float = 1.0
     command_retries: int = 2
+    max_connections: int = 512
 
     def __post_init__(self) -> None:
         scheme = urlsplit(self.url).scheme
@@ -45,6 +49,8 @@ class RedisConfig:
             raise ValueError("Redis timeouts must be positive")
         if self.command_retries < 0:
             raise ValueError("command_retries must be >= 0")
+        if self.max_connections < 1:
+            raise ValueError("max_connections must be >= 1")
 
 
 def connect(config: RedisConfig) -> aioredis.Redis:
@@ -63,7 +69,13 @@ def connect(config: RedisConfig) -> aioredis.Redis:
     }
     if config.password is not None:
         kwargs["password"] = config.password
-    return aioredis.Redis.from_url(config.url, **kwargs)
+    pool = aioredis.BlockingConnectionPool.from_url(
+        config.url,
+        max_connections=config.max_connections,
+        timeout=config.connect_timeout_s,
+        **kwargs,
+    )
+    return aioredis.Redis.from_pool(pool)  # closing the client closes its pool
 
 
 class Backoff:

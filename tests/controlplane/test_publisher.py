@@ -17,7 +17,9 @@ from tests.redis_server import RedisServer, free_port, unique_keys
 
 @pytest.fixture(scope="module")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    with RedisServer(Path(tmp_path_factory.mktemp("redis"))) as server:
+    # Not persistent: these tests hold writes to 20 ms deadlines, and with appendfsync
+    # everysec Redis postpones writes while a slow background fsync runs (a busy disk).
+    with RedisServer(Path(tmp_path_factory.mktemp("redis")), persistent=False) as server:
         yield server
 
 

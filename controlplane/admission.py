@@ -15,8 +15,10 @@ rejected (it could never be held within it).
 Time is Redis's (`TIME` inside the scripts), never an ingress's wall clock: an ingress
 whose clock is off cannot lapse other ingresses' reservations or refill a rate bucket
 early. A reservation lapses `reservation_ttl_s` after its admission or last `renew` (a
-running request renews it every third of that); the tenant's running total
-(:func:`reservation_total_key`) always equals the sum of its held reservations.
+running request renews it every third of that). The tenant's running total
+(`KeySpace.reservation_total`) always equals the sum of its held reservations: admission
+reads one number instead of summing them all (73 ms per admission inside Redis at 50k
+live reservations of one tenant on a loaded 2-core machine; 30 us with the total).
 """
 
 from __future__ import annotations
@@ -137,13 +139,6 @@ redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[2]), ARGV[1])
 return 1
 """
 )
-
-
-def reservation_total_key(keys: KeySpace, tenant_id: str) -> str:
-    """String: the sum of the tenant's reservations in blocks, kept by every script that
-    changes one (admit, settle, release, lapse), so admission reads one number instead of
-    summing every reservation (HVALS: 17.7 ms inside Redis at 50k live reservations)."""
-    return f"{keys.prefix}:resv-total:{tenant_id}"
 
 
 class AdmissionOutcome(enum.Enum):
@@ -306,7 +301,7 @@ class Admission:
                     self.keys.reservation_deadlines(tenant_id),
                     self.keys.rate_bucket(tenant_id),
                     self.keys.reservation_starts(tenant_id),
-                    reservation_total_key(self.keys, tenant_id),
+                    self.keys.reservation_total(tenant_id),
                 ],
                 args=[
                     tenant_id,
@@ -351,7 +346,7 @@ class Admission:
             return reservation
         tenant_id = reservation.tenant_id
         await self._settle(
-            keys=[self.keys.reservations(tenant_id), reservation_total_key(self.keys, tenant_id)],
+            keys=[self.keys.reservations(tenant_id), self.keys.reservation_total(tenant_id)],
             args=[reservation.request_id, reservation.steady],
         )
         return Reservation(
@@ -367,7 +362,7 @@ class Admission:
                 self.keys.reservations(tenant_id),
                 self.keys.reservation_deadlines(tenant_id),
                 self.keys.reservation_starts(tenant_id),
-                reservation_total_key(self.keys, tenant_id),
+                self.keys.reservation_total(tenant_id),
             ],
             args=[reservation.request_id],
         )
@@ -422,7 +417,7 @@ class Admission:
     async def reserved_blocks(self, tenant_id: str) -> int:
         """The tenant's running reservation total (lapsed ones included until next admit);
         before its first admission, the sum of whatever is held."""
-        total = await self._redis.get(reservation_total_key(self.keys, tenant_id))
+        total = await self._redis.get(self.keys.reservation_total(tenant_id))
         if total is not None:
             return int(total)
         values = await self._redis.hvals(self.keys.reservations(tenant_id))
@@ -432,7 +427,7 @@ class Admission:
         """The running total equals the sum of the held reservations, every held
         reservation has a deadline, and none is negative (tests call this)."""
         held = await self._redis.hgetall(self.keys.reservations(tenant_id))
-        total = await self._redis.get(reservation_total_key(self.keys, tenant_id))
+        total = await self._redis.get(self.keys.reservation_total(tenant_id))
         deadlines = await self._redis.zrange(self.keys.reservation_deadlines(tenant_id), 0, -1)
         blocks = [int(value) for value in held.values()]
         assert all(b >= 0 for b in blocks), held

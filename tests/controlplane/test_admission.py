@@ -14,7 +14,6 @@ from controlplane.admission import (
     KVBounds,
     Reservation,
     kv_bounds,
-    reservation_total_key,
 )
 from controlplane.keys import KeySpace
 from controlplane.store import RedisStore
@@ -239,10 +238,10 @@ async def test_the_running_total_is_what_admission_counts(
     await redis.hset(keys.reservations("acme"), mapping={"old-1": 4, "old-2": 4})
     await redis.zadd(keys.reservation_deadlines("acme"), {"old-1": 2**50, "old-2": 2**50})
     assert (await admission.admit(tenant, "a", 32, 0)).admitted  # 4 + 4 + 2 = 10
-    assert await redis.get(reservation_total_key(keys, "acme")) == "10"
-    await redis.set(reservation_total_key(keys, "acme"), 0)  # the total decides, not HVALS
+    assert await redis.get(keys.reservation_total("acme")) == "10"
+    await redis.set(keys.reservation_total("acme"), 0)  # the total decides, not HVALS
     assert (await admission.admit(tenant, "b", 32, 0)).admitted
-    await redis.set(reservation_total_key(keys, "acme"), 12)
+    await redis.set(keys.reservation_total("acme"), 12)
     for request_id in ("old-1", "old-2", "a", "b"):
         await admission.release(Reservation("acme", request_id, 0, 0))
 

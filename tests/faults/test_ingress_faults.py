@@ -102,7 +102,7 @@ async def test_a_failed_release_never_spoils_a_finished_answer(
     await asyncio.wait_for(ingress.replicas.arrived.wait(), 10)
     async with read_only(admin):
         ingress.replicas.gate.set()
-        response = await asyncio.wait_for(answer, 5)
+        response = await asyncio.wait_for(answer, 30)
         assert response.status_code == 200, response.text
         if stream:
             events = sse_events(response.text)
@@ -112,7 +112,7 @@ async def test_a_failed_release_never_spoils_a_finished_answer(
             assert response.json()["choices"][0]["text"] == "Hello there"
         assert ingress.state.releaser.pending == 1
         assert await ingress.state.admission.reserved_blocks("acme") > 0
-    assert await wait_released(ingress.state.admission, "acme", timeout_s=5) == 0
+    assert await wait_released(ingress.state.admission, "acme", timeout_s=20) == 0
     assert ingress.state.releaser.pending == 0
     await ingress.state.admission.check_invariants("acme")
 
@@ -128,12 +128,12 @@ async def test_a_release_stuck_on_paused_writes_does_not_hold_the_answer(
     try:
         started = time.monotonic()
         ingress.replicas.gate.set()
-        response = await asyncio.wait_for(answer, 5)
+        response = await asyncio.wait_for(answer, 30)
         elapsed = time.monotonic() - started
-        assert response.status_code == 200 and elapsed < 1.5, elapsed
+        assert response.status_code == 200 and elapsed < 2.5, elapsed  # writes paused 3 s
     finally:
         await admin.execute_command("CLIENT", "UNPAUSE")
-    assert await wait_released(ingress.state.admission, "acme", timeout_s=5) == 0
+    assert await wait_released(ingress.state.admission, "acme", timeout_s=20) == 0
 
 
 async def test_a_long_request_renews_its_reservation(redis: aioredis.Redis, tokenizer: Any) -> None:
@@ -221,4 +221,4 @@ async def test_a_client_that_leaves_cancels_the_engine_request_and_releases(
     await asyncio.gather(answer, return_exceptions=True)
     (stream,) = ingress.replicas.streams
     assert stream.cancelled
-    assert await wait_released(ingress.state.admission, "acme", timeout_s=5) == 0
+    assert await wait_released(ingress.state.admission, "acme", timeout_s=20) == 0

@@ -11,6 +11,7 @@ from bench import concurrency as bench_concurrency
 from bench import controller as bench_controller
 from bench import fragmentation as bench_fragmentation
 from bench import preemption as bench_preemption
+from bench import quotas as bench_quotas
 from bench import repack as bench_repack
 from bench import scores as bench_scores
 from serving import admin_cli
@@ -29,6 +30,7 @@ bench_app.command("repack")(bench_repack.cli)
 bench_app.command("scores")(bench_scores.cli)
 bench_app.command("concurrency")(bench_concurrency.cli)
 bench_app.command("preemption")(bench_preemption.cli)
+bench_app.command("quotas")(bench_quotas.cli)
 admin_cli.register(app)
 
 

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import secrets
 import tempfile
 import time
 from collections.abc import Iterator
@@ -22,7 +23,7 @@ from typing import Any
 
 import httpx
 
-ADMIN_TOKEN = "demo-admin-token"
+ADMIN_TOKEN = secrets.token_urlsafe(32)  # this run only: the demo binds to loopback
 MAX_ATTEMPTS = 30  # per request; each 429 waits its Retry-After (at most 5 s here)
 
 
@@ -195,8 +196,16 @@ def final_report(state: DemoState) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def local_cluster(num_replicas: int, vtoken: dict[str, Any]) -> Iterator[str]:
-    """Redis + Ray + the Serve app on this machine; yields the HTTP base URL."""
+def local_cluster(
+    num_replicas: int,
+    vtoken: dict[str, Any],
+    *,
+    max_model_len: int = 1024,
+    admission: str = "active_kv",
+    controller_period_s: float = 0.5,
+) -> Iterator[str]:
+    """Redis + Ray + the Serve app (SmolLM2 replicas) on this machine; yields the HTTP
+    base URL. The admin token is ``ADMIN_TOKEN``."""
     import ray
     from ray import serve
 
@@ -213,17 +222,18 @@ def local_cluster(num_replicas: int, vtoken: dict[str, Any]) -> Iterator[str]:
             serve.start(http_options={"host": "127.0.0.1", "port": port})
             args = {
                 "redis_url": redis.url,
-                "admin_token": ADMIN_TOKEN,
                 "num_replicas": num_replicas,
                 "replica_num_cpus": 0.5,
+                "admission": admission,
+                "controller_period_s": controller_period_s,
                 "engine": {
                     "model": "smollm2",
                     "vtoken": vtoken,
-                    "max_model_len": 1024,
+                    "max_model_len": max_model_len,
                     "dtype": "float32",
                 },
             }
-            serve.run(build_app(args), name="vtoken", route_prefix="/")
+            serve.run(build_app(args, admin_token=ADMIN_TOKEN), name="vtoken", route_prefix="/")
             yield f"http://127.0.0.1:{port}"
         finally:
             with contextlib.suppress(Exception):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ from tests.otlp_sink import OTLPSink
 from tests.tiny_model import make_tiny_llama
 
 pytestmark = pytest.mark.slow
-ADMIN = "e2e-admin-token"
+ADMIN = secrets.token_urlsafe(32)
 MODEL = "tiny"
 
 
@@ -50,7 +51,6 @@ def cluster(tmp_path_factory, smollm2_path):
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         args = {
             "redis_url": redis.url,
-            "admin_token": ADMIN,
             "num_replicas": 2,
             "replica_num_cpus": 1,
             "controller_period_s": 0.2,
@@ -63,7 +63,7 @@ def cluster(tmp_path_factory, smollm2_path):
                 "vtoken": {"policy": "h2o", "keep_ratio": 0.5},
             },
         }
-        serve.run(build_app(args), name="vtoken", route_prefix="/")
+        serve.run(build_app(args, admin_token=ADMIN), name="vtoken", route_prefix="/")
         try:
             yield Cluster(f"http://127.0.0.1:{port}", sink, redis.url)
         finally:

@@ -31,5 +31,10 @@ class IngressMetrics:
     def latency(self, tenant_id: str, seconds: float) -> None:
         self._latency.labels(tenant=tenant_id).observe(seconds)
 
+    def forget_tenant(self, tenant_id: str) -> None:
+        """Drop every series of ``tenant_id`` (a deleted tenant's admissions and latency)."""
+        for metric in (self._admissions, self._latency):
+            metric.remove_by_labels({"tenant": tenant_id})
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

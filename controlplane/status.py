@@ -53,14 +53,14 @@ async def cluster_status(store: RedisStore, now_s: float | None = None) -> dict[
             entry["live_tokens"] += usage.live_tokens
     tenants = []
     for tenant_id, quota in sorted(quotas.items()):
-        usage = held.get(tenant_id, {})
+        sums = held.get(tenant_id, {})
         route = plan.tenants.get(tenant_id) if plan else None
         pressure = {
             replica_id: by_tenant[tenant_id].keep_fraction
             for replica_id, by_tenant in (plan.pressure.items() if plan else ())
             if tenant_id in by_tenant
         }
-        blocks, floor = usage.get("blocks", 0), usage.get("floor_blocks", 0)
+        blocks, floor = sums.get("blocks", 0), sums.get("floor_blocks", 0)
         tenants.append(
             {
                 "id": tenant_id,
@@ -68,8 +68,8 @@ async def cluster_status(store: RedisStore, now_s: float | None = None) -> dict[
                 "kv_blocks": blocks,
                 "floor_blocks": floor,
                 "reclaimable_blocks": max(0, blocks - floor),
-                "running_requests": usage.get("requests", 0),
-                "live_tokens": usage.get("live_tokens", 0),
+                "running_requests": sums.get("requests", 0),
+                "live_tokens": sums.get("live_tokens", 0),
                 "over_budget": bool(route and route.over_budget),
                 "replicas": [w.replica_id for w in route.replicas] if route else [],
                 "pressure": pressure,

@@ -113,10 +113,12 @@ async def list_tenants(state: AdminState) -> dict[str, Any]:
 
 @admin_routes.delete("/admin/tenants/{tenant_id}")
 async def delete_tenant(tenant_id: str, state: AdminState) -> dict[str, Any]:
-    """Revokes the tenant's keys, drops its reservations, then its quota (one script)."""
+    """Revokes the tenant's keys, drops its reservations, then its quota (one script), and
+    the tenant's Prometheus series."""
     if not _TENANT_ID.match(tenant_id):
         raise HTTPError(404, f"no tenant {tenant_id!r}", "not_found")
     removal = await remove_tenant(state.store.redis, state.store.keys, tenant_id)
+    state.metrics.forget_tenant(tenant_id)
     if not removal.existed:
         raise HTTPError(404, f"no tenant {tenant_id!r}", "not_found")
     return removal.model_dump(exclude={"existed"})

@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from redis.exceptions import RedisError
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -92,6 +93,16 @@ async def _validation_error(request: Request, error: Exception) -> JSONResponse:
     return _json(request.scope, 400, f"invalid request: {problems}", "invalid_request")
 
 
+async def _redis_error(request: Request, error: Exception) -> JSONResponse:
+    """Redis away or refusing (an admin route; the OpenAI routes answer this themselves):
+    503 with Retry-After, the cause only in the log (its text names Redis's address)."""
+    logger.warning(
+        "request %s: Redis unavailable: %r", request.scope.get("vtoken.request_id"), error
+    )
+    message = "the quota store is unavailable; retry later"
+    return _json(request.scope, 503, message, "server_error", {"Retry-After": "2"})
+
+
 async def answer_input_error(scope: Scope, send: Send, error: InputError) -> None:
     """The response to a request :mod:`serving.input_limits` refused."""
     response = _json(scope, error.status, error.message, error.kind)
@@ -108,6 +119,7 @@ def install_error_handlers(api: FastAPI) -> None:
     api.add_exception_handler(HTTPError, _http_error)
     api.add_exception_handler(StarletteHTTPException, _starlette_error)
     api.add_exception_handler(RequestValidationError, _validation_error)
+    api.add_exception_handler(RedisError, _redis_error)
 
 
 class RequestIdMiddleware:

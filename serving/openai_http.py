@@ -196,6 +196,8 @@ class IngressState:
                 top_p=body.top_p,
                 seed=body.seed,
                 stop=body.stop,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
                 eviction_budget_tokens=quota.eviction_budget_tokens,
                 trace_context=inject_context(),
             )

@@ -77,6 +77,10 @@ async def test_redis_down_at_the_ingress_is_an_openai_503(
             "/v1/models", headers={"Authorization": f"Bearer {Ingress.api_key('acme')}"}
         )
         assert_openai_503(models, own_server.port)
+        admin = {"Authorization": "Bearer admin-token-of-the-fault-suite"}
+        for method, path in (("GET", "/admin/status"), ("GET", "/admin/tenants")):
+            response = await client.request(method, path, headers=admin)
+            assert_openai_503(response, own_server.port)
     await redis.aclose()
 
 

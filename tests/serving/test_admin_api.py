@@ -108,3 +108,14 @@ async def test_deleting_a_tenant_revokes_its_keys_and_drops_its_reservations(
     assert (await ingress.complete(new_key)).status_code == 200
     gone = await ingress.client.delete("/admin/tenants/nobody", headers=admin())
     assert gone.status_code == 404
+
+
+async def test_deleting_a_tenant_drops_its_metric_series(ingress: Ingress) -> None:
+    for tenant_id in ("acme", "globex"):
+        api_key = await ingress.add_tenant(tenant_id, kv_budget_blocks=8)
+        assert (await ingress.complete(api_key)).status_code == 200
+    before = (await ingress.client.get("/metrics", headers=admin())).text
+    assert 'tenant="acme"' in before and 'tenant="globex"' in before
+    assert (await ingress.client.delete("/admin/tenants/acme", headers=admin())).status_code == 200
+    after = (await ingress.client.get("/metrics", headers=admin())).text
+    assert 'tenant="acme"' not in after and 'tenant="globex"' in after

@@ -140,6 +140,7 @@ async def test_served_fields_reach_the_engine(ingress: Ingress) -> None:
     (sent,) = ingress.replicas.requests
     assert (sent["seed"], sent["stop"], sent["temperature"], sent["top_p"]) == (3, ["\n"], 0.2, 0.5)
     assert sent["max_tokens"] == 4
+    assert (sent["presence_penalty"], sent["frequency_penalty"]) == (0.1, 0.2)
 
 
 def test_json_depth_counts_containers():

@@ -104,11 +104,24 @@ class ReportPublisher:
         )
 
     async def publish_once(self) -> bool:
-        """Build and write one report; False (and counted) if anything failed."""
-        with self._tracer.start_as_current_span(telemetry.SPAN_REPORT_PUBLISH) as span:
+        """Build and write one report; False (and counted) if anything failed.
+
+        Traced as one root span per report (`SPAN_REPORT_PUBLISH`, never inside a request's
+        trace) with the report's headline counts; a failed write sets the span's status to
+        ERROR with the error's type (`ATTR_ERROR_KIND`)."""
+        with self._tracer.start_as_current_span(
+            telemetry.SPAN_REPORT_PUBLISH, context=trace.set_span_in_context(trace.INVALID_SPAN)
+        ) as span:
             span.set_attribute(telemetry.ATTR_REPLICA_ID, self.config.replica_id)
             try:
                 report = self.build_report()
+                span.set_attributes(
+                    {
+                        telemetry.ATTR_REPORT_FREE_BLOCKS: report.free_blocks,
+                        telemetry.ATTR_REPORT_RECLAIMABLE_BLOCKS: report.reclaimable_blocks,
+                        telemetry.ATTR_REPORT_NUM_TENANTS: len(report.tenants),
+                    }
+                )
                 await asyncio.wait_for(
                     self._store.publish_report(
                         report, ttl_s=self.config.period_s * self.config.ttl_periods
@@ -119,6 +132,7 @@ class ReportPublisher:
                 self._failed += 1
                 self._last_error = f"{type(error).__name__}: {error}"
                 span.set_attribute(telemetry.ATTR_ERROR_KIND, type(error).__name__)
+                span.set_status(trace.StatusCode.ERROR, type(error).__name__)
                 return False
         self._published += 1
         self._last_published_s = self._clock.now()

@@ -56,3 +56,44 @@ ATTR_KV_PREFIX = "vtoken.kv."
 
 # Metric names (instruments are created by the process that owns the meter).
 METRIC_ADMISSIONS = "vtoken.admissions"
+"""Ingress admission decisions (counter; attributes `ATTR_TENANT_ID`,
+`ATTR_ADMISSION_OUTCOME`: admitted, throttled, rejected): throttles are its `throttled` series."""
+
+# OpenTelemetry metrics (`controlplane/otel_metrics.py` creates the instruments). The meter
+# names are the tracer names: one instrumentation scope per process kind. Block and token
+# counts carry a `{block}` / `{token}` unit (annotations: Prometheus names get no suffix);
+# durations are in `s` (Prometheus names end in `_seconds`); counters end in `_total`.
+METRIC_REPLICA_KV_BLOCKS = "vtoken.replica.kv.blocks"
+"""Gauge: one replica's KV blocks by `ATTR_BLOCK_STATE` (`BLOCK_STATES`)."""
+ATTR_BLOCK_STATE = "vtoken.block.state"
+BLOCK_STATES = ("total", "free", "held", "floor", "reclaimable")
+"""`held`: allocated to running requests (active KV); `floor`: what evicting every request
+to its budget and a repack would leave; `reclaimable`: held - floor."""
+METRIC_REPLICA_LIVE_TOKENS = "vtoken.replica.kv.live_tokens"
+METRIC_REPLICA_RUNNING_REQUESTS = "vtoken.replica.requests.running"
+METRIC_REPLICA_BLOCKS_RECLAIMED = "vtoken.replica.kv.blocks_reclaimed"
+"""Counter: blocks evictions and repacks gave back while their requests still ran."""
+METRIC_REPLICA_PREEMPTIONS = "vtoken.replica.preemptions"
+METRIC_REPLICA_EVICTIONS_UNDER_PRESSURE = "vtoken.replica.evictions_under_pressure"
+METRIC_REPLICA_TENANT_KV_BLOCKS = "vtoken.replica.tenant.kv.blocks"
+"""Gauge: a tenant's active KV on one replica (`ATTR_TENANT_ID`, `ATTR_REPLICA_ID`)."""
+METRIC_TENANT_KV_ACTIVE = "vtoken.tenant.kv.active_blocks"
+"""Gauge: a tenant's active KV across the cluster, as the controller's last plan measured it."""
+METRIC_TENANT_KV_BUDGET = "vtoken.tenant.kv.budget_blocks"
+"""Gauge: a tenant's active-KV budget (its quota's `kv_budget_blocks`)."""
+METRIC_PLAN_AGE = "vtoken.controller.plan.age"
+"""Gauge (s): now minus the current plan's `created_s`; grows when no controller plans."""
+METRIC_CONTROLLER_CYCLE_DURATION = "vtoken.controller.cycle.duration"
+"""Histogram (s): one leader cycle (read reports and quotas, plan, write)."""
+METRIC_TIME_TO_FIRST_TOKEN = "vtoken.request.time_to_first_token"
+"""Histogram (s), per `ATTR_TENANT_ID`: arrival at the ingress to the first token."""
+METRIC_TIME_PER_OUTPUT_TOKEN = "vtoken.request.time_per_output_token"
+"""Histogram (s), per `ATTR_TENANT_ID`: (last token - first token) / (tokens - 1)."""
+
+# Spans of the engine path (inside `SPAN_REPLICA_GENERATE`) and of the report publisher.
+SPAN_ENGINE_FIRST_TOKEN = "vtoken.engine.first_token"
+"""From the replica handing the request to vLLM to its first output (queue + prefill);
+vLLM's own `llm_request` span joins the same trace through `trace_headers`."""
+ATTR_REPORT_FREE_BLOCKS = "vtoken.report.free_blocks"
+ATTR_REPORT_RECLAIMABLE_BLOCKS = "vtoken.report.reclaimable_blocks"
+ATTR_REPORT_NUM_TENANTS = "vtoken.report.num_tenants"

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 from opentelemetry import propagate, trace
 
-_ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+OTLP_ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
 
 
 def tracing_requested(environ: Mapping[str, str] = os.environ) -> bool:
@@ -23,7 +23,7 @@ def tracing_requested(environ: Mapping[str, str] = os.environ) -> bool:
     exporter = environ.get("OTEL_TRACES_EXPORTER", "")
     if exporter and exporter != "otlp":
         return False  # "none", or an exporter this process does not install
-    return exporter == "otlp" or any(environ.get(name) for name in _ENDPOINT_VARIABLES)
+    return exporter == "otlp" or any(environ.get(name) for name in OTLP_ENDPOINT_VARIABLES)
 
 
 def configure_tracing(service_name: str, environ: Mapping[str, str] = os.environ) -> bool:
@@ -45,6 +45,27 @@ def configure_tracing(service_name: str, environ: Mapping[str, str] = os.environ
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(provider)
     return True
+
+
+def engine_traces_endpoint(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The OTLP/HTTP traces URL for vLLM's own spans (its ``otlp_traces_endpoint``), from
+    the same variables as :func:`configure_tracing`; ``None`` when tracing is off.
+
+    ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` is used as is; otherwise
+    ``OTEL_EXPORTER_OTLP_ENDPOINT`` + ``/v1/traces`` (the OTLP/HTTP path, as the SDK's
+    exporter does). vLLM speaks gRPC unless ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` is
+    ``http/protobuf``: the caller sets that (see :data:`ENGINE_TRACES_PROTOCOL`)."""
+    if not tracing_requested(environ):
+        return None
+    traces = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    if traces:
+        return traces
+    base = environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    return f"{base.rstrip('/')}/v1/traces" if base else None
+
+
+ENGINE_TRACES_PROTOCOL = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+"""The variable and value that make vLLM's exporter speak OTLP/HTTP like ours."""
 
 
 def inject_context() -> dict[str, str]:

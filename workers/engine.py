@@ -32,11 +32,24 @@ def engine_args(
     num_blocks: int | None,
     dtype: Any,
     enable_prefix_caching: bool = False,
+    gpu_memory_utilization: float = 0.3,
+    enforce_eager: bool = True,
+    kv_cache_dtype: str = "auto",
+    tensor_parallel_size: int = 1,
+    otlp_traces_endpoint: str | None = None,
 ) -> dict[str, Any]:
     """The vLLM engine arguments every engine of ours shares (``vllm.LLM`` and
-    ``AsyncEngineArgs`` take them alike): synchronous scheduling and eager mode (vToken runs
-    nowhere else), ``num_blocks`` fixing the KV pool size (``None``: from memory), and the
-    vToken section (``None``: a plain vLLM engine). Environment variables are the caller's.
+    ``AsyncEngineArgs`` take them alike): synchronous scheduling, ``num_blocks`` fixing the
+    KV pool size (``None``: from memory), and the vToken section (``None``: a plain vLLM
+    engine). Environment variables are the caller's.
+
+    The defaults are the CPU engines' and the tests': eager mode (vToken's hooks run
+    nowhere else today), 0.3 of the device memory, the model's KV dtype, one device.
+    A GPU replica sets them from its Serve config (``ReplicaSettings``).
+    ``otlp_traces_endpoint``: vLLM's own request spans go there, joined to the caller's
+    trace through ``trace_headers`` (``None``: vLLM traces nothing).
+    Values vLLM refuses (e.g. ``gpu_memory_utilization`` outside (0, 1]) fail when vLLM
+    builds its config, with vLLM's message.
     """
     return {
         "model": model,
@@ -47,8 +60,11 @@ def engine_args(
         "num_gpu_blocks_override": num_blocks,
         "enable_prefix_caching": enable_prefix_caching,
         "async_scheduling": False,
-        "enforce_eager": True,
-        "gpu_memory_utilization": 0.3,
+        "enforce_eager": enforce_eager,
+        "gpu_memory_utilization": gpu_memory_utilization,
+        "kv_cache_dtype": kv_cache_dtype,
+        "tensor_parallel_size": tensor_parallel_size,
+        "otlp_traces_endpoint": otlp_traces_endpoint,
         "additional_config": {"vtoken": vtoken} if vtoken is not None else {},
     }
 

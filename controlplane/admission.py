@@ -222,17 +222,24 @@ def kv_bounds(
     block_size: int,
     eviction_budget_tokens: int | None,
     keep_ratio: float | None = None,
+    n: int = 1,
 ) -> KVBounds:
-    """The request's :class:`KVBounds`; ``ValueError`` on negative sizes or an empty request.
+    """The request's :class:`KVBounds`; ``ValueError`` on negative sizes, an empty request
+    or ``n < 1``.
 
     The steady bound is the smallest of prompt + max_tokens, the tenant's per-request cap
     (``eviction_budget_tokens``) and, without a cap, the engines' own ``keep_ratio`` of the
-    longest sequence; a budget counts one block more (the step's new tokens)."""
+    longest sequence; a budget counts one block more (the step's new tokens). ``n``
+    choices are ``n`` sequences: vLLM runs each as its own request holding its own KV
+    (prefix caching is off under vToken, so even the prompt is not shared), so both
+    bounds are ``n`` times one sequence's."""
     if prompt_tokens < 0 or max_tokens < 0 or prompt_tokens + max_tokens == 0:
         raise ValueError(
             f"need prompt_tokens >= 0, max_tokens >= 0, not both 0 "
             f"(got {prompt_tokens}, {max_tokens})"
         )
+    if n < 1:
+        raise ValueError(f"need n >= 1 sequences (got {n})")
     longest = prompt_tokens + max_tokens
     steady = math.ceil(longest / block_size)
     budget = eviction_budget_tokens
@@ -240,7 +247,7 @@ def kv_bounds(
         budget = math.ceil(keep_ratio * longest)
     if budget is not None:
         steady = min(steady, math.ceil(budget / block_size) + 1)
-    return KVBounds(prefill_peak=math.ceil(prompt_tokens / block_size), steady=steady)
+    return KVBounds(prefill_peak=n * math.ceil(prompt_tokens / block_size), steady=n * steady)
 
 
 class Admission:
@@ -269,8 +276,10 @@ class Admission:
         prompt_tokens: int,
         max_tokens: int,
         seconds_per_token: float | None = None,
+        n: int = 1,
     ) -> AdmissionDecision:
-        """Reserve the request's KV peak, or say why not.
+        """Reserve the request's KV peak, or say why not (for all ``n`` sequences of a
+        request asking for ``n`` choices: :func:`kv_bounds`).
 
         ``seconds_per_token`` (the measured time per output token, ``None`` when unknown)
         lets a ``kv_budget`` throttle say when enough of the tenant's running requests
@@ -287,6 +296,7 @@ class Admission:
             self.config.block_size,
             quota.eviction_budget_tokens,
             self.config.keep_ratio,
+            n=n,
         )
         blocks = bounds.peak
         tenant_id = quota.tenant_id

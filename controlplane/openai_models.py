@@ -3,23 +3,38 @@ that crosses from the ingress to a replica.
 
 Contract of the bodies: a field this server does not serve (``best_of``, ``echo``,
 ``tools``, ``logit_bias``, ``suffix``, ...) is a validation error naming it, never silently
-ignored; ``n > 1`` and ``logprobs``/``top_logprobs`` are refused by name until the engine
-path returns several choices and log-probabilities. ``null`` means "the default", as in
-OpenAI's API. A client-sent ``cache_salt`` is accepted and dropped: the server salts the
-prefix cache per tenant. Stop strings are bounded in number and length.
+ignored. ``n`` asks for several choices (sampled: ``n > 1`` needs a temperature above 0;
+the ingress bounds it by its configured maximum); log-probabilities are an integer
+``logprobs`` (0..5 alternatives) for completions and ``logprobs: true`` with
+``top_logprobs`` (0..5) for chat, as in vLLM's OpenAI server. ``null`` means "the
+default", as in OpenAI's API. A client-sent ``cache_salt`` is accepted and dropped: the
+server salts the prefix cache per tenant. Stop strings are bounded in number and length.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 MaxTokens = Annotated[int, Field(ge=1, le=1_000_000)]
 MAX_STOP_SEQUENCES = 4  # OpenAI's own limit
 MAX_STOP_CHARS = 256  # each stop string is matched against the output at every step
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+MAX_LOGPROBS = 5  # alternatives per token (OpenAI's completions limit)
+MAX_N = 128  # choices any body may ask for; the ingress serves up to its own maximum
+DEFAULT_MAX_N = 8  # that maximum unless configured
+TopLogprobs = Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]
 
 
 def prompt_chars(body: dict[str, Any]) -> int:
@@ -53,9 +68,7 @@ class _Body(BaseModel):
     stream: bool = False
     user: str | None = Field(default=None, max_length=256)  # the end user, for the client
     cache_salt: str | None = Field(default=None, exclude=True, max_length=256)  # dropped
-    n: int = 1
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
 
     @model_validator(mode="before")
     @classmethod
@@ -71,21 +84,22 @@ class _Body(BaseModel):
 
     @field_validator("n")
     @classmethod
-    def _one_choice(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError("only n=1 is served (several choices per request are not yet)")
+    def _sampled_choices(cls, value: int, info: ValidationInfo) -> int:
+        # Greedy decoding gives n identical choices: vLLM refuses it, so does the body.
+        if value > 1 and info.data.get("temperature", 1.0) == 0:
+            raise ValueError("n > 1 needs sampling: a temperature above 0")
         return value
-
-    @field_validator("logprobs", "top_logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: bool | int | None) -> bool | int | None:
-        if value is None or value is False:
-            return value
-        raise ValueError("log-probabilities are not served yet")
 
 
 class CompletionRequest(_Body):
     prompt: str = Field(min_length=1)
+    logprobs: TopLogprobs | None = None  # the sampled token's and this many alternatives'
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token the engine returns (vLLM's ``SamplingParams.logprobs``);
+        ``None``: no log-probabilities."""
+        return self.logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -125,6 +139,19 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: StrictBool = False
+    top_logprobs: TopLogprobs | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return value
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class GenerateRequest(BaseModel):
@@ -140,16 +167,35 @@ class GenerateRequest(BaseModel):
     stop: list[str] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    n: int = Field(default=1, ge=1)  # choices: vLLM runs each as its own sequence
+    logprobs: int | None = Field(default=None, ge=0)  # alternatives per token; None: none
     eviction_budget_tokens: int | None = None  # the tenant's per-request KV cap (admission)
     trace_context: dict[str, str] = Field(default_factory=dict)
 
 
-class GenerateChunk(BaseModel):
-    """One streamed piece of a replica's answer; the last has ``finish_reason`` set."""
+class TokenLogprob(BaseModel):
+    """One generated token's log-probability as the engine gave it: ``token`` decoded,
+    ``logprob`` (clamped at -9999, JSON has no -inf; ``None`` when the engine gave none)
+    and ``top``, the engine's alternatives in its order (the sampled token first, then the
+    most likely ones: up to ``logprobs + 1`` entries); the ingress shapes them into the
+    completions or the chat ``logprobs`` object."""
 
+    token: str
+    logprob: float | None = None
+    top: list[tuple[str, float]] | None = None
+
+
+class GenerateChunk(BaseModel):
+    """One streamed piece of one choice (``index``) of a replica's answer; each choice's
+    last piece has ``finish_reason`` set. ``completion_tokens`` counts every choice's
+    tokens so far (the answer's usage); ``logprobs`` covers this piece's tokens when the
+    request asked for them."""
+
+    index: int = 0
     text: str = ""
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
     replica_id: str = ""
     error: str | None = None  # a request the replica refuses (e.g. prompt too long)

@@ -1,7 +1,8 @@
 """A serving replica: vLLM ``AsyncLLM`` with the vToken plugin, its report publisher, and
 the Ray Serve deployment around them.
 
-The replica streams :class:`GenerateChunk` dicts for the ingress, salts the prefix cache
+The replica streams :class:`GenerateChunk` dicts for the ingress (each for one of the
+request's ``n`` choices, with its log-probabilities when asked), salts the prefix cache
 with the tenant (tenants never share cached blocks), tags each request with its tenant for
 vToken's per-tenant counters, and publishes its counters to Redis every ~100 ms.
 """
@@ -13,7 +14,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from opentelemetry import trace
@@ -24,7 +25,7 @@ from controlplane import telemetry
 from controlplane.clock import SystemClock
 from controlplane.keys import KeySpace
 from controlplane.models import EngineCounters, TenantUsage
-from controlplane.openai_models import GenerateChunk, GenerateRequest
+from controlplane.openai_models import GenerateChunk, GenerateRequest, TokenLogprob
 from controlplane.plan_follower import PlanFollower
 from controlplane.publisher import PublisherConfig, ReportPublisher
 from controlplane.redis_conn import RedisConfig, connect
@@ -40,6 +41,7 @@ PLAN_POLL_S = 0.1  # one GET of the plan version: pressure lands within a report
 PLAN_MAX_AGE_S = 30.0  # an older plan's pressure is dropped: no controller is measuring
 COUNTERS_TIMEOUT_S = 2.0
 COUNTERS_MAX_AGE_PERIODS = 5  # older counters are not published: the replica goes stale
+MIN_LOGPROB = -9999.0  # what vLLM's OpenAI server answers for -inf (JSON has no infinity)
 
 
 class ReplicaSettings(BaseModel):
@@ -126,6 +128,37 @@ def request_spec(spec: dict[str, Any], budget_tokens: int | None) -> dict[str, A
     return override
 
 
+def token_logprobs(
+    token_ids: Sequence[int], steps: Sequence[Any] | None, decode: Callable[[int], str]
+) -> list[TokenLogprob]:
+    """The engine's log-probabilities of ``token_ids`` (vLLM's ``CompletionOutput.logprobs``:
+    per token a dict of token id -> ``Logprob``, the sampled token first) as the chunk
+    carries them; ``decode`` names a token the engine did not decode."""
+    entries = []
+    for position, token_id in enumerate(token_ids):
+        step = steps[position] if steps is not None and position < len(steps) else None
+        chosen = step.get(token_id) if step else None
+        if step is None or chosen is None:  # the engine gave none: the token alone
+            entries.append(TokenLogprob(token=decode(token_id)))
+            continue
+        top = [
+            (lp.decoded_token or decode(other), max(lp.logprob, MIN_LOGPROB))
+            for other, lp in step.items()
+        ]
+        token = chosen.decoded_token or decode(token_id)
+        entries.append(TokenLogprob(token=token, logprob=max(chosen.logprob, MIN_LOGPROB), top=top))
+    return entries
+
+
+def engine_request_ids(request_id: str, n: int) -> list[str]:
+    """The ids the engine core knows a request's sequences by, up to vLLM's ``-<8 chars>``
+    suffix (which ``request_report`` matches): the request's own id, or with ``n > 1``
+    one child per choice, ``<index>_<id>`` (vLLM's ``ParentRequest.get_child_info``)."""
+    if n == 1:
+        return [request_id]
+    return [f"{index}_{request_id}" for index in range(n)]
+
+
 def cache_salt(tenant_id: str) -> str:
     return hashlib.sha256(f"vtoken-tenant:{tenant_id}".encode()).hexdigest()[:32]
 
@@ -177,6 +210,8 @@ class EngineHost:
         refused = (ValueError, OverflowError, VLLMClientError)  # the request, not the engine
         try:
             params = SamplingParams(
+                n=request.n,
+                logprobs=request.logprobs,
                 max_tokens=request.max_tokens,
                 temperature=request.temperature,
                 top_p=request.top_p,
@@ -207,25 +242,42 @@ class EngineHost:
             self.running += 1
             try:
                 async for output in self.llm.generate(prompt, params, request.request_id):
-                    piece = output.outputs[0]
-                    completion_tokens += len(piece.token_ids)
-                    yield GenerateChunk(
-                        text=piece.text,
-                        finish_reason=piece.finish_reason if output.finished else None,
-                        prompt_tokens=len(request.prompt_token_ids),
-                        completion_tokens=completion_tokens,
-                        replica_id=self.replica_id,
-                    )
+                    # With n > 1, vLLM runs n child requests; a (merged) output carries
+                    # the new pieces of any of them, each with its choice's index.
+                    for piece in output.outputs:
+                        completion_tokens += len(piece.token_ids)
+                        if not piece.text and not piece.token_ids and not piece.finished():
+                            continue  # nothing new for this choice
+                        logprobs = None
+                        if request.logprobs is not None:
+                            logprobs = token_logprobs(piece.token_ids, piece.logprobs, self.decode)
+                        yield GenerateChunk(
+                            index=piece.index,
+                            text=piece.text,
+                            finish_reason=piece.finish_reason,  # set when this choice ends
+                            prompt_tokens=len(request.prompt_token_ids),
+                            completion_tokens=completion_tokens,
+                            logprobs=logprobs,
+                            replica_id=self.replica_id,
+                        )
             except refused as error:  # vLLM refuses the request itself (e.g. too long)
                 yield GenerateChunk(error=str(error), replica_id=self.replica_id)
             finally:
                 self.running -= 1
             span.set_attribute(telemetry.ATTR_COMPLETION_TOKENS, completion_tokens)
-            if span.is_recording():  # one utility call per request, only when traced
-                await self._kv_event(span, request.request_id)
+            if span.is_recording():  # one utility call per sequence, only when traced
+                for engine_id in engine_request_ids(request.request_id, request.n):
+                    await self._kv_event(span, engine_id)
+
+    def decode(self, token_id: int) -> str:
+        """A token's text when the engine gave none (vLLM's OpenAI server's fallback)."""
+        tokenizer = self.llm.tokenizer
+        if tokenizer is None:
+            return f"token_id:{token_id}"
+        return str(tokenizer.decode([token_id]))
 
     async def _kv_event(self, span: trace.Span, request_id: str) -> None:
-        """A span event with what vToken did to this request's KV (evictions, repacks)."""
+        """A span event with what vToken did to one sequence's KV (evictions, repacks)."""
         from workers.api import async_request_counters
 
         report = await async_request_counters(self.llm, request_id)

@@ -2,7 +2,8 @@
 
 Every request: authenticate the tenant from ``Authorization: Bearer <key>``; validate the
 body; tokenize (so admission knows the prompt size and an oversize prompt is a 400 before
-any engine sees it); admit against the tenant's KV budget (429 + Retry-After when over);
+any engine sees it); admit against the tenant's KV budget for all ``n`` sequences of the
+answer (429 + Retry-After when over);
 call a replica through Ray Serve (the vtoken router picks which); renew the reservation
 every third of its TTL while the answer runs; release it when the answer is complete,
 whatever happens (best-effort: a release Redis cannot take now is retried in the
@@ -45,10 +46,12 @@ from controlplane.keys import KeySpace
 from controlplane.metrics import IngressMetrics
 from controlplane.models import TenantQuota
 from controlplane.openai_models import (
+    DEFAULT_MAX_N,
     ChatCompletionRequest,
     CompletionRequest,
     GenerateChunk,
     GenerateRequest,
+    TokenLogprob,
 )
 from controlplane.redis_conn import REDIS_ERRORS
 from controlplane.releases import Releaser
@@ -92,6 +95,7 @@ class IngressSettings:
     key_prefix: str = "vtoken"
     keep_ratio: float | None = None  # the engines' policy budget (admission's steady bound)
     reservation_ttl_s: float = 600.0  # a running request renews it every third of this
+    max_n: int = DEFAULT_MAX_N  # choices one request may ask for (each is a sequence's KV)
 
 
 class Tokenizer(Protocol):
@@ -183,10 +187,17 @@ class IngressState:
             quota = await self.tenant(request)
             span.set_attribute(telemetry.ATTR_TENANT_ID, quota.tenant_id)
             body = await parse_body(request, ChatCompletionRequest if chat else CompletionRequest)
+            if body.n > self.settings.max_n:
+                raise HTTPError(
+                    400,
+                    f"invalid request: n: at most {self.settings.max_n} choices are served "
+                    f"per request (got {body.n})",
+                    "invalid_request",
+                )
             ids = await asyncio.to_thread(self.prompt_ids, body)  # tokenizing is CPU work
             request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             span.set_attribute(telemetry.ATTR_REQUEST_ID, request_id)
-            reservation = await self.admit(quota, request_id, len(ids), body.max_tokens)
+            reservation = await self.admit(quota, request_id, len(ids), body.max_tokens, body.n)
             generate = GenerateRequest(
                 request_id=request_id,
                 tenant_id=quota.tenant_id,
@@ -198,11 +209,13 @@ class IngressState:
                 stop=body.stop,
                 presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty,
+                n=body.n,
+                logprobs=body.num_logprobs,
                 eviction_budget_tokens=quota.eviction_budget_tokens,
                 trace_context=inject_context(),
             )
             chunks = self._generate(generate, reservation, started)
-            answer = Answer(request_id, body.model, chat, created=int(started))
+            answer = Answer(request_id, body.model, chat, int(started), body.n, body.num_logprobs)
             if body.stream:
                 # The background task releases the reservation even when the client goes
                 # away before the stream starts (release is idempotent).
@@ -214,13 +227,18 @@ class IngressState:
             return JSONResponse(await collect(chunks, answer))
 
     async def admit(
-        self, quota: TenantQuota, request_id: str, prompt_tokens: int, max_tokens: int
+        self,
+        quota: TenantQuota,
+        request_id: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        n: int = 1,
     ) -> Reservation:
-        """The request's KV reservation; 429 with ``Retry-After`` when the tenant must wait,
-        400 when the request can never fit its quota."""
+        """The request's KV reservation, for all ``n`` sequences; 429 with ``Retry-After``
+        when the tenant must wait, 400 when the request can never fit its quota."""
         decision = await redis_or_503(
             self.admission.admit(
-                quota, request_id, prompt_tokens, max_tokens, self.pace.seconds_per_token
+                quota, request_id, prompt_tokens, max_tokens, self.pace.seconds_per_token, n=n
             )
         )
         self.metrics.admission(quota.tenant_id, decision.outcome.value)
@@ -246,23 +264,32 @@ class IngressState:
         stream: Any = None
         try:
             stream = self.replicas.options(stream=True).generate.remote(request.model_dump())
-            tokens_seen, seen_at, finished = 0, self.clock.now(), False
+            tokens_seen, seen_at = 0, self.clock.now()
+            decoding: set[int] = set()  # choices past their prefill
+            finished: set[int] = set()  # choices with their finish reason
             async for raw in stream:
                 chunk = GenerateChunk.model_validate(raw)
                 if chunk.error:
                     raise HTTPError(400, chunk.error, "invalid_request")
                 now = self.clock.now()
                 if tokens_seen and chunk.completion_tokens > tokens_seen:  # decode, not prefill
-                    self.pace.observe(now - seen_at, chunk.completion_tokens - tokens_seen)
+                    # The n sequences decode side by side: each step adds about n tokens.
+                    self.pace.observe(
+                        now - seen_at, (chunk.completion_tokens - tokens_seen) / request.n
+                    )
                 if chunk.completion_tokens > tokens_seen:
                     tokens_seen, seen_at = chunk.completion_tokens, now
-                if chunk.completion_tokens and reservation.blocks > reservation.steady:
-                    # A token is out, so prefill is over: from here the policy bounds the KV.
+                if chunk.completion_tokens:  # a piece of this choice: its prefill is over
+                    decoding.add(chunk.index)
+                if len(decoding) >= request.n and reservation.blocks > reservation.steady:
+                    # Every sequence has a token out, so no prefill is left: from here the
+                    # policy bounds the KV.
                     reservation = await self._settle(reservation)
-                finished = chunk.finish_reason is not None
+                if chunk.finish_reason is not None:
+                    finished.add(chunk.index)
                 yield chunk
             stream = None  # ended: nothing to cancel
-            if not finished:  # a replica that vanished must not look like a short answer
+            if len(finished) < request.n:  # a replica that vanished: not a short answer
                 raise RuntimeError("the replica's stream ended without a finish reason")
         except HTTPError:
             raise
@@ -338,7 +365,7 @@ class TokenPace:
         self.weight = weight
         self.seconds_per_token: float | None = None
 
-    def observe(self, seconds: float, num_tokens: int) -> None:
+    def observe(self, seconds: float, num_tokens: float) -> None:
         sample = max(seconds, 0.0) / num_tokens
         previous = self.seconds_per_token
         self.seconds_per_token = (
@@ -366,14 +393,18 @@ async def parse_body(request: Request, model: type[BaseModel]) -> Any:
 
 @dataclass(frozen=True, slots=True)
 class Answer:
-    """What every piece of one OpenAI answer repeats (``created``: seconds since the epoch)."""
+    """What every piece of one OpenAI answer repeats (``created``: seconds since the epoch),
+    and how its choices are shaped: ``n`` of them, with log-probabilities (``logprobs``
+    alternatives per token) unless ``logprobs`` is ``None``."""
 
     request_id: str
     model: str
     chat: bool
     created: int
+    n: int = 1
+    logprobs: int | None = None
 
-    def envelope(self, choice: dict[str, Any], streaming: bool) -> dict[str, Any]:
+    def envelope(self, choices: list[dict[str, Any]], streaming: bool) -> dict[str, Any]:
         if self.chat:
             kind = "chat.completion.chunk" if streaming else "chat.completion"
         else:
@@ -383,27 +414,105 @@ class Answer:
             "object": kind,
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
+            "choices": choices,
         }
 
+    def choice(
+        self,
+        index: int,
+        text: str,
+        finish: str | None,
+        streaming: bool,
+        logprobs: list[TokenLogprob] | None = None,
+        text_offset: int = 0,
+    ) -> dict[str, Any]:
+        """One choice (or a streamed piece of one) in vLLM's OpenAI server's shape; a
+        ``logprobs`` key only when the request asked for log-probabilities."""
+        choice: dict[str, Any] = {"index": index}
+        if not self.chat:
+            choice["text"] = text
+        else:
+            key = "delta" if streaming else "message"
+            choice[key] = {"role": "assistant", "content": text} if text or not streaming else {}
+        if self.logprobs is not None:
+            entries = logprobs or []
+            choice["logprobs"] = (
+                chat_logprobs(entries, self.logprobs)
+                if self.chat
+                else completion_logprobs(entries, self.logprobs, text_offset)
+            )
+        choice["finish_reason"] = finish
+        return choice
 
-def _choice(text: str, finish: str | None, chat: bool, streaming: bool) -> dict[str, Any]:
-    if not chat:
-        return {"index": 0, "text": text, "finish_reason": finish}
-    key = "delta" if streaming else "message"
-    content = {"role": "assistant", "content": text} if text or not streaming else {}
-    return {"index": 0, key: content, "finish_reason": finish}
+
+def completion_logprobs(
+    entries: list[TokenLogprob], num_logprobs: int, text_offset: int = 0
+) -> dict[str, Any]:
+    """The completions API's ``logprobs`` object (as vLLM's OpenAI server builds it): per
+    token its text, log-probability, the sampled token's and the ``num_logprobs`` most
+    likely alternatives' log-probabilities, and its character offset in the choice's text
+    (from ``text_offset``: where this piece starts)."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    for entry in entries:
+        offsets.append(text_offset)
+        text_offset += len(entry.token)
+        tokens.append(entry.token)
+        token_logprobs.append(entry.logprob)
+        top = entry.top
+        top_logprobs.append(None if top is None else dict(top[: num_logprobs + 1]))
+    return {
+        "text_offset": offsets,
+        "token_logprobs": token_logprobs,
+        "tokens": tokens,
+        "top_logprobs": top_logprobs,
+    }
+
+
+def _token_bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8", errors="replace"))
+
+
+def chat_logprobs(entries: list[TokenLogprob], top_logprobs: int) -> dict[str, Any]:
+    """The chat API's ``logprobs`` object: ``content``, per token its text, bytes,
+    log-probability and the first ``top_logprobs`` of the engine's alternatives (as
+    vLLM's OpenAI server builds it)."""
+    return {
+        "content": [
+            {
+                "token": entry.token,
+                "logprob": -9999.0 if entry.logprob is None else entry.logprob,
+                "bytes": _token_bytes(entry.token),
+                "top_logprobs": [
+                    {"token": token, "logprob": logprob, "bytes": _token_bytes(token)}
+                    for token, logprob in (entry.top or [])[:top_logprobs]
+                ],
+            }
+            for entry in entries
+        ]
+    }
 
 
 async def collect(chunks: AsyncIterator[GenerateChunk], answer: Answer) -> dict[str, Any]:
-    """The whole answer as one OpenAI response body, with its token usage."""
-    text, last = [], GenerateChunk()
+    """The whole answer as one OpenAI response body: its choices by index, with the token
+    usage of all of them."""
+    texts: dict[int, list[str]] = {}
+    finishes: dict[int, str | None] = {}
+    logprobs: dict[int, list[TokenLogprob]] = {}
+    last = GenerateChunk()
     async for chunk in chunks:
-        text.append(chunk.text)
+        texts.setdefault(chunk.index, []).append(chunk.text)
+        logprobs.setdefault(chunk.index, []).extend(chunk.logprobs or [])
+        if chunk.finish_reason is not None:
+            finishes[chunk.index] = chunk.finish_reason
         last = chunk
-    body = answer.envelope(
-        _choice("".join(text), last.finish_reason, answer.chat, streaming=False), streaming=False
-    )
+    choices = [
+        answer.choice(index, "".join(texts[index]), finishes.get(index), False, logprobs[index])
+        for index in sorted(texts)
+    ]
+    body = answer.envelope(choices, streaming=False)
     body["usage"] = {
         "prompt_tokens": last.prompt_tokens,
         "completion_tokens": last.completion_tokens,
@@ -421,10 +530,17 @@ async def sse(chunks: AsyncIterator[GenerateChunk], answer: Answer) -> AsyncIter
     """Server-sent events, one per chunk, then ``[DONE]``; an error after the headers went
     out is reported as an ``error`` event (the OpenAI error body) before ``[DONE]``: a stream
     never just stops."""
+    text_offsets: dict[int, int] = {}  # per choice: where its next piece's text starts
     try:
         async for chunk in chunks:
-            choice = _choice(chunk.text, chunk.finish_reason, answer.chat, streaming=True)
-            yield f"data: {json.dumps(answer.envelope(choice, streaming=True))}\n\n"
+            offset = text_offsets.get(chunk.index, 0)
+            choice = answer.choice(
+                chunk.index, chunk.text, chunk.finish_reason, True, chunk.logprobs, offset
+            )
+            # Advanced by the tokens reported, as vLLM does: text held back for a stop
+            # string lags its tokens.
+            text_offsets[chunk.index] = offset + sum(len(e.token) for e in chunk.logprobs or [])
+            yield f"data: {json.dumps(answer.envelope([choice], streaming=True))}\n\n"
     except HTTPError as error:
         yield f"data: {json.dumps(_error_event(error.message, error.kind, error.status))}\n\n"
     except Exception as error:  # headers are sent: report in the stream, then end it

@@ -45,6 +45,42 @@ def test_kv_bounds() -> None:
         kv_bounds(0, 0, 16, None)
 
 
+def test_kv_bounds_of_n_sequences_are_n_times_one() -> None:
+    """vLLM runs each of n choices as its own request with its own KV (no prefix cache
+    under vToken): the prompt is held n times in prefill, the steady bound n times after."""
+    for args in ((10, 7, 16, None), (1000, 1000, 16, 64), (1000, 1000, 16, None, 0.5)):
+        one = kv_bounds(*args)
+        three = kv_bounds(*args, n=3)
+        assert three == KVBounds(3 * one.prefill_peak, 3 * one.steady)
+        assert three.peak == 3 * one.peak
+    with pytest.raises(ValueError, match="n >= 1"):
+        kv_bounds(10, 6, 16, None, n=0)
+
+
+async def test_a_request_for_three_choices_reserves_three_sequences(
+    redis: aioredis.Redis, keys: KeySpace, store: RedisStore
+) -> None:
+    """200-token prompt, 64 new tokens, cap 48 tokens, block size 32: one sequence peaks at
+    7 blocks (its prompt) and settles at 3; n=3 reserves 21 and settles at 9."""
+    admission = Admission(redis, AdmissionConfig(block_size=32), keys)
+    tenant = quota("acme", budget=30).model_copy(update={"eviction_budget_tokens": 48})
+    await store.put_quota(tenant)
+    one = (await admission.admit(tenant, "one", 200, 64)).reservation
+    three = (await admission.admit(tenant, "three", 200, 64, n=3)).reservation
+    assert one is not None and three is not None
+    assert (three.blocks, three.steady) == (3 * one.blocks, 3 * one.steady) == (21, 9)
+    assert await admission.reserved_blocks("acme") == 28
+    # 28 + 3 x 7 > 30: a second request for three choices waits; once the three settle
+    # (their prefills are over), a single choice fits again.
+    assert (await admission.admit(tenant, "more", 200, 64, n=3)).reason == "kv_budget"
+    await admission.settle(three)
+    assert await admission.reserved_blocks("acme") == 16
+    assert (await admission.admit(tenant, "fits", 200, 64)).admitted  # 16 + 7 <= 30
+    # A request whose n sequences alone exceed the budget can never be held.
+    too_many = await admission.admit(tenant, "never", 200, 64, n=5)  # 35 > 30
+    assert (too_many.outcome, too_many.reason) == (AdmissionOutcome.REJECTED, "exceeds_budget")
+
+
 async def test_a_prompt_larger_than_the_budget_is_never_held(
     redis: aioredis.Redis, keys: KeySpace, store: RedisStore
 ) -> None:

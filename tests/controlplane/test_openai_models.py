@@ -46,13 +46,62 @@ def test_an_unserved_field_is_refused_by_name(field):
     assert raised.value.errors()[0]["loc"] == (field,)
 
 
+def test_choices_and_completion_logprobs_are_served():
+    body = CompletionRequest.model_validate({**BASE, "n": 3, "logprobs": 2})
+    assert (body.n, body.logprobs, body.num_logprobs) == (3, 2, 2)
+    assert CompletionRequest.model_validate({**BASE, "logprobs": 0}).num_logprobs == 0
+    assert CompletionRequest.model_validate({**BASE, "logprobs": None}).num_logprobs is None
+
+
+def test_chat_logprobs_are_a_flag_with_top_logprobs():
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert ChatCompletionRequest.model_validate({**chat, "logprobs": True}).num_logprobs == 0
+    both = ChatCompletionRequest.model_validate({**chat, "logprobs": True, "top_logprobs": 4})
+    assert both.num_logprobs == 4
+    assert ChatCompletionRequest.model_validate(chat).num_logprobs is None
+    off = ChatCompletionRequest.model_validate({**chat, "logprobs": False, "top_logprobs": 0})
+    assert off.num_logprobs is None
+    with pytest.raises(ValidationError) as raised:  # alternatives without logprobs: vLLM's 400
+        ChatCompletionRequest.model_validate({**chat, "top_logprobs": 2})
+    assert raised.value.errors()[0]["loc"] == ("top_logprobs",)
+
+
 @pytest.mark.parametrize(
-    ("field", "value"), [("n", 2), ("logprobs", 2), ("logprobs", 0), ("top_logprobs", 3)]
+    ("field", "value"),
+    [
+        ("n", 0),
+        ("n", 129),
+        ("n", "two"),
+        ("logprobs", 6),
+        ("logprobs", -1),
+        ("logprobs", True),  # completions take a count
+        ("logprobs", 1.5),
+        ("top_logprobs", 3),  # a chat field
+        ("best_of", 2),
+    ],
 )
-def test_several_choices_and_logprobs_are_refused_by_name(field, value):
+def test_bad_choices_and_logprobs_are_refused_by_name(field, value):
     with pytest.raises(ValidationError) as raised:
         CompletionRequest.model_validate({**BASE, field: value})
     assert raised.value.errors()[0]["loc"] == (field,)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("logprobs", 2), ("logprobs", "yes"), ("top_logprobs", 6)]
+)
+def test_bad_chat_logprobs_are_refused_by_name(field, value):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": True}
+    with pytest.raises(ValidationError) as raised:
+        ChatCompletionRequest.model_validate({**body, field: value})
+    assert raised.value.errors()[0]["loc"] == (field,)
+
+
+def test_several_choices_need_sampling():
+    """Greedy decoding would give n identical choices: vLLM refuses it, so does the body."""
+    with pytest.raises(ValidationError) as raised:
+        CompletionRequest.model_validate({**BASE, "n": 2, "temperature": 0})
+    assert raised.value.errors()[0]["loc"] == ("n",)
+    assert CompletionRequest.model_validate({**BASE, "n": 1, "temperature": 0}).n == 1
 
 
 def test_chat_logprobs_false_and_nulls_mean_the_defaults():

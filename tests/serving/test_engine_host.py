@@ -1,4 +1,5 @@
-"""Pure pieces of the replica: pressure overrides, counter mapping, tenant salts."""
+"""Pure pieces of the replica: pressure overrides, counter mapping, tenant salts, log-
+probabilities; and the real engine (slow): aborts free the KV, n choices with logprobs."""
 
 from __future__ import annotations
 
@@ -12,11 +13,14 @@ import policies
 from controlplane.models import EngineCounters
 from controlplane.openai_models import GenerateChunk, GenerateRequest
 from serving.engine_host import (
+    MIN_LOGPROB,
     EngineHost,
     ReplicaSettings,
     cache_salt,
     counters_from_snapshot,
+    engine_request_ids,
     request_spec,
+    token_logprobs,
 )
 from vtoken.policy import EvictionPolicy, PolicyView
 from vtoken.repack_planner import ReclaimMode
@@ -103,6 +107,28 @@ def test_a_bad_cap_becomes_the_requests_error_chunk():
 
     (chunk,) = asyncio.run(answer())
     assert "budget_tokens" in chunk.error and chunk.replica_id == "r1"
+
+
+def test_token_logprobs_keep_the_engines_order_and_clamp_minus_infinity():
+    from vllm.logprobs import Logprob
+
+    steps = [
+        {7: Logprob(-0.5, 2, " b"), 3: Logprob(-0.1, 1, " a"), 9: Logprob(-9.0, 3, None)},
+        None,  # the engine gave none for this token
+        {4: Logprob(float("-inf"), 1, "d")},
+    ]
+    entries = token_logprobs([7, 8, 4], steps, decode=lambda token_id: f"<{token_id}>")
+    assert [(e.token, e.logprob) for e in entries] == [(" b", -0.5), ("<8>", None), ("d", -9999.0)]
+    assert entries[0].top == [(" b", -0.5), (" a", -0.1), ("<9>", -9.0)]  # sampled first
+    assert entries[1].top is None and entries[2].top == [("d", MIN_LOGPROB)]
+    assert token_logprobs([1], None, str)[0].logprob is None
+
+
+def test_engine_ids_of_a_requests_sequences():
+    """vLLM's ids for the engine core (before its ``-<8 chars>`` suffix): the request's
+    own, or with n > 1 one child per choice, ``<index>_<id>``."""
+    assert engine_request_ids("cmpl-1", 1) == ["cmpl-1"]
+    assert engine_request_ids("cmpl-1", 3) == ["0_cmpl-1", "1_cmpl-1", "2_cmpl-1"]
 
 
 def test_counters_map_the_engine_report_into_a_valid_report():
@@ -242,6 +268,79 @@ def test_a_caller_that_goes_away_aborts_the_engine_request_and_frees_its_kv(tmp_
 
     for running, used in asyncio.run(scenario()):
         assert (running, used) == (0, 0)
+
+
+@pytest.mark.slow
+def test_n_choices_with_logprobs_run_as_n_sequences_and_free_their_kv(tmp_path, smollm2_path):
+    """n=2 with logprobs=2 on the real engine: two choices (indexes 0 and 1), every token
+    with its log-probability and the engine's alternatives (the sampled token first, at
+    most 3 entries); both sequences run at once, each under its own KV; vToken reports each
+    child by the id ``engine_request_ids`` gives; afterwards every block is free."""
+    import os
+
+    from tests.tiny_model import make_tiny_llama
+    from workers.api import async_request_counters
+    from workers.engine import CPU_ENV
+
+    for name, value in CPU_ENV.items():
+        os.environ.setdefault(name, value)
+    folder = make_tiny_llama(tmp_path / "tiny", tokenizer_source=smollm2_path)
+    settings = ReplicaSettings(
+        model=str(folder), block_size=32, max_model_len=1024, max_num_seqs=4, num_blocks=64
+    )
+    max_tokens = 48
+    request = GenerateRequest(
+        request_id="cmpl-two",
+        tenant_id="sampler",
+        prompt_token_ids=list(range(1, 100)),
+        max_tokens=max_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        seed=7,
+        n=2,
+        logprobs=2,
+    )
+
+    async def scenario() -> tuple[list[GenerateChunk], int, list[bool], tuple[int, int]]:
+        host = EngineHost(settings, "r1")
+        chunks: list[GenerateChunk] = []
+        sequences_held = 0
+        try:
+            async for chunk in host.generate(request):
+                chunks.append(chunk)
+                if len(chunks) == 3:  # both sequences are past their prefill by now
+                    counters = await host.refresh_counters()
+                    sequences_held = counters.tenants["sampler"].requests
+            finished = []
+            for engine_id in engine_request_ids(request.request_id, request.n):
+                report = await async_request_counters(host.llm, engine_id)
+                finished.append(report is not None and report.finished)
+            drained = await _drained(host)
+        finally:
+            host.shutdown()
+        return chunks, sequences_held, finished, drained
+
+    chunks, sequences_held, finished, drained = asyncio.run(scenario())
+    assert all(chunk.error is None for chunk in chunks)
+    assert {chunk.index for chunk in chunks} == {0, 1}
+    assert sequences_held == 2  # two child requests in the engine, each with its KV
+    for index in (0, 1):
+        pieces = [chunk for chunk in chunks if chunk.index == index]
+        entries = [entry for chunk in pieces for entry in chunk.logprobs or []]
+        finish = [chunk.finish_reason for chunk in pieces if chunk.finish_reason]
+        assert len(finish) == 1 and pieces[-1].finish_reason == finish[0]
+        assert 1 <= len(entries) <= max_tokens
+        if finish[0] == "length":
+            assert len(entries) == max_tokens
+        for entry in entries:
+            assert entry.logprob is not None and MIN_LOGPROB <= entry.logprob <= 0
+            assert entry.top is not None and 2 <= len(entry.top) <= 3
+            assert entry.top[0] == (entry.token, entry.logprob)  # the sampled token first
+        assert "".join(entry.token for entry in entries).startswith(pieces[0].text[:1])
+    total = sum(len(chunk.logprobs or []) for chunk in chunks)
+    assert chunks[-1].completion_tokens == total
+    assert finished == [True, True]  # request_report finds each child by its id
+    assert drained == (0, 0)
 
 
 async def _drained(host: EngineHost, timeout_s: float = 30.0) -> tuple[int, int]:

@@ -62,6 +62,16 @@ async def test_a_long_prompt_is_refused_before_it_is_tokenized(
     assert limited.replicas.requests == []
 
 
+async def test_too_many_choices_are_refused_before_tokenizing(
+    limited: Ingress, counting: CountingTokenizer
+) -> None:
+    api_key = await limited.add_tenant("acme", kv_budget_blocks=100)
+    max_n = limited.state.settings.max_n
+    response = await limited.complete(api_key, n=max_n + 1)
+    assert f"at most {max_n} choices" in _error(response, 400, "invalid_request")
+    assert counting.calls == 0 and limited.replicas.requests == []
+
+
 async def test_a_large_body_is_413_even_without_content_length(limited: Ingress) -> None:
     api_key = await limited.add_tenant("acme", kv_budget_blocks=100)
     big = b'{"model": "smollm2", "prompt": "' + b"x" * 100_000 + b'"}'
@@ -95,18 +105,22 @@ async def test_deeply_nested_json_is_400_not_500(limited: Ingress, depth: int) -
         assert "nests deeper than 8" in _error(response, 400, "invalid_request")
 
 
-async def test_unserved_fields_n_and_logprobs_are_400_naming_the_field(ingress: Ingress) -> None:
+async def test_unserved_fields_and_out_of_range_n_and_logprobs_are_400_naming_the_field(
+    ingress: Ingress,
+) -> None:
     api_key = await ingress.add_tenant("acme", kv_budget_blocks=100)
     for field, value in [
         ("best_of", 2),
         ("echo", True),
         ("logit_bias", {"1": 5}),
         ("suffix", "x"),
-        ("n", 2),
-        ("logprobs", 2),
+        ("n", 0),
+        ("n", 9),  # over the ingress's max_n (8 unless configured)
+        ("logprobs", 6),
+        ("top_logprobs", 2),  # a chat field
     ]:
         response = await ingress.complete(api_key, **{field: value})
-        assert field in _error(response, 400, "invalid_request"), field
+        assert f"{field}:" in _error(response, 400, "invalid_request"), field
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": []}
     tools = await ingress.client.post("/v1/chat/completions", json=chat, headers=bearer(api_key))
     assert "tools" in _error(tools, 400, "invalid_request")

@@ -1,9 +1,12 @@
 """The official ``openai`` Python client against the ingress (in-process): every served
-field works, every refused one is a ``BadRequestError`` naming the field, and responses
-carry the request id the client exposes."""
+field works (``n`` choices and log-probabilities too, against a fake replica that answers
+them as the engine host does), every refused one is a ``BadRequestError`` naming the
+field, and responses carry the request id the client exposes."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -11,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serving.ingress_harness import MODEL, PROMPT, Ingress
+from tests.serving.ingress_harness import BLOCK_SIZE, MODEL, PROMPT, Ingress
 
 SERVED = {
     "max_tokens": 6,
@@ -72,8 +75,8 @@ async def test_chat_streams_with_every_served_field(
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("n", 2),
-        ("logprobs", 2),
+        ("n", 9),  # over the ingress's max_n
+        ("logprobs", 6),
         ("best_of", 2),
         ("echo", True),
         ("suffix", "!"),
@@ -96,9 +99,8 @@ async def test_completions_refuse_unserved_fields_by_name(
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("n", 3),
-        ("logprobs", True),
-        ("top_logprobs", 2),
+        ("n", 0),
+        ("top_logprobs", 2),  # without logprobs: true
         ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
         ("response_format", {"type": "json_object"}),
     ],
@@ -127,3 +129,191 @@ async def test_errors_reach_the_client_as_typed_exceptions(ingress: Ingress) -> 
         with pytest.raises(openai.AuthenticationError) as raised:
             await sdk.models.list()
     assert isinstance(raised.value.body, dict) and raised.value.body["code"] == 401
+
+
+# ------------------------------------------------------------ several choices, logprobs
+WORDS = ("Hello", " there")
+
+
+def _answer_every_choice(ingress: Ingress) -> None:
+    """The harness's replica, answering as the engine host does for ``n`` and
+    ``logprobs``: two tokens per choice (choice i says "Hello" then " there<i>"), pieces of
+    the choices interleaved last index first, each token's log-probability with the
+    engine's alternatives (the sampled token first, then ``logprobs`` others)."""
+    replicas = ingress.replicas
+
+    async def answer(request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        held = await ingress.state.admission.reserved_blocks(request["tenant_id"])
+        replicas.reserved_while_answering.append(held)
+        n, alternatives = request["n"], request["logprobs"]
+        total = 0
+        for step, word in enumerate(WORDS):
+            for index in reversed(range(n)):
+                text = word if step == 0 else f"{word}{index}"
+                total += 1
+                logprobs = None
+                if alternatives is not None:
+                    top = [(text, -0.5)] + [(f"alt{j}", -2.0 - j) for j in range(alternatives)]
+                    logprobs = [{"token": text, "logprob": -0.5, "top": top}]
+                yield {
+                    "index": index,
+                    "text": text,
+                    "finish_reason": "length" if step == len(WORDS) - 1 else None,
+                    "prompt_tokens": len(request["prompt_token_ids"]),
+                    "completion_tokens": total,
+                    "logprobs": logprobs,
+                }
+
+    replicas._answer = answer  # type: ignore[method-assign]
+
+
+async def test_completions_return_n_choices_with_logprobs(
+    client: openai.AsyncOpenAI, ingress: Ingress
+) -> None:
+    _answer_every_choice(ingress)
+    completion = await client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=2, n=2, logprobs=2
+    )
+    assert [choice.index for choice in completion.choices] == [0, 1]
+    assert [choice.text for choice in completion.choices] == ["Hello there0", "Hello there1"]
+    assert {choice.finish_reason for choice in completion.choices} == {"length"}
+    for index, choice in enumerate(completion.choices):
+        logprobs = choice.logprobs
+        assert logprobs is not None
+        assert logprobs.tokens == ["Hello", f" there{index}"]
+        assert logprobs.token_logprobs == [-0.5, -0.5]
+        assert logprobs.text_offset == [0, len("Hello")]
+        assert logprobs.top_logprobs is not None and len(logprobs.top_logprobs) == 2
+        # the sampled token and the 2 alternatives asked for, as vLLM answers
+        assert logprobs.top_logprobs[0] == {"Hello": -0.5, "alt0": -2.0, "alt1": -3.0}
+    assert completion.usage is not None and completion.usage.completion_tokens == 4
+    sent = _sent(ingress)
+    assert (sent["n"], sent["logprobs"]) == (2, 2)
+
+
+async def test_completions_stream_n_choices_with_logprobs(
+    client: openai.AsyncOpenAI, ingress: Ingress
+) -> None:
+    _answer_every_choice(ingress)
+    stream = await client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=2, n=2, logprobs=0, stream=True
+    )
+    texts: dict[int, str] = {}
+    offsets: dict[int, list[int]] = {}
+    async for chunk in stream:
+        (choice,) = chunk.choices
+        texts[choice.index] = texts.get(choice.index, "") + choice.text
+        assert choice.logprobs is not None and choice.logprobs.top_logprobs is not None
+        assert all(len(top) == 1 for top in choice.logprobs.top_logprobs)  # the sampled one
+        offsets.setdefault(choice.index, []).extend(choice.logprobs.text_offset or [])
+    assert texts == {0: "Hello there0", 1: "Hello there1"}
+    # Offsets run on across the pieces of each choice.
+    assert offsets == {0: [0, len("Hello")], 1: [0, len("Hello")]}
+
+
+async def test_chat_returns_n_choices_with_logprobs(
+    client: openai.AsyncOpenAI, ingress: Ingress
+) -> None:
+    _answer_every_choice(ingress)
+    completion = await client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=2,
+        n=2,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    assert [choice.index for choice in completion.choices] == [0, 1]
+    for index, choice in enumerate(completion.choices):
+        assert choice.message.content == f"Hello there{index}"
+        assert choice.logprobs is not None and choice.logprobs.content is not None
+        content = choice.logprobs.content
+        assert [item.token for item in content] == ["Hello", f" there{index}"]
+        assert [item.logprob for item in content] == [-0.5, -0.5]
+        assert content[0].bytes == list(b"Hello")
+        # the first top_logprobs of the engine's list, as vLLM answers
+        assert [top.token for top in content[0].top_logprobs] == ["Hello", "alt0"]
+    assert _sent(ingress)["logprobs"] == 2
+
+
+async def test_chat_streams_n_choices_with_logprobs(
+    client: openai.AsyncOpenAI, ingress: Ingress
+) -> None:
+    _answer_every_choice(ingress)
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=2,
+        n=3,
+        logprobs=True,
+        stream=True,
+    )
+    texts: dict[int, str] = {}
+    tokens: dict[int, list[str]] = {}
+    async for chunk in stream:
+        (choice,) = chunk.choices
+        texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+        assert choice.logprobs is not None and choice.logprobs.content is not None
+        tokens.setdefault(choice.index, []).extend(c.token for c in choice.logprobs.content)
+        assert all(c.top_logprobs == [] for c in choice.logprobs.content)  # top_logprobs 0
+    assert texts == {i: f"Hello there{i}" for i in range(3)}
+    assert tokens == {i: ["Hello", f" there{i}"] for i in range(3)}
+    assert _sent(ingress)["logprobs"] == 0
+
+
+async def test_no_logprobs_unless_asked(client: openai.AsyncOpenAI, ingress: Ingress) -> None:
+    _answer_every_choice(ingress)
+    completion = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, n=2)
+    assert [choice.logprobs for choice in completion.choices] == [None, None]
+    assert _sent(ingress)["logprobs"] is None
+
+
+async def test_n_choices_reserve_n_sequences(
+    client: openai.AsyncOpenAI, ingress: Ingress, tokenizer: Any
+) -> None:
+    """Each choice is its own sequence in vLLM with its own KV: n=3 holds three times what
+    n=1 holds (prompt + max_tokens each, the tenant having no cap), and gives it back."""
+    _answer_every_choice(ingress)
+    for n in (1, 3):
+        await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, n=n)
+    one_sequence = math.ceil((len(tokenizer(PROMPT)["input_ids"]) + 8) / BLOCK_SIZE)
+    assert ingress.replicas.reserved_while_answering == [one_sequence, 3 * one_sequence]
+    assert await ingress.state.admission.reserved_blocks("acme") == 0
+
+
+async def test_max_n_is_the_ingress_setting(client: openai.AsyncOpenAI, ingress: Ingress) -> None:
+    ingress.state.settings = dataclasses.replace(ingress.state.settings, max_n=2)
+    with pytest.raises(openai.BadRequestError) as raised:
+        await client.completions.create(model=MODEL, prompt=PROMPT, n=3)
+    assert "n: at most 2 choices" in raised.value.message
+    assert ingress.replicas.requests == []
+
+
+async def test_n_sequences_settle_once_every_choice_is_past_its_prefill(
+    ingress: Ingress, tokenizer: Any
+) -> None:
+    """A capped tenant's request holds each sequence's whole prompt until that sequence
+    has a token out; the reservation shrinks to n steady bounds only when every choice
+    has one (vLLM may prefill the children one after another)."""
+    api_key = await ingress.add_tenant("capped", kv_budget_blocks=64, eviction_budget_tokens=16)
+    prompt = "word " * 60
+    prompt_blocks = math.ceil(len(tokenizer(prompt)["input_ids"]) / BLOCK_SIZE)
+    assert prompt_blocks > 2  # the steady bound: 16 tokens + a block = 2 blocks
+    held: list[int] = []
+
+    async def answer(request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        admission = ingress.state.admission
+        common = {"prompt_tokens": len(request["prompt_token_ids"])}
+        held.append(await admission.reserved_blocks("capped"))
+        yield {"index": 0, "text": "Hi", "completion_tokens": 1, **common}
+        held.append(await admission.reserved_blocks("capped"))  # choice 1 still in prefill
+        yield {"index": 1, "text": "Yo", "completion_tokens": 2, **common}
+        held.append(await admission.reserved_blocks("capped"))
+        for index in range(2):
+            yield {"index": index, "finish_reason": "stop", "completion_tokens": 2, **common}
+
+    ingress.replicas._answer = answer  # type: ignore[method-assign]
+    response = await ingress.complete(api_key, prompt=prompt, n=2)
+    assert response.status_code == 200, response.text
+    assert [choice["text"] for choice in response.json()["choices"]] == ["Hi", "Yo"]
+    assert held == [2 * prompt_blocks, 2 * prompt_blocks, 2 * 2]

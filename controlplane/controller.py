@@ -13,6 +13,7 @@ import asyncio
 import gc
 import logging
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from opentelemetry import trace
@@ -85,8 +86,11 @@ class Controller:
         config: ControllerConfig | None = None,
         planner_config: PlannerConfig | None = None,
         tracer: trace.Tracer = telemetry.NOOP_TRACER,
+        on_cycle: Callable[[CycleResult], None] | None = None,
     ) -> None:
+        """``on_cycle`` sees every leader cycle's result (its timings: metrics)."""
         self.config = config if config is not None else ControllerConfig()
+        self._on_cycle = on_cycle
         self.planner_config = planner_config if planner_config is not None else PlannerConfig()
         self._store = store
         self._lease = lease
@@ -106,6 +110,11 @@ class Controller:
         return self._plan
 
     @property
+    def quotas(self) -> Mapping[str, TenantQuota]:
+        """The quotas the last leader cycle planned with (kept while Redis is away)."""
+        return self._quotas
+
+    @property
     def is_leader(self) -> bool:
         return self._fence is not None
 
@@ -120,7 +129,10 @@ class Controller:
             if state.fence != self._fence:
                 await self._resume(state.fence)
             span.set_attribute(telemetry.ATTR_LEASE_FENCE, state.fence)
-            return await self._plan_and_write(state.fence, span)
+            result = await self._plan_and_write(state.fence, span)
+            if self._on_cycle is not None:
+                self._on_cycle(result)
+            return result
 
     async def _follow(self) -> None:
         """As a standby, keep the leader's latest plan (read only when its version moved)."""

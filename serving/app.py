@@ -4,13 +4,16 @@ controller. ``build_app`` is the Serve config's ``import_path`` target."""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import ConfigDict, Field, model_validator
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from controlplane.admin_token import AdminTokenSource, check_admin_token
+from controlplane.redis_conn import RedisConfig
 from serving.controller import ControllerDeployment
 from serving.engine_host import EngineReplica, ReplicaSettings
 from serving.ingress import Ingress
@@ -22,11 +25,14 @@ class AppArgs(AdminTokenSource):
     """Arguments of ``build_app`` (the ``args`` of a Serve config application).
 
     The admin token is never one of them: it is read from ``$admin_token_env`` or
-    ``admin_token_file`` (see :class:`AdminTokenSource`)."""
+    ``admin_token_file`` (see :class:`AdminTokenSource`). Nor is a Redis password: a
+    ``redis_url`` that carries one is refused; leave ``redis_url`` out and the URL is read
+    at start from ``$redis_url_env`` (see :meth:`read_redis_url`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=False)
 
-    redis_url: str
+    redis_url: str | None = None
+    redis_url_env: str = Field(default="VTOKEN_REDIS_URL", min_length=1)
     key_prefix: str = "vtoken"
     num_replicas: int = Field(default=1, ge=1)
     replica_num_cpus: float = Field(default=1.0, ge=0)
@@ -49,13 +55,36 @@ class AppArgs(AdminTokenSource):
                 "admin_token must not be written in the Serve config: set "
                 "$VTOKEN_ADMIN_TOKEN (or admin_token_env / admin_token_file) instead"
             )
+        url = data.get("redis_url") if isinstance(data, dict) else None
+        if isinstance(url, str) and urlsplit(url).password:
+            raise ValueError(
+                "redis_url must not carry a password in the Serve config: leave redis_url "
+                "out and set $VTOKEN_REDIS_URL (or name another variable in redis_url_env)"
+            )
         return data
+
+    def read_redis_url(self, environ: Mapping[str, str]) -> str:
+        """``redis_url`` when the config sets one, else ``$redis_url_env``; ``ValueError``
+        when neither is set or the URL's scheme is not Redis's (never the URL itself, which
+        may hold a password)."""
+        url = self.redis_url if self.redis_url is not None else environ.get(self.redis_url_env)
+        if not url:
+            raise ValueError(
+                f"no Redis URL: set ${self.redis_url_env} (or redis_url in the Serve config)"
+            )
+        scheme = urlsplit(url).scheme
+        try:
+            RedisConfig(url=url)
+        except ValueError:
+            raise ValueError(f"the Redis URL has the unsupported scheme {scheme!r}") from None
+        return url
 
 
 def policy_keep_ratio(vtoken: dict[str, Any]) -> float | None:
     """The engines' keep ratio when their policy evicts to it whenever asked (admission
     bounds a request without a tenant cap by it after prefill); ``None`` otherwise (policy
-    ``none``, an absolute budget, or a policy that compresses once).
+    ``none``, an absolute budget, a policy that compresses once, tokens protected whatever
+    the ratio, or naive mode).
 
     In ``on_demand`` mode a request keeps more than its ratio while memory is free; that
     excess is reclaimable, and the controller's pressure takes it back as soon as the
@@ -66,6 +95,10 @@ def policy_keep_ratio(vtoken: dict[str, Any]) -> float | None:
     config = VTokenConfig.model_validate(vtoken)
     policy = config.make_policy()
     if not (policy.holds_budget_every_step and policy.needs_budget):
+        return None
+    if config.mode != "vtoken" or policy.num_protected(0):
+        # Naive-Evict frees no block by evicting; sinks or a fixed recent window can keep
+        # more than keep x length: only the request's own length bounds it then.
         return None
     return config.keep_ratio
 
@@ -84,15 +117,16 @@ def build_app(args: dict[str, Any], *, admin_token: str | None = None) -> Applic
         if admin_token is not None
         else config.read(os.environ)
     )
+    redis_url = config.read_redis_url(os.environ)
     engine_settings = config.engine.model_copy(
         update={
-            "redis_url": config.engine.redis_url or config.redis_url,
+            "redis_url": config.engine.redis_url or redis_url,
             "key_prefix": config.key_prefix,
         }
     )
     router = RequestRouterConfig(
         request_router_class=VTokenRequestRouter,  # type: ignore[arg-type]
-        request_router_kwargs={"redis_url": config.redis_url, "key_prefix": config.key_prefix},
+        request_router_kwargs={"redis_url": redis_url, "key_prefix": config.key_prefix},
     )
     engine = EngineReplica.options(  # type: ignore[attr-defined]
         num_replicas=config.num_replicas,
@@ -104,7 +138,7 @@ def build_app(args: dict[str, Any], *, admin_token: str | None = None) -> Applic
         request_router_config=router,
     ).bind(engine_settings.model_dump())
     controller = ControllerDeployment.bind(  # type: ignore[attr-defined]
-        config.redis_url, config.key_prefix, config.controller_period_s
+        redis_url, config.key_prefix, config.controller_period_s
     )
     ingress_settings = {
         "model_name": engine_settings.name,
@@ -113,7 +147,7 @@ def build_app(args: dict[str, Any], *, admin_token: str | None = None) -> Applic
         "block_size": engine_settings.block_size,
         "admin_token": token,
         "limits": config.limits.model_dump(),
-        "redis_url": config.redis_url,
+        "redis_url": redis_url,
         "key_prefix": config.key_prefix,
         "keep_ratio": (
             policy_keep_ratio(engine_settings.vtoken) if config.admission == "active_kv" else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-from opentelemetry import trace
+from opentelemetry import metrics, trace
 from ray import serve
 
 from controlplane import telemetry
@@ -13,6 +13,7 @@ from controlplane.clock import SystemClock
 from controlplane.controller import Controller, ControllerConfig
 from controlplane.keys import KeySpace
 from controlplane.lease import ControllerLease
+from controlplane.otel_metrics import ControllerMetrics, configure_metrics
 from controlplane.redis_conn import RedisConfig, connect
 from controlplane.store import RedisStore
 from controlplane.tracing import configure_tracing
@@ -22,18 +23,29 @@ from controlplane.tracing import configure_tracing
 class ControllerDeployment:
     def __init__(self, redis_url: str, key_prefix: str = "vtoken", period_s: float = 0.5) -> None:
         configure_tracing("vtoken-controller")
+        configure_metrics("vtoken-controller")
         keys = KeySpace(key_prefix)
         redis = connect(RedisConfig(url=redis_url))
         config = ControllerConfig(period_s=period_s, lease_ttl_s=max(2.0, 4 * period_s))
         lease = ControllerLease(
             redis, f"controller-{uuid.uuid4().hex[:8]}", config.lease_ttl_s, keys
         )
+        clock = SystemClock()
+        self.metrics = ControllerMetrics(
+            metrics.get_meter(telemetry.TRACER_CONTROLLER),
+            clock,
+            lambda: self.controller.current_plan,
+            lambda: self.controller.quotas,
+        )
         self.controller = Controller(
             RedisStore(redis, keys),
             lease,
-            SystemClock(),
+            clock,
             config,
             tracer=trace.get_tracer(telemetry.TRACER_CONTROLLER),
+            on_cycle=lambda cycle: self.metrics.record_cycle(
+                cycle.read_s + cycle.plan_s + cycle.write_s
+            ),
         )
         self._stop = asyncio.Event()
         self._task = asyncio.get_event_loop().create_task(self.controller.run(self._stop))

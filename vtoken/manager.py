@@ -187,17 +187,24 @@ class VTokenManager:
         return request
 
     def report(self, request_id: str, budget_tokens: int | None = None) -> RequestReport:
-        """The request's usage; ``budget_tokens`` (the live tokens its policy may keep now)
-        sets its floor, which is its ideal without a budget, or under a policy that does not
-        evict to its budget whenever asked (``none``; SnapKV and PAGE decide once)."""
+        """The request's usage; ``budget_tokens`` (the live tokens its policy may keep now,
+        ``None`` while nothing can be evicted, e.g. in prefill) sets its floor: the blocks
+        its budget, or the tokens its policy protects if more, would fill. The floor is its
+        ideal (a pending repack's blocks are reclaimable) without a budget or under a
+        policy that does not evict to its budget whenever asked (``none``; SnapKV and PAGE
+        decide once), and what it holds in naive mode (eviction frees no block there)."""
         request = self.requests[request_id]
         table = request.table
-        floor = table.num_ideal_blocks
+        vtoken = self.mode is ReclaimMode.VTOKEN
+        # A pending repack's freed blocks count as reclaimable (the ideal, not what it holds).
+        floor = table.num_ideal_blocks if vtoken else request.num_held_blocks
         policy = request.policy
         # Only a policy that evicts to its budget whenever asked can bring it lower.
         evicts = policy is not None and policy.holds_budget_every_step and policy.needs_budget
-        if budget_tokens is not None and evicts:
-            floor = min(floor, cdiv(min(table.num_live, budget_tokens), self.block_size))
+        if budget_tokens is not None and evicts and vtoken:
+            assert policy is not None
+            keep = max(budget_tokens, policy.num_protected(budget_tokens))
+            floor = min(floor, cdiv(min(table.num_live, keep), self.block_size))
         return RequestReport(
             request_id=request_id,
             tenant=request.tenant,

@@ -146,6 +146,11 @@ class EvictionPolicy:
     def num_to_evict(self, view: PolicyView, budget: int) -> int:
         return max(0, view.num_live - budget)
 
+    def num_protected(self, budget: int) -> int:
+        """The most tokens ``protected`` keeps with ``budget`` (sinks + recent window): no
+        eviction brings a request below this many (or all it holds, if fewer)."""
+        return self.sinks + max(self.recent, int(self.recent_fraction * budget))
+
     def protected(self, view: PolicyView, budget: int) -> np.ndarray:
         """``[n_live]`` bool mask of tokens this policy never evicts at this step."""
         num_recent = max(self.recent, int(self.recent_fraction * budget))
@@ -189,6 +194,9 @@ class Gate(EvictionPolicy):
 
     def score_needs(self) -> ScoreNeeds:
         return self.inner.score_needs().merge(self.needs)
+
+    def num_protected(self, budget: int) -> int:
+        return super().num_protected(budget) + self.inner.num_protected(budget)
 
     def observe(self, view: PolicyView) -> None:
         self.inner.observe(view)

@@ -64,7 +64,7 @@ class ScheduledRequest:
     kv: RequestKV
     spec: PolicySpec
     capped: bool = False  # its spec is a per-request override (the tenant's cap)
-    pressure_target: int | None = None  # live tokens the controller's pressure allows
+    pressure_anchor: int | None = None  # live tokens when its tenant's pressure reached it
     pending_src: np.ndarray = field(default_factory=lambda: _EMPTY)
     pending_dst: np.ndarray = field(default_factory=lambda: _EMPTY)
     pending_num_blocks: int | None = None
@@ -176,9 +176,8 @@ class VTokenScheduler:
             self.manager.observe(request_id, attention_of.get(request_id, StepAttention()))
         for request_id in decoding:
             record = self.requests[request_id]
-            fraction = self.pressure.get(record.kv.tenant)
-            if fraction is not None and record.pressure_target is None:  # new under pressure
-                record.pressure_target = max(1, int(record.kv.table.num_live * fraction))
+            if record.kv.tenant in self.pressure and record.pressure_anchor is None:
+                record.pressure_anchor = record.kv.table.num_live  # new under pressure
         always, for_room = self._to_squeeze(decoding, requests, num_waiting_blocks)
         for request_id in decoding:
             record = self.requests[request_id]
@@ -198,29 +197,35 @@ class VTokenScheduler:
 
     def set_pressure(self, pressure: Mapping[str, float]) -> None:
         """The controller's eviction pressure: tenant -> keep fraction in (0, 1] of what the
-        tenant holds now (``controlplane/pressure.py``: budget / measured active KV). Each
-        running request of such a tenant may keep that fraction of its live tokens (fixed
-        here, so a repeated call never compounds; a request still in prefill, or added
-        later, starts from its own live tokens at its first decoding step), in both eviction
-        modes; a tenant left out of ``pressure`` is released."""
+        tenant holds (``controlplane/pressure.py``: budget / measured active KV). Each
+        running request of such a tenant may keep that fraction of its *anchor*: its live
+        tokens when the tenant's pressure first reached it (a request still in prefill, or
+        added later, is anchored at its first decoding step). Later plans with other
+        fractions apply to the same anchor, so pressure never compounds from plan to plan,
+        and never goes below the tokens its policy protects. Both eviction modes; a tenant
+        left out of ``pressure`` is released (and re-anchored if pressured again)."""
         bad = {tenant: f for tenant, f in pressure.items() if not 0.0 < f <= 1.0}
         if bad:
             raise ValueError(f"keep fractions must be in (0, 1]: {bad}")
-        changed = {
-            t: float(f) for t, f in pressure.items() if f < 1.0 and f != self.pressure.get(t)
-        }
         self.pressure = {t: float(f) for t, f in pressure.items() if f < 1.0}
         for record in self.requests.values():
             tenant, table = record.kv.tenant, record.kv.table
             if tenant not in self.pressure or table.num_logical < record.kv.prompt_len:
-                record.pressure_target = None  # released, or in prefill: set once it decodes
-            elif tenant in changed or record.pressure_target is None:
-                record.pressure_target = max(1, int(table.num_live * self.pressure[tenant]))
+                record.pressure_anchor = None  # released, or in prefill: set once it decodes
+            elif record.pressure_anchor is None:
+                record.pressure_anchor = table.num_live
 
     def _budget(self, record: ScheduledRequest) -> int:
+        """Live tokens the request may keep after this step: its policy's budget, lowered
+        by its tenant's pressure to ``fraction x anchor`` (never below what the policy
+        protects: it would not evict those anyway)."""
         budget = record.spec.budget(record.kv.table.num_logical)
-        if record.pressure_target is not None:
-            budget = min(budget, record.pressure_target)
+        fraction = self.pressure.get(record.kv.tenant)
+        if fraction is not None and record.pressure_anchor is not None:
+            target = int(record.pressure_anchor * fraction)
+            policy = record.kv.policy
+            protected = policy.num_protected(target) if policy is not None else 0
+            budget = min(budget, max(1, protected, target))
         return budget
 
     def _evicts_to_budget(self, record: ScheduledRequest) -> bool:
@@ -377,7 +382,11 @@ class VTokenScheduler:
             blocks_reclaimed=self.manager.num_blocks_reclaimed,
             num_evictions_under_pressure=self.num_evictions_under_pressure,
             requests=self.manager.reports(
-                {request_id: self._budget(record) for request_id, record in self.requests.items()}
+                {  # a request in prefill has no budget yet: nothing of it can be evicted
+                    request_id: self._budget(record)
+                    for request_id, record in self.requests.items()
+                    if record.kv.table.num_logical >= record.kv.prompt_len
+                }
             ),
         )
 

@@ -21,6 +21,10 @@ from serving.app import AppArgs, build_app, policy_keep_ratio
         ({"policy": "snapkv", "keep_ratio": 0.2}, None),  # compresses once, not every step
         ({"policy": "streaming_llm", "policy_args": {"sinks": 4, "recent": 60}}, None),
         ({"policy": "h2o", "budget_tokens": 256}, None),  # an absolute budget, no ratio
+        ({"policy": "h2o", "keep_ratio": 0.2, "mode": "naive"}, None),  # frees no block
+        # 64 sinks are kept whatever the ratio: keep x length does not bound the request
+        ({"policy": "random", "policy_args": {"sinks": 64}, "keep_ratio": 0.1}, None),
+        ({"policy": "h2o", "keep_ratio": 0.2, "policy_args": {"recent_fraction": 0.5}}, 0.2),
     ],
 )
 def test_admission_learns_the_engines_keep_ratio_only_when_the_policy_evicts_to_it(
@@ -71,3 +75,18 @@ def test_input_limits_are_serve_config_args():
     assert args.limits.max_prompt_chars == 10
     with pytest.raises(ValueError, match="max_body_bytes"):
         AppArgs.model_validate({"redis_url": "redis://x", "limits": {"max_body_bytes": 0}})
+
+
+def test_the_redis_url_comes_from_the_environment_never_with_a_password_in_the_config():
+    with pytest.raises(ValueError, match="must not carry a password"):
+        AppArgs.model_validate({"redis_url": "redis://:hunter2hunter2@10.0.0.1:6379/0"})
+    args = AppArgs.model_validate({})
+    with pytest.raises(ValueError, match=r"no Redis URL: set \$VTOKEN_REDIS_URL"):
+        args.read_redis_url({})
+    url = "redis://:s3cret-from-the-env@10.0.0.1:6379/0"
+    assert args.read_redis_url({"VTOKEN_REDIS_URL": url}) == url
+    with pytest.raises(ValueError, match="unsupported scheme 'http'") as refused:
+        args.read_redis_url({"VTOKEN_REDIS_URL": "http://:s3cret@10.0.0.1/"})
+    assert "s3cret" not in str(refused.value)
+    named = AppArgs.model_validate({"redis_url_env": "MY_REDIS"})
+    assert named.read_redis_url({"MY_REDIS": "redis://127.0.0.1:1/0"}) == "redis://127.0.0.1:1/0"

@@ -155,4 +155,24 @@ def test_snapshot_crosses_vllms_utility_call_as_plain_data():
     llm = SimpleNamespace(engine_core=SimpleNamespace(call_utility=lambda name: sent.result))
     report = engine_counters(llm)
     assert report == state.snapshot()
-    assert report.tenants[DEFAULT_TENANT].reclaimable_blocks == 1  # 3 held, 7 live fit in 2
+    # 3 held, 7 live would fit in 2, but Naive-Evict frees no block: nothing reclaimable
+    assert report.tenants[DEFAULT_TENANT].reclaimable_blocks == 0
+    assert report.tenants[DEFAULT_TENANT].ideal_blocks == 2
+
+
+def test_a_request_in_prefill_reports_nothing_reclaimable():
+    """Nothing of a prompt can be evicted before its prefill ends: its floor is what it
+    holds, whatever its budget (the router and the planner count reclaimable blocks as
+    room)."""
+    pool, manager = FakeBlockPool(64), FakeBlockManager()
+    config = VTokenConfig(policy="h2o", keep_ratio=0.2, eviction="on_demand")
+    state = VTokenScheduler(config, pool, manager)
+    request = FakeRequest("r", num_prompt_tokens=40)
+    assert state.allocate(request, 20) is not None  # the first half of the prompt
+    request.num_computed_tokens = 20
+    (report,) = state.snapshot().requests
+    assert (report.allocated_blocks, report.floor_blocks, report.reclaimable_blocks) == (5, 5, 0)
+    assert state.allocate(request, 20) is not None  # prefill done: its budget applies
+    request.num_computed_tokens = 40
+    (report,) = state.snapshot().requests
+    assert (report.allocated_blocks, report.floor_blocks) == (10, 2)  # 0.2 x 40 = 8 tokens

@@ -38,6 +38,8 @@ from typing import Annotated, Any
 
 import typer
 
+from serving.demo import over_budget
+
 MODES = ("worst_case", "active_kv")
 PROMPT_TOKENS = (256, 1024)
 OUTPUT_TOKENS = (64, 256)
@@ -110,20 +112,6 @@ def make_arrivals(
             )
             at_s += rng.expovariate(tenant.rate_rps)
     return sorted(arrivals, key=lambda a: a.at_s)
-
-
-def over_budget(samples: list[tuple[float, int]], budget: int) -> tuple[float, float]:
-    """(total seconds, longest stretch in seconds) that ``samples`` ((time, blocks), in
-    time order) spend above ``budget``; a sample above budget lasts until the next one."""
-    total = longest = stretch = 0.0
-    for (at_s, blocks), (next_s, _) in zip(samples, samples[1:], strict=False):
-        if blocks > budget:
-            stretch += next_s - at_s
-            total += next_s - at_s
-            longest = max(longest, stretch)
-        else:
-            stretch = 0.0
-    return total, longest
 
 
 def natural_passages(tokenizer: Any, min_tokens: int, count: int = 12) -> list[list[int]]:
@@ -230,6 +218,11 @@ async def drive(
                 "peak_active_blocks": max((blocks for _, blocks in series), default=0),
                 "seconds_over_budget": round(seconds_over, 2),
                 "longest_over_budget_s": round(longest_over, 2),
+                # what a stretch above budget shorter than this could hide between samples
+                "max_sample_gap_s": round(
+                    max((b[0] - a[0] for a, b in zip(series, series[1:], strict=False)), default=0),
+                    2,
+                ),
                 "requests_ok": tally.ok,
                 "requests_throttled": tally.throttled,
                 "requests_failed": tally.failed,

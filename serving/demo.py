@@ -50,15 +50,34 @@ class Tally:
     peak_kv_blocks: int = 0
 
 
+def over_budget(samples: list[tuple[float, int]], budget: int) -> tuple[float, float]:
+    """(total seconds, longest stretch in seconds) that ``samples`` ((time, blocks), in
+    time order) spend above ``budget``; a sample above budget lasts until the next one."""
+    total = longest = stretch = 0.0
+    for (at_s, blocks), (next_s, _) in zip(samples, samples[1:], strict=False):
+        if blocks > budget:
+            stretch += next_s - at_s
+            total += next_s - at_s
+            longest = max(longest, stretch)
+        else:
+            stretch = 0.0
+    return total, longest
+
+
 @dataclass
 class DemoState:
     tallies: dict[str, Tally] = field(default_factory=dict)
     peak_used: dict[str, int] = field(default_factory=dict)
     peak_naive: dict[str, int] = field(default_factory=dict)
     last_status: dict[str, Any] = field(default_factory=dict)
+    samples: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)
 
     def observe(self, status: dict[str, Any]) -> None:
         self.last_status = status
+        now_s = time.monotonic() - self.started
+        for tenant in status["tenants"]:
+            self.samples.setdefault(tenant["id"], []).append((now_s, tenant["kv_blocks"]))
         for replica in status["replicas"]:
             if replica.get("fresh"):
                 rid = replica["id"]
@@ -167,18 +186,28 @@ async def run_workload(base_url: str, model: str, state: DemoState) -> None:
 
 
 def final_report(state: DemoState) -> dict[str, Any]:
-    quotas = {t.tenant_id: t.kv_budget_blocks for t in DEMO_TENANTS}
-    tenants = [
-        {
-            "id": tenant_id,
-            "quota_blocks": quotas[tenant_id],
-            "peak_kv_blocks": state.tallies[tenant_id].peak_kv_blocks,
-            "requests_ok": state.tallies[tenant_id].ok,
-            "throttled_429s": state.tallies[tenant_id].throttled,
-            "requests_failed": state.tallies[tenant_id].failed,
-        }
-        for tenant_id in quotas
-    ]
+    """Per tenant: budget, peak measured active KV, time above budget, requests ok /
+    throttled (429 answers, each retried) / failed; per replica: peak blocks vs what
+    Naive-Evict would hold, blocks reclaimed, preemptions and evictions forced by memory
+    or pressure (each one a preemption avoided)."""
+    tenants = []
+    for tenant in DEMO_TENANTS:
+        tally = state.tallies[tenant.tenant_id]
+        seconds_over, longest_over = over_budget(
+            state.samples.get(tenant.tenant_id, []), tenant.kv_budget_blocks
+        )
+        tenants.append(
+            {
+                "id": tenant.tenant_id,
+                "quota_blocks": tenant.kv_budget_blocks,
+                "peak_kv_blocks": tally.peak_kv_blocks,
+                "seconds_over_budget": round(seconds_over, 2),
+                "longest_over_budget_s": round(longest_over, 2),
+                "requests_ok": tally.ok,
+                "throttled_429s": tally.throttled,
+                "requests_failed": tally.failed,
+            }
+        )
     replicas = [
         {
             "id": r["id"],

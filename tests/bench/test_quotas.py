@@ -13,9 +13,9 @@ from bench.quotas import (
     BenchTenant,
     make_arrivals,
     mode_settings,
-    over_budget,
     plot,
 )
+from serving.demo import over_budget
 
 TENANTS = (BenchTenant("a", 10, rate_rps=2.0), BenchTenant("b", 20, rate_rps=0.5))
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from opentelemetry import trace
+from opentelemetry import metrics, trace
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 
@@ -26,11 +26,18 @@ from controlplane.clock import SystemClock
 from controlplane.keys import KeySpace
 from controlplane.models import EngineCounters, TenantUsage
 from controlplane.openai_models import GenerateChunk, GenerateRequest, TokenLogprob
+from controlplane.otel_metrics import ReplicaMetrics, configure_metrics
 from controlplane.plan_follower import PlanFollower
 from controlplane.publisher import PublisherConfig, ReportPublisher
 from controlplane.redis_conn import RedisConfig, connect
 from controlplane.store import RedisStore
-from controlplane.tracing import configure_tracing, extract_context
+from controlplane.tracing import (
+    ENGINE_TRACES_PROTOCOL,
+    configure_tracing,
+    engine_traces_endpoint,
+    extract_context,
+    inject_context,
+)
 from policies import CAP_POLICY
 from vtoken.reports import EngineReport
 from workers.config import REQUEST_KEY, VTokenConfig, request_policy_spec
@@ -57,6 +64,12 @@ class ReplicaSettings(BaseModel):
     num_blocks: int | None = Field(default=None, gt=0)
     dtype: str = "auto"
     kv_cache_space_gib: int = Field(default=1, gt=0)
+    gpu_memory_utilization: float = Field(default=0.3, gt=0, le=1)
+    """Share of each GPU vLLM may use (weights, activations, then the KV pool); CPU: unused."""
+    enforce_eager: bool = True  # vToken's hooks run in eager mode only (no CUDA graphs)
+    kv_cache_dtype: str = "auto"  # vLLM's names: auto (the model's dtype), fp8, fp8_e5m2, ...
+    tensor_parallel_size: int = Field(default=1, gt=0)
+    """GPUs per replica: the deployment's ``replica_num_gpus`` must be at least this."""
     vtoken: dict[str, Any] = Field(default_factory=lambda: {"policy": "none"})
     redis_url: str | None = None
     key_prefix: str = "vtoken"
@@ -191,7 +204,14 @@ class EngineHost:
             max_num_seqs=settings.max_num_seqs,
             num_blocks=settings.num_blocks,
             dtype=settings.dtype,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            enforce_eager=settings.enforce_eager,
+            kv_cache_dtype=settings.kv_cache_dtype,
+            tensor_parallel_size=settings.tensor_parallel_size,
+            otlp_traces_endpoint=engine_traces_endpoint(),
         )
+        if common["otlp_traces_endpoint"] is not None:  # vLLM exports OTLP/gRPC unless told
+            os.environ.setdefault(*ENGINE_TRACES_PROTOCOL)
         args = AsyncEngineArgs(**common, served_model_name=settings.name, disable_log_stats=True)
         self.llm = AsyncLLM.from_engine_args(args)
         self.counters_at: float | None = None  # monotonic time of the last successful read
@@ -240,8 +260,18 @@ class EngineHost:
                 span.add_event(telemetry.EVENT_REQUEST_BUDGET, {telemetry.ATTR_BUDGET: budget})
             completion_tokens = 0
             self.running += 1
+            # vLLM's own request span joins this trace (when it traces: otlp_traces_endpoint).
+            trace_headers = inject_context()
+            first_token: trace.Span | None = self.tracer.start_span(
+                telemetry.SPAN_ENGINE_FIRST_TOKEN
+            )
             try:
-                async for output in self.llm.generate(prompt, params, request.request_id):
+                async for output in self.llm.generate(
+                    prompt, params, request.request_id, trace_headers=trace_headers
+                ):
+                    if first_token is not None:  # the SDK warns when a span ends twice
+                        first_token.end()
+                        first_token = None
                     # With n > 1, vLLM runs n child requests; a (merged) output carries
                     # the new pieces of any of them, each with its choice's index.
                     for piece in output.outputs:
@@ -263,6 +293,8 @@ class EngineHost:
             except refused as error:  # vLLM refuses the request itself (e.g. too long)
                 yield GenerateChunk(error=str(error), replica_id=self.replica_id)
             finally:
+                if first_token is not None:
+                    first_token.end()
                 self.running -= 1
             span.set_attribute(telemetry.ATTR_COMPLETION_TOKENS, completion_tokens)
             if span.is_recording():  # one utility call per sequence, only when traced
@@ -339,7 +371,13 @@ class EngineHost:
 class ReplicaReporter:
     """Polls the engine's counters and publishes them, both every ``report_period_s``."""
 
-    def __init__(self, host: EngineHost, redis_url: str, key_prefix: str) -> None:
+    def __init__(
+        self,
+        host: EngineHost,
+        redis_url: str,
+        key_prefix: str,
+        tracer: trace.Tracer = telemetry.NOOP_TRACER,
+    ) -> None:
         self.host = host
         store = RedisStore(connect(RedisConfig(url=redis_url)), KeySpace(key_prefix))
         config = PublisherConfig(
@@ -347,7 +385,7 @@ class ReplicaReporter:
             model_id=host.settings.name,
             period_s=host.settings.report_period_s,
         )
-        self.publisher = ReportPublisher(store, host.fresh_counters, SystemClock(), config)
+        self.publisher = ReportPublisher(store, host.fresh_counters, SystemClock(), config, tracer)
         self.plan = PlanFollower(store, host.replica_id, SystemClock(), PLAN_MAX_AGE_S)
         self.store = store
         self.stop = asyncio.Event()
@@ -390,14 +428,20 @@ class ReplicaReporter:
 class EngineReplica:
     def __init__(self, settings: dict[str, Any]) -> None:
         configure_tracing("vtoken-replica")
+        configure_metrics("vtoken-replica")
         replica_id = serve.get_replica_context().replica_id.unique_id
         tracer = trace.get_tracer(telemetry.TRACER_REPLICA)
         self.host = EngineHost(ReplicaSettings(**settings), replica_id, tracer)
+        meter = metrics.get_meter(telemetry.TRACER_REPLICA)
+        host = self.host
+        self.metrics = ReplicaMetrics(
+            meter, replica_id, lambda: host.counters if host.counters_at is not None else None
+        )
         self.reporter: ReplicaReporter | None = None
         self._task: asyncio.Task | None = None
         if self.host.settings.redis_url:
             self.reporter = ReplicaReporter(
-                self.host, self.host.settings.redis_url, self.host.settings.key_prefix
+                self.host, self.host.settings.redis_url, self.host.settings.key_prefix, tracer
             )
             self._task = asyncio.get_event_loop().create_task(self.reporter.run())
 

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from opentelemetry import metrics, trace
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
 
 from controlplane import telemetry
@@ -71,9 +71,16 @@ class ReplicaSettings(BaseModel):
     tensor_parallel_size: int = Field(default=1, gt=0)
     """GPUs per replica: the deployment's ``replica_num_gpus`` must be at least this."""
     vtoken: dict[str, Any] = Field(default_factory=lambda: {"policy": "none"})
+    """The engines' vToken config; served engines evict ``on_demand`` unless it says
+    otherwise (tokens stay until memory or the tenant's budget needs them)."""
     redis_url: str | None = None
     key_prefix: str = "vtoken"
     report_period_s: float = Field(default=0.1, gt=0)
+
+    @field_validator("vtoken")
+    @classmethod
+    def _on_demand_by_default(cls, vtoken: dict[str, Any]) -> dict[str, Any]:
+        return {"eviction": "on_demand", **vtoken}
 
     @property
     def name(self) -> str:

@@ -90,3 +90,12 @@ def test_the_redis_url_comes_from_the_environment_never_with_a_password_in_the_c
     assert "s3cret" not in str(refused.value)
     named = AppArgs.model_validate({"redis_url_env": "MY_REDIS"})
     assert named.read_redis_url({"MY_REDIS": "redis://127.0.0.1:1/0"}) == "redis://127.0.0.1:1/0"
+
+
+def test_served_engines_evict_on_demand_unless_told_otherwise():
+    from serving.engine_host import ReplicaSettings
+
+    settings = ReplicaSettings(vtoken={"policy": "h2o", "keep_ratio": 0.2})
+    assert settings.vtoken["eviction"] == "on_demand"
+    eager = ReplicaSettings(vtoken={"policy": "h2o", "keep_ratio": 0.2, "eviction": "eager"})
+    assert eager.vtoken["eviction"] == "eager"

@@ -156,7 +156,10 @@ class RoutingPlan(_Frozen):
     `version` grows by one per write; `fence` is the lease fencing token of the writer.
     `replica_ids` are the routable replicas; `drained_replica_ids` went stale or asked to
     drain and get no new requests. `pressure[replica_id][tenant_id]` is published for
-    replicas to apply.
+    replicas to apply. `allowance[replica_id][tenant_id]` is the most blocks a tenant may
+    hold on that replica (its share of the budget, in proportion to what it holds there;
+    the shares sum to at most the budget): a replica evicts a tenant above its allowance
+    to its requests' budgets at its next step, without waiting for the next plan.
     """
 
     version: NonNegativeInt
@@ -166,3 +169,4 @@ class RoutingPlan(_Frozen):
     drained_replica_ids: tuple[ReplicaId, ...] = ()
     tenants: dict[TenantId, TenantRoute] = Field(default_factory=dict)
     pressure: dict[ReplicaId, dict[TenantId, EvictionPressure]] = Field(default_factory=dict)
+    allowance: dict[ReplicaId, dict[TenantId, NonNegativeInt]] = Field(default_factory=dict)

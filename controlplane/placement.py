@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from controlplane.models import ReplicaReport, RoutingPlan, TenantQuota
-from controlplane.pressure import eviction_pressure, tenant_usage_blocks
+from controlplane.pressure import eviction_pressure, kv_allowance, tenant_usage_blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +136,7 @@ def compute_plan(inputs: PlanInputs, config: PlannerConfig) -> PlanResult:
             "drained_replica_ids": drained,
             "tenants": tenants,
             "pressure": eviction_pressure(reports, inputs.quotas, usage),
+            "allowance": kv_allowance(reports, inputs.quotas, usage),
         }
     )
     return PlanResult(plan, committed_blocks(reports), num_moves)

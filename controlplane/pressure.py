@@ -53,3 +53,24 @@ def eviction_pressure(
                 "target_blocks": int(tenant.blocks * fraction),
             }
     return pressure
+
+
+def kv_allowance(
+    reports: Mapping[str, ReplicaReport],
+    quotas: Mapping[str, TenantQuota],
+    usage: Mapping[str, int],
+) -> dict[str, dict[str, int]]:
+    """`allowance[replica_id][tenant_id]`: the blocks a tenant may hold on each replica
+    where it holds any, `floor(held there * budget / held everywhere)`. The shares sum to
+    at most the budget, and a tenant under budget gets room to grow in proportion; one
+    over budget gets less than it holds, which the replica takes back at its next step by
+    evicting the tenant's requests to their budgets (deeper than that is `pressure`'s)."""
+    allowance: dict[str, dict[str, int]] = {}
+    for replica_id, report in reports.items():
+        for tenant_id, tenant in report.tenants.items():
+            quota, total = quotas.get(tenant_id), usage.get(tenant_id, 0)
+            if quota is None or tenant.blocks == 0 or total == 0:
+                continue
+            share = tenant.blocks * quota.kv_budget_blocks // total
+            allowance.setdefault(replica_id, {})[tenant_id] = share
+    return allowance

@@ -13,6 +13,7 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from controlplane.admin_token import AdminTokenSource, check_admin_token
+from controlplane.openai_models import DEFAULT_MAX_N, MAX_N
 from controlplane.redis_conn import RedisConfig
 from serving.controller import ControllerDeployment
 from serving.engine_host import EngineReplica, ReplicaSettings
@@ -41,6 +42,8 @@ class AppArgs(AdminTokenSource):
     controller_period_s: float = Field(default=0.5, gt=0)
     engine: ReplicaSettings = Field(default_factory=ReplicaSettings)
     limits: InputLimits = Field(default_factory=InputLimits)
+    max_n: int = Field(default=DEFAULT_MAX_N, ge=1, le=MAX_N)
+    """Choices one request may ask for (``n``); each is its own sequence with its own KV."""
     admission: Literal["active_kv", "worst_case"] = "active_kv"
     """``active_kv``: a request counts its prompt until prefill ends, then its policy's
     bound; ``worst_case``: it counts prompt + max_tokens for its whole life, no credit for
@@ -152,5 +155,6 @@ def build_app(args: dict[str, Any], *, admin_token: str | None = None) -> Applic
         "keep_ratio": (
             policy_keep_ratio(engine_settings.vtoken) if config.admission == "active_kv" else None
         ),
+        "max_n": config.max_n,
     }
     return Ingress.bind(engine, ingress_settings, controller)  # type: ignore[attr-defined]

@@ -133,6 +133,20 @@ def test_admission_is_charged_floors_while_pressure_follows_what_tenants_hold() 
     assert set(result.plan.pressure) == {"r1", "r2"}
 
 
+def test_allowances_split_each_budget_by_where_the_tenant_holds_kv() -> None:
+    reports = [
+        report("r1", 10.0, {"over": 40, "under": 5}),
+        report("r2", 10.0, {"over": 20}),
+        report("r3", 10.0, {"gone": 7}),
+    ]
+    quotas = [quota("over", budget=45), quota("under", budget=20)]
+    allowance = plan_once(reports, quotas).plan.allowance
+    # over: 45 of 60 held -> 3/4 of what it holds on each replica; under may grow 4x
+    assert allowance == {"r1": {"over": 30, "under": 20}, "r2": {"over": 15}}
+    assert allowance["r1"]["over"] + allowance["r2"]["over"] <= 45  # a tenant without a
+    # quota ("gone", deleted) gets no allowance: its requests drain on their own
+
+
 def test_no_live_replicas_gives_an_empty_plan() -> None:
     result = plan_once([], [quota("a")], stale=frozenset({"r1"}))
     assert result.plan.tenants == {} and result.plan.drained_replica_ids == ("r1",)

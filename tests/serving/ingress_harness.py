@@ -58,17 +58,25 @@ class FakeReplicas:
         admission = self._state_of().admission
         self.reserved_while_answering.append(await admission.reserved_blocks(request["tenant_id"]))
         self.arrived.set()
-        prompt_tokens = len(request["prompt_token_ids"])
-        yield {"text": "Hello", "prompt_tokens": prompt_tokens, "completion_tokens": 1}
+        prompt_tokens, n = len(request["prompt_token_ids"]), request.get("n", 1)
+        for index in range(n):  # two chunks per choice (the request's n)
+            yield {
+                "index": index,
+                "text": "Hello",
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": index + 1,
+            }
         await self.gate.wait()
         if self.fail:
             raise RuntimeError("replica died")
-        yield {
-            "text": " there",
-            "finish_reason": "length",
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": 2,
-        }
+        for index in range(n):
+            yield {
+                "index": index,
+                "text": " there",
+                "finish_reason": "length",
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": n + index + 1,
+            }
 
 
 @dataclass

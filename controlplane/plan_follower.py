@@ -34,6 +34,7 @@ class PlanFollower:
         self._version: int | None = None
         self._created_s = 0.0
         self._pressure: dict[str, float] = {}
+        self._allowance: dict[str, int] = {}
 
     @property
     def version(self) -> int | None:
@@ -45,6 +46,13 @@ class PlanFollower:
         if self._clock.now() - self._created_s > self.max_age_s:
             return {}
         return dict(self._pressure)
+
+    def allowance_now(self) -> dict[str, int]:
+        """Tenant -> the most blocks it may hold on this replica; {} once the plan is stale
+        (no limit: nothing measures the tenants any more)."""
+        if self._clock.now() - self._created_s > self.max_age_s:
+            return {}
+        return dict(self._allowance)
 
     async def poll(self) -> dict[str, float]:
         """Read the version, and the plan when it moved; then :meth:`pressure_now`.
@@ -69,5 +77,6 @@ class PlanFollower:
             return
         mine = plan.pressure.get(self.replica_id, {})
         self._pressure = {tenant: p.keep_fraction for tenant, p in mine.items()}
+        self._allowance = dict(plan.allowance.get(self.replica_id, {}))
         self._created_s = plan.created_s
         self._version = plan.version

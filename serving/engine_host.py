@@ -227,6 +227,7 @@ class EngineHost:
         )
         self.running = 0
         self.pressure: dict[str, float] = {}  # tenant -> keep fraction, from the plan
+        self.allowance: dict[str, int] = {}  # tenant -> blocks it may hold here, from the plan
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         from vllm import SamplingParams
@@ -327,16 +328,21 @@ class EngineHost:
                 {telemetry.ATTR_KV_PREFIX + k: getattr(report, k) for k in (*keys, "ideal_blocks")},
             )
 
-    async def apply_pressure(self, pressure: dict[str, float]) -> None:
+    async def apply_pressure(
+        self, pressure: dict[str, float], allowance: dict[str, int] | None = None
+    ) -> None:
         """The controller's pressure here (``RoutingPlan.pressure``: tenant -> keep fraction)
-        reaches the engine when it changes: every running request of such a tenant, not
-        only new ones, is evicted to that fraction of its budget."""
-        if pressure == self.pressure:
+        and the tenants' allowances (``RoutingPlan.allowance``: tenant -> blocks) reach the
+        engine when they change: every running request of a pressured tenant, not only new
+        ones, is evicted to that fraction of its budget; a tenant above its allowance is
+        evicted to its requests' budgets at the next step."""
+        allowance = dict(allowance or {})
+        if pressure == self.pressure and allowance == self.allowance:
             return
         from workers.api import async_set_pressure
 
-        await async_set_pressure(self.llm, pressure)
-        self.pressure = dict(pressure)
+        await async_set_pressure(self.llm, pressure, allowance)
+        self.pressure, self.allowance = dict(pressure), allowance
 
     def extra_args(self, request: GenerateRequest) -> dict[str, Any]:
         """The request's tenant, and its own eviction budget: the tenant's cap."""
@@ -411,7 +417,7 @@ class ReplicaReporter:
                 # One GET per poll; the plan itself only when its version moved.
                 pressure = await self.plan.poll()
                 try:
-                    await self.host.apply_pressure(pressure)
+                    await self.host.apply_pressure(pressure, self.plan.allowance_now())
                 except Exception:  # noqa: BLE001 - a dead engine fails its own health check
                     logger.exception("replica %s: applying pressure failed", self.host.replica_id)
                 await asyncio.sleep(PLAN_POLL_S)

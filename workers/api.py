@@ -44,7 +44,12 @@ async def async_request_counters(engine: Any, request_id: str) -> RequestReport 
     return None if data is None else RequestReport.model_validate(data)
 
 
-async def async_set_pressure(engine: Any, pressure: dict[str, float]) -> bool:
+async def async_set_pressure(
+    engine: Any, pressure: dict[str, float], allowance: dict[str, int] | None = None
+) -> bool:
     """Hand an ``AsyncLLM``'s engine core the controller's pressure (tenant -> keep
-    fraction in (0, 1]) for its running requests; ``False`` when vToken is off."""
-    return bool(await engine.engine_core.call_utility_async("vtoken_set_pressure", pressure))
+    fraction in (0, 1]) for its running requests and the tenants' KV allowances here
+    (tenant -> blocks); ``False`` when vToken is off."""
+    return bool(
+        await engine.engine_core.call_utility_async("vtoken_set_pressure", pressure, allowance)
+    )

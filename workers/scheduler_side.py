@@ -105,6 +105,7 @@ class VTokenScheduler:
         # request-steps evicted for room (on_demand) or under controller pressure
         self.num_evictions_under_pressure = 0
         self.pressure: dict[str, float] = {}  # tenant -> keep fraction (the controller's)
+        self.allowance: dict[str, int] = {}  # tenant -> most blocks it may hold here
 
     def manages(self, request_id: str) -> bool:
         return request_id in self.requests
@@ -195,7 +196,9 @@ class VTokenScheduler:
         if self.config.check_invariants:
             self.check_invariants()
 
-    def set_pressure(self, pressure: Mapping[str, float]) -> None:
+    def set_pressure(
+        self, pressure: Mapping[str, float], allowance: Mapping[str, int] | None = None
+    ) -> None:
         """The controller's eviction pressure: tenant -> keep fraction in (0, 1] of what the
         tenant holds (``controlplane/pressure.py``: budget / measured active KV). Each
         running request of such a tenant may keep that fraction of its *anchor*: its live
@@ -203,10 +206,21 @@ class VTokenScheduler:
         added later, is anchored at its first decoding step). Later plans with other
         fractions apply to the same anchor, so pressure never compounds from plan to plan,
         and never goes below the tokens its policy protects. Both eviction modes; a tenant
-        left out of ``pressure`` is released (and re-anchored if pressured again)."""
+        left out of ``pressure`` is released (and re-anchored if pressured again).
+
+        ``allowance`` (tenant -> blocks, the plan's ``allowance`` for this replica): the
+        most blocks a tenant may hold here. In ``on_demand`` mode a tenant above it has its
+        decoding requests evicted to their budgets, most blocks above budget first, until
+        it fits, at every step (without waiting for the controller's next plan); a tenant
+        left out has no limit here."""
         bad = {tenant: f for tenant, f in pressure.items() if not 0.0 < f <= 1.0}
         if bad:
             raise ValueError(f"keep fractions must be in (0, 1]: {bad}")
+        allowance = dict(allowance or {})
+        negative = {tenant: b for tenant, b in allowance.items() if int(b) != b or b < 0}
+        if negative:
+            raise ValueError(f"allowances must be whole blocks >= 0: {negative}")
+        self.allowance = {tenant: int(b) for tenant, b in allowance.items()}
         self.pressure = {t: float(f) for t, f in pressure.items() if f < 1.0}
         for record in self.requests.values():
             tenant, table = record.kv.tenant, record.kv.table
@@ -253,13 +267,35 @@ class VTokenScheduler:
             - self.pool.num_free_blocks
             - sum(self.blocks_above_budget(r) for r in always)
         )
-        for_room: set[str] = set()
-        for request_id in self.squeeze_order([r for r in decoding if r not in always]):
+        for_room = self._over_allowance([r for r in decoding if r not in always])
+        need -= sum(self.blocks_above_budget(r) for r in for_room)
+        for request_id in self.squeeze_order([r for r in decoding if r not in always | for_room]):
             if need <= 0:
                 break
             for_room.add(request_id)
             need -= self.blocks_above_budget(request_id)
         return always, for_room
+
+    def _over_allowance(self, decoding: list[str]) -> set[str]:
+        """Decoding requests to evict to budget so that each tenant fits its allowance."""
+        if not self.allowance:
+            return set()
+        held: dict[str, int] = {}
+        for record in self.requests.values():
+            tenant = record.kv.tenant
+            held[tenant] = held.get(tenant, 0) + record.kv.num_held_blocks
+        chosen: set[str] = set()
+        for tenant, limit in self.allowance.items():
+            excess = held.get(tenant, 0) - limit
+            if excess <= 0:
+                continue
+            mine = [r for r in decoding if self.requests[r].kv.tenant == tenant]
+            for request_id in self.squeeze_order(mine):
+                if excess <= 0:
+                    break
+                chosen.add(request_id)
+                excess -= self.blocks_above_budget(request_id)
+        return chosen
 
     def blocks_needed_next_step(self, requests: dict[str, Any]) -> int:
         """Blocks the running requests may open next step: a prompt still in prefill its next

@@ -387,13 +387,16 @@ def _engine_core_request_counters(self: Any, request_id: str) -> dict[str, Any] 
     return None if report is None else report.model_dump(mode="json")
 
 
-def _engine_core_set_pressure(self: Any, pressure: dict[str, float]) -> bool:
+def _engine_core_set_pressure(
+    self: Any, pressure: dict[str, float], allowance: dict[str, int] | None = None
+) -> bool:
     """``EngineCore`` utility: the controller's per-tenant keep fractions for running
-    requests (``VTokenScheduler.set_pressure``); ``False`` when vToken is off."""
+    requests and KV allowances here (``VTokenScheduler.set_pressure``); ``False`` when
+    vToken is off."""
     state = scheduler_state(self.scheduler)
     if state is None:
         return False
-    state.set_pressure(pressure)
+    state.set_pressure(pressure, allowance)
     return True
 
 

@@ -21,6 +21,7 @@ def plan(version: int, created_s: float, keep: float) -> RoutingPlan:
                 "r1": {"acme": {"keep_fraction": keep, "target_blocks": 4}},
                 "r2": {"other": {"keep_fraction": 0.1, "target_blocks": 1}},
             },
+            "allowance": {"r1": {"acme": 8, "beta": 40}, "r2": {"other": 3}},
         }
     )
 
@@ -39,8 +40,10 @@ async def test_the_plan_is_read_only_when_its_version_moved(
     assert follower.plan_reads == 1  # ten polls, one read: the version did not move
     await lease.write_plan(plan(1, clock.now(), 0.25), {}, usage_ttl_s=60)
     assert await follower.poll() == {"acme": 0.25} and follower.plan_reads == 2
+    assert follower.allowance_now() == {"acme": 8, "beta": 40}  # this replica's only
     clock.advance(31.0)  # no newer plan: its controller is gone, so is its pressure
     assert await follower.poll() == {} and follower.plan_reads == 2
+    assert follower.allowance_now() == {}  # and every limit
 
 
 async def test_an_invalid_plan_is_parsed_once_and_the_last_pressure_kept(

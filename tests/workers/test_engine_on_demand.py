@@ -217,3 +217,46 @@ def test_pressure_during_chunked_prefill_applies_to_the_whole_prompt(tiny_llama_
     # Prefill chunks of 64, then a quarter of its whole prompt (not of a chunk) from there on.
     assert live[:3] == [64, 128, 192]
     assert live[3:] == [200 // 4] * (len(live) - 3), live
+
+
+def test_a_tenant_above_its_allowance_is_evicted_to_budgets_at_the_next_step(tiny_llama_path):
+    """The plan's allowance is enforced by the engine itself, step by step: a tenant whose
+    requests grow past it (on demand they keep every token while memory is free) is brought
+    back at the next step, most blocks above budget first; other tenants are untouched."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from workers.api import engine_counters
+
+    llm = make_llm(
+        tiny_llama_path, H2O_ON_DEMAND, max_model_len=512, skip_tokenizer_init=True, num_blocks=64
+    )
+    engine = llm.llm_engine
+    set_pressure = engine.engine_core.engine_core.vtoken_set_pressure
+    prompts = token_prompts([150, 60, 150], seed=11)  # a1 5 blocks (2 above budget), a2 2 (1)
+    for request_id, tenant, ids in zip(("a1", "a2", "b1"), "aab", prompts, strict=True):
+        params = SamplingParams(
+            max_tokens=60, temperature=0, ignore_eos=True, extra_args={"tenant": tenant}
+        )
+        engine.add_request(request_id, TokensPrompt(prompt_token_ids=ids), params)
+    for _ in range(4):
+        engine.step()
+
+    def held() -> dict[str, int]:
+        counters = engine_counters(llm)
+        return {t: u.allocated_blocks for t, u in counters.tenants.items()}
+
+    before = held()
+    assert before["a"] > 4 and before["b"] > 4  # whole prompts: nothing evicted yet
+    # a may hold 2 blocks fewer than now: its request most above budget gives them back
+    assert set_pressure({}, {"a": before["a"] - 2, "b": 1000}) is True
+    engine.step()
+    after = {r.request_id.split("-")[0]: r for r in engine_counters(llm).requests}
+    assert held()["a"] <= before["a"] - 2
+    assert after["a1"].evicted_tokens > 0 and after["a2"].evicted_tokens == 0
+    assert after["b1"].evicted_tokens == 0  # within its allowance
+    with pytest.raises(ValueError, match="allowances"):
+        set_pressure({}, {"a": -1})
+    set_pressure({}, {})  # no limit any more: a keeps its new tokens again
+    while engine.has_unfinished_requests():
+        engine.step()

@@ -181,16 +181,19 @@ def status(url: Url = DEFAULT_URL, admin_token: Token = "") -> None:
             str(r.get("preemptions", "-")),
         )
     tenants = Table(title="tenants")
-    for column in ("tenant", "active KV", "floor", "quota", "running", "over budget"):
+    columns = ("tenant", "budget", "active KV", "floor", "reclaimable", "running", "pressure")
+    for column in columns:
         tenants.add_column(column)
     for t in snapshot["tenants"]:
+        pressure = t.get("pressure") or {}
         tenants.add_row(
             t["id"],
-            str(t["kv_blocks"]),
-            str(t.get("floor_blocks", "-")),
             str(t["quota_blocks"]),
+            str(t["kv_blocks"]) + (" (over)" if t["over_budget"] else ""),
+            str(t.get("floor_blocks", "-")),
+            str(t.get("reclaimable_blocks", "-")),
             str(t["running_requests"]),
-            str(t["over_budget"]),
+            ", ".join(f"{r[:8]} keep {f:.2f}" for r, f in sorted(pressure.items())) or "-",
         )
     console.print(replicas, tenants)
 

@@ -67,3 +67,28 @@ def test_key_commands_add_list_and_revoke_by_id(calls: list[tuple[str, str, Any]
         ("GET", "/admin/tenants/acme/keys", None),
         ("DELETE", "/admin/tenants/acme/keys/key-0123", None),
     ]
+
+
+def test_status_shows_each_tenants_budget_active_kv_reclaimable_and_pressure(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    snapshot = {
+        "plan_version": 7,
+        "replicas": [],
+        "tenants": [
+            {"id": "acme", "quota_blocks": 40, "kv_blocks": 50, "floor_blocks": 21,
+             "reclaimable_blocks": 29, "running_requests": 3, "over_budget": True,
+             "pressure": {"replica-one": 0.72}},
+            {"id": "beta", "quota_blocks": 10, "kv_blocks": 4, "floor_blocks": 4,
+             "reclaimable_blocks": 0, "running_requests": 1, "over_budget": False,
+             "pressure": {}},
+        ],
+    }  # fmt: skip
+    monkeypatch.setattr(admin_cli, "_admin", lambda *args, **kwargs: snapshot)
+    monkeypatch.setenv("COLUMNS", "200")
+    admin_cli.status(url="http://127.0.0.1:1", admin_token="t" * 40)
+    lines = {line.split("│")[1].strip(): line for line in capsys.readouterr().out.splitlines()
+             if line.count("│") > 2 and line.split("│")[1].strip() in ("acme", "beta")}  # fmt: skip
+    cells = [cell.strip() for cell in lines["acme"].split("│")[1:-1]]
+    assert cells == ["acme", "40", "50 (over)", "21", "29", "3", "replica- keep 0.72"]
+    assert [c.strip() for c in lines["beta"].split("│")[1:-1]][-1] == "-"

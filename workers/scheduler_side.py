@@ -202,11 +202,12 @@ class VTokenScheduler:
         """The controller's eviction pressure: tenant -> keep fraction in (0, 1] of what the
         tenant holds (``controlplane/pressure.py``: budget / measured active KV). Each
         running request of such a tenant may keep that fraction of its *anchor*: its live
-        tokens when the tenant's pressure first reached it (a request still in prefill, or
-        added later, is anchored at its first decoding step). Later plans with other
-        fractions apply to the same anchor, so pressure never compounds from plan to plan,
-        and never goes below the tokens its policy protects. Both eviction modes; a tenant
-        left out of ``pressure`` is released (and re-anchored if pressured again).
+        tokens when this fraction reached it (a request still in prefill, or added later,
+        is anchored at its first decoding step). The same fraction again changes nothing; a
+        new fraction (a new plan measured the tenant still over) applies to what each
+        request holds then, so a tenant that stays over is squeezed further, toward what
+        its policy protects (sinks, recent window), which eviction never takes. Both
+        eviction modes; a tenant left out of ``pressure`` is released.
 
         ``allowance`` (tenant -> blocks, the plan's ``allowance`` for this replica): the
         most blocks a tenant may hold here. In ``on_demand`` mode a tenant above it has its
@@ -221,25 +222,23 @@ class VTokenScheduler:
         if negative:
             raise ValueError(f"allowances must be whole blocks >= 0: {negative}")
         self.allowance = {tenant: int(b) for tenant, b in allowance.items()}
+        changed = {t for t, f in pressure.items() if f < 1.0 and f != self.pressure.get(t)}
         self.pressure = {t: float(f) for t, f in pressure.items() if f < 1.0}
         for record in self.requests.values():
             tenant, table = record.kv.tenant, record.kv.table
             if tenant not in self.pressure or table.num_logical < record.kv.prompt_len:
                 record.pressure_anchor = None  # released, or in prefill: set once it decodes
-            elif record.pressure_anchor is None:
+            elif tenant in changed or record.pressure_anchor is None:
                 record.pressure_anchor = table.num_live
 
     def _budget(self, record: ScheduledRequest) -> int:
         """Live tokens the request may keep after this step: its policy's budget, lowered
-        by its tenant's pressure to ``fraction x anchor`` (never below what the policy
-        protects: it would not evict those anyway)."""
+        by its tenant's pressure to ``fraction x anchor`` (the policy still keeps what it
+        protects at that budget: :meth:`blocks_above_budget` counts it)."""
         budget = record.spec.budget(record.kv.table.num_logical)
         fraction = self.pressure.get(record.kv.tenant)
         if fraction is not None and record.pressure_anchor is not None:
-            target = int(record.pressure_anchor * fraction)
-            policy = record.kv.policy
-            protected = policy.num_protected(target) if policy is not None else 0
-            budget = min(budget, max(1, protected, target))
+            budget = min(budget, max(1, int(record.pressure_anchor * fraction)))
         return budget
 
     def _evicts_to_budget(self, record: ScheduledRequest) -> bool:
@@ -267,7 +266,7 @@ class VTokenScheduler:
             - self.pool.num_free_blocks
             - sum(self.blocks_above_budget(r) for r in always)
         )
-        for_room = self._over_allowance([r for r in decoding if r not in always])
+        for_room = self._over_allowance([r for r in decoding if r not in always], always)
         need -= sum(self.blocks_above_budget(r) for r in for_room)
         for request_id in self.squeeze_order([r for r in decoding if r not in always | for_room]):
             if need <= 0:
@@ -276,7 +275,7 @@ class VTokenScheduler:
             need -= self.blocks_above_budget(request_id)
         return always, for_room
 
-    def _over_allowance(self, decoding: list[str]) -> set[str]:
+    def _over_allowance(self, decoding: list[str], always: set[str]) -> set[str]:
         """Decoding requests to evict to budget so that each tenant fits its allowance."""
         if not self.allowance:
             return set()
@@ -284,6 +283,9 @@ class VTokenScheduler:
         for record in self.requests.values():
             tenant = record.kv.tenant
             held[tenant] = held.get(tenant, 0) + record.kv.num_held_blocks
+        for request_id in always:  # they evict this step anyway
+            tenant = self.requests[request_id].kv.tenant
+            held[tenant] = held.get(tenant, 0) - self.blocks_above_budget(request_id)
         chosen: set[str] = set()
         for tenant, limit in self.allowance.items():
             excess = held.get(tenant, 0) - limit
@@ -312,13 +314,17 @@ class VTokenScheduler:
         return needed
 
     def blocks_above_budget(self, request_id: str) -> int:
-        """Blocks eviction to its budget (then a repack) would give back now; 0 for a policy
-        that would not evict if asked now."""
+        """Blocks eviction to its budget (then a repack) would give back now: it keeps its
+        budget or what its policy protects at that budget, if more. 0 for a policy that
+        would not evict if asked now, and in naive mode (eviction frees no block there)."""
         record = self.requests[request_id]
-        if not self._evicts_to_budget(record):
+        policy = record.kv.policy
+        if not self._evicts_to_budget(record) or self.config.mode is ReclaimMode.NAIVE:
             return 0
-        table = record.kv.table
-        kept = cdiv(min(table.num_live, self._budget(record)), self.block_size)
+        assert policy is not None
+        table, budget = record.kv.table, self._budget(record)
+        keep = max(budget, policy.num_protected(budget))
+        kept = cdiv(min(table.num_live, keep), self.block_size)
         return max(0, len(table.block_ids) - kept)
 
     def squeeze_order(self, request_ids: list[str]) -> list[str]:

@@ -136,11 +136,11 @@ def test_controller_pressure_squeezes_running_requests_of_that_tenant_only(tiny_
     set_pressure({"a": 0.5})  # the same plan again: no compounding
     engine.step()
     assert {r.tenant: r for r in engine_counters(llm).requests}["a"].live_tokens == target
-    # Another fraction applies to the same anchor (what a held when first pressured), not
-    # to what it holds after the first squeeze: 40% of 160, not 40% of 80.
+    # A new fraction (a new plan found a still over) applies to what it holds now:
+    # 40% of the 80 it kept, so a tenant that stays over is squeezed further.
     set_pressure({"a": 0.4})
     engine.step()
-    squeezed = int(before["a"].live_tokens * 0.4)
+    squeezed = int(target * 0.4)
     assert {r.tenant: r for r in engine_counters(llm).requests}["a"].live_tokens == squeezed
     set_pressure({})  # released: on demand, a keeps its new tokens again
     engine.step()

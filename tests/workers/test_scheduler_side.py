@@ -176,3 +176,22 @@ def test_a_request_in_prefill_reports_nothing_reclaimable():
     request.num_computed_tokens = 40
     (report,) = state.snapshot().requests
     assert (report.allocated_blocks, report.floor_blocks) == (10, 2)  # 0.2 x 40 = 8 tokens
+
+
+@pytest.mark.parametrize("mode", list(ReclaimMode))
+def test_blocks_above_budget_count_only_what_eviction_gives_back(mode):
+    """A request whose policy protects more than its budget (40 sinks, a budget of 0.1 x
+    length) has nothing above budget once it is at its sinks; naive mode frees nothing."""
+    pool, manager = FakeBlockPool(64), FakeBlockManager()
+    config = VTokenConfig(
+        policy="h2o", policy_args={"sinks": 40}, keep_ratio=0.1, eviction="on_demand", mode=mode
+    )
+    state = VTokenScheduler(config, pool, manager)
+    request = FakeRequest("r", num_prompt_tokens=60)  # 15 blocks of 4
+    run_prefill(state, request)
+    # keeps 40 sinks + H2O's recent half of its 6-token budget: 43 tokens, 11 blocks
+    expected = {ReclaimMode.VTOKEN: 15 - 11, ReclaimMode.NAIVE: 0}[mode]
+    assert state.blocks_above_budget("r") == expected
+    state.manager.evict_ids("r", np.arange(40, 60))  # at its sinks now
+    state._reclaim(state.requests["r"])
+    assert state.blocks_above_budget("r") == 0

@@ -9,6 +9,7 @@ import typer
 
 from bench import concurrency as bench_concurrency
 from bench import controller as bench_controller
+from bench import faults as bench_faults
 from bench import fragmentation as bench_fragmentation
 from bench import preemption as bench_preemption
 from bench import quotas as bench_quotas
@@ -31,6 +32,7 @@ bench_app.command("scores")(bench_scores.cli)
 bench_app.command("concurrency")(bench_concurrency.cli)
 bench_app.command("preemption")(bench_preemption.cli)
 bench_app.command("quotas")(bench_quotas.cli)
+bench_app.command("faults")(bench_faults.cli)
 admin_cli.register(app)
 
 

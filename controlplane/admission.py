@@ -154,10 +154,14 @@ class AdmissionConfig:
     concurrency throttles and the least one of budget throttles (`kv_retry_after_s`);
     `keep_ratio` is the engines' policy budget, when they hold one every step (it bounds
     requests whose tenant sets no `eviction_budget_tokens`);
-    `rate_burst_s` sizes the prompt-token bucket in seconds of rate."""
+    `rate_burst_s` sizes the prompt-token bucket in seconds of rate;
+    `floor_tokens` is what the engines' policy keeps whatever its budget (sinks, a fixed
+    recent window), when it evicts whenever asked: a tenant with `squeeze_to_floor` has its
+    requests counted at that floor plus a block (`None`: no floor to count them at)."""
 
     block_size: int = 16
     keep_ratio: float | None = None
+    floor_tokens: int | None = None
     reservation_ttl_s: float = 600.0
     throttle_retry_after_s: float = 1.0
     rate_burst_s: float = 1.0
@@ -171,6 +175,8 @@ class AdmissionConfig:
             raise ValueError("rate_burst_s must be positive")
         if self.keep_ratio is not None and not 0 < self.keep_ratio <= 1:
             raise ValueError("keep_ratio must be in (0, 1]")
+        if self.floor_tokens is not None and self.floor_tokens < 0:
+            raise ValueError("floor_tokens must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +229,7 @@ def kv_bounds(
     eviction_budget_tokens: int | None,
     keep_ratio: float | None = None,
     n: int = 1,
+    floor_tokens: int | None = None,
 ) -> KVBounds:
     """The request's :class:`KVBounds`; ``ValueError`` on negative sizes, an empty request
     or ``n < 1``.
@@ -232,7 +239,8 @@ def kv_bounds(
     longest sequence; a budget counts one block more (the step's new tokens). ``n``
     choices are ``n`` sequences: vLLM runs each as its own request holding its own KV
     (prefix caching is off under vToken, so even the prompt is not shared), so both
-    bounds are ``n`` times one sequence's."""
+    bounds are ``n`` times one sequence's. ``floor_tokens`` (a tenant that squeezes to
+    floors) lowers the steady bound to that floor plus one block."""
     if prompt_tokens < 0 or max_tokens < 0 or prompt_tokens + max_tokens == 0:
         raise ValueError(
             f"need prompt_tokens >= 0, max_tokens >= 0, not both 0 "
@@ -247,6 +255,8 @@ def kv_bounds(
         budget = math.ceil(keep_ratio * longest)
     if budget is not None:
         steady = min(steady, math.ceil(budget / block_size) + 1)
+    if floor_tokens is not None:
+        steady = min(steady, math.ceil(floor_tokens / block_size) + 1)
     return KVBounds(prefill_peak=n * math.ceil(prompt_tokens / block_size), steady=n * steady)
 
 
@@ -297,6 +307,7 @@ class Admission:
             quota.eviction_budget_tokens,
             self.config.keep_ratio,
             n=n,
+            floor_tokens=self.config.floor_tokens if quota.squeeze_to_floor else None,
         )
         blocks = bounds.peak
         tenant_id = quota.tenant_id

@@ -40,6 +40,11 @@ class TenantLimits(_Frozen):
     max_concurrent_requests: int | None = Field(default=None, gt=0)
     prompt_tokens_per_s: float | None = Field(default=None, gt=0)
     eviction_budget_tokens: int | None = Field(default=None, gt=0)
+    squeeze_to_floor: bool = False
+    """Count the tenant's running requests at their floors (what their policy protects,
+    plus a block) instead of their budgets: more requests are admitted, and the tenant's
+    requests absorb the difference by eviction below their budgets under pressure. Off by
+    default: it trades answer quality for admission."""
 
 
 class _Tenant(_Frozen):

@@ -70,6 +70,10 @@ def tenant_set(
     max_concurrent_requests: int | None = None,
     prompt_tokens_per_s: float | None = None,
     eviction_budget_tokens: int | None = None,
+    squeeze_to_floor: Annotated[
+        bool | None,
+        typer.Option(help="Count running requests at their floors (trades quality for load)."),
+    ] = None,
     api_key: Annotated[
         str | None,
         typer.Option(help="Add this key, 32+ characters (a new tenant otherwise gets one)."),
@@ -86,6 +90,7 @@ def tenant_set(
         "max_concurrent_requests": max_concurrent_requests,
         "prompt_tokens_per_s": prompt_tokens_per_s,
         "eviction_budget_tokens": eviction_budget_tokens,
+        "squeeze_to_floor": squeeze_to_floor,
     }
     current = _admin("GET", url, admin_token, f"/admin/tenants/{tenant_id}", missing_ok=True)
     body: dict[str, Any] = {k: current[k] for k in QUOTA_FIELDS if current and k in current}

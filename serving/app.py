@@ -106,6 +106,19 @@ def policy_keep_ratio(vtoken: dict[str, Any]) -> float | None:
     return config.keep_ratio
 
 
+def policy_floor_tokens(vtoken: dict[str, Any]) -> int | None:
+    """What the engines' policy keeps whatever its budget (sinks, a fixed recent window),
+    when it evicts to any budget whenever asked; ``None`` otherwise (nothing to squeeze a
+    request toward: ``squeeze_to_floor`` tenants are counted at their budgets then)."""
+    from workers.config import VTokenConfig
+
+    config = VTokenConfig.model_validate(vtoken)
+    policy = config.make_policy()
+    if config.mode != "vtoken" or not (policy.holds_budget_every_step and policy.needs_budget):
+        return None
+    return policy.num_protected(0)
+
+
 def build_app(args: dict[str, Any], *, admin_token: str | None = None) -> Application:
     """Serve builder: validates ``args`` (a bad value fails ``serve run`` with its field).
 
@@ -156,5 +169,8 @@ def build_app(args: dict[str, Any], *, admin_token: str | None = None) -> Applic
             policy_keep_ratio(engine_settings.vtoken) if config.admission == "active_kv" else None
         ),
         "max_n": config.max_n,
+        "floor_tokens": (
+            policy_floor_tokens(engine_settings.vtoken) if config.admission == "active_kv" else None
+        ),
     }
     return Ingress.bind(engine, ingress_settings, controller)  # type: ignore[attr-defined]

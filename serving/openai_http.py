@@ -94,6 +94,7 @@ class IngressSettings:
     redis_url: str
     key_prefix: str = "vtoken"
     keep_ratio: float | None = None  # the engines' policy budget (admission's steady bound)
+    floor_tokens: int | None = None  # what the policy always keeps (squeeze_to_floor tenants)
     reservation_ttl_s: float = 600.0  # a running request renews it every third of this
     max_n: int = DEFAULT_MAX_N  # choices one request may ask for (each is a sequence's KV)
 
@@ -138,6 +139,7 @@ class IngressState:
             AdmissionConfig(
                 block_size=settings.block_size,
                 keep_ratio=settings.keep_ratio,
+                floor_tokens=settings.floor_tokens,
                 reservation_ttl_s=settings.reservation_ttl_s,
             ),
             keys,

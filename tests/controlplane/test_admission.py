@@ -368,3 +368,29 @@ async def test_kv_retry_after_counts_reported_usage_above_the_reservations(
     await redis.hset(keys.usage, "acme", 20)  # more than any held request's end frees
     hopeless = await admission.admit(tenant, "b", 16, 16, seconds_per_token=0.5)
     assert hopeless.retry_after_s == admission.config.throttle_retry_after_s
+
+
+def test_a_floor_lowers_the_steady_bound_only() -> None:
+    assert kv_bounds(1000, 1000, 16, None, keep_ratio=0.5, floor_tokens=40) == KVBounds(63, 4)
+    assert kv_bounds(1000, 1000, 16, None, keep_ratio=0.5, floor_tokens=0).steady == 1
+    assert kv_bounds(10, 6, 16, None, floor_tokens=400).steady == 1  # never above its length
+
+
+async def test_a_tenant_that_squeezes_to_floors_counts_its_requests_there(
+    redis: aioredis.Redis, keys: KeySpace, store: RedisStore
+) -> None:
+    """Opt-in: after prefill its requests count their floor (what the policy protects plus
+    a block), not their budget; other tenants keep their budget bound."""
+    config = AdmissionConfig(block_size=16, keep_ratio=0.5, floor_tokens=16)
+    admission = Admission(redis, config, keys)
+    plain, deep = quota("plain", budget=100), quota("deep", budget=100, squeeze_to_floor=True)
+    for tenant in (plain, deep):
+        await store.put_quota(tenant)
+    held = {}
+    for tenant in (plain, deep):
+        decision = await admission.admit(tenant, f"{tenant.tenant_id}-1", 320, 320)
+        assert decision.reservation is not None
+        held[tenant.tenant_id] = (await admission.settle(decision.reservation)).blocks
+    assert held == {"plain": 21, "deep": 2}  # 0.5 x 640 = 320 tokens + a block; 16 + a block
+    assert await admission.reserved_blocks("deep") == 2
+    await admission.check_invariants("deep")

@@ -92,3 +92,10 @@ def test_status_shows_each_tenants_budget_active_kv_reclaimable_and_pressure(
     cells = [cell.strip() for cell in lines["acme"].split("│")[1:-1]]
     assert cells == ["acme", "40", "50 (over)", "21", "29", "3", "replica- keep 0.72"]
     assert [c.strip() for c in lines["beta"].split("│")[1:-1]][-1] == "-"
+
+
+def test_set_turns_squeezing_to_floors_on(calls: list[tuple[str, str, Any]]) -> None:
+    result = CliRunner().invoke(admin_cli.tenant_app, ["set", "acme", "--squeeze-to-floor"])
+    assert result.exit_code == 0, result.output
+    (_, _, body) = calls[-1]
+    assert body["squeeze_to_floor"] is True and body["kv_budget_blocks"] == 8

@@ -99,3 +99,14 @@ def test_served_engines_evict_on_demand_unless_told_otherwise():
     assert settings.vtoken["eviction"] == "on_demand"
     eager = ReplicaSettings(vtoken={"policy": "h2o", "keep_ratio": 0.2, "eviction": "eager"})
     assert eager.vtoken["eviction"] == "eager"
+
+
+def test_the_floor_admission_counts_squeezing_tenants_at_is_what_the_policy_always_keeps():
+    from serving.app import policy_floor_tokens
+
+    assert policy_floor_tokens({"policy": "h2o", "keep_ratio": 0.2}) == 0
+    assert (
+        policy_floor_tokens({"policy": "h2o", "keep_ratio": 0.2, "policy_args": {"sinks": 4}}) == 4
+    )
+    assert policy_floor_tokens({"policy": "none"}) is None  # never evicts
+    assert policy_floor_tokens({"policy": "h2o", "keep_ratio": 0.2, "mode": "naive"}) is None

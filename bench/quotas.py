@@ -18,8 +18,9 @@ half of them streamed; all drawn from ``--seed`` and identical in both modes. A 
 throttled with 429 waits its Retry-After (at most 5 s) and retries until the arrival
 window closes; then the request counts as throttled. Admitted requests run to the end.
 
-While the load runs, ``/admin/status`` is sampled every 0.1 s: per tenant its active KV
-(blocks its running requests hold, summed over fresh replica reports), from which
+While the load runs, the replicas' reports in Redis are read every 0.1 s (what
+``/admin/status`` shows, without queueing behind the load at the ingress): per tenant its
+active KV (blocks its running requests hold, summed over fresh replica reports), from which
 ``peak_active_blocks``, ``seconds_over_budget`` and ``longest_over_budget_s`` (the longest
 stretch above budget) are taken. ``completed_per_min`` is requests_ok over the minutes
 from the first arrival to the last completion.
@@ -166,17 +167,24 @@ async def _one(
 
 
 async def drive(
-    base_url: str, tenants: tuple[BenchTenant, ...], arrivals: list[Arrival], duration_s: float
+    cluster: Any, tenants: tuple[BenchTenant, ...], arrivals: list[Arrival], duration_s: float
 ) -> dict[str, Any]:
-    """Create the tenants, run ``arrivals`` while sampling active KV; the mode's figures."""
+    """Create the tenants, run ``arrivals`` while sampling active KV from the replicas'
+    reports in Redis (not through the loaded ingress); the mode's figures."""
     import httpx
 
+    from controlplane.keys import KeySpace
+    from controlplane.redis_conn import RedisConfig, connect
+    from controlplane.status import cluster_status
+    from controlplane.store import RedisStore
     from serving.demo import ADMIN_TOKEN
+
+    store = RedisStore(connect(RedisConfig(url=cluster.redis_url)), KeySpace())
 
     admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
     tallies = {t.tenant_id: TenantTally() for t in tenants}
     samples: dict[str, list[tuple[float, int]]] = {t.tenant_id: [] for t in tenants}
-    async with httpx.AsyncClient(base_url=base_url, timeout=900) as client:
+    async with httpx.AsyncClient(base_url=cluster.url, timeout=900) as client:
         keys = {}
         for tenant in tenants:
             response = await client.put(
@@ -195,7 +203,7 @@ async def drive(
         )
         status: dict[str, Any] = {}
         while not work.done():
-            status = (await client.get("/admin/status", headers=admin)).json()
+            status = await cluster_status(store)
             now_s = time.monotonic() - started
             for tenant in status["tenants"]:
                 if tenant["id"] in samples:
@@ -203,7 +211,8 @@ async def drive(
             await asyncio.wait([work], timeout=SAMPLE_PERIOD_S)
         finishes = await work
         await asyncio.sleep(0.5)  # one more report after the last request
-        status = (await client.get("/admin/status", headers=admin)).json()
+        status = await cluster_status(store)
+    await store.redis.aclose()
     elapsed_min = (max(finishes, default=started) - started) / 60
     replicas = [r for r in status["replicas"] if r.get("fresh")]
     rows = []
@@ -267,8 +276,8 @@ def run(
         admission, vtoken = mode_settings(mode, keep)
         with local_cluster(
             num_replicas, vtoken, max_model_len=max_model_len, admission=admission
-        ) as base_url:
-            results[mode] = asyncio.run(drive(base_url, TENANTS, arrivals, duration_s))
+        ) as cluster:
+            results[mode] = asyncio.run(drive(cluster, TENANTS, arrivals, duration_s))
         typer.echo(f"{mode}: {results[mode]['requests_ok']} ok in {results[mode]['elapsed_s']} s")
     summary: dict[str, Any] = {
         "config": {

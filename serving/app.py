@@ -39,6 +39,11 @@ class AppArgs(AdminTokenSource):
     replica_num_cpus: float = Field(default=1.0, ge=0)
     replica_num_gpus: float = Field(default=0.0, ge=0)
     max_ongoing_requests: int = Field(default=16, ge=1)
+    """Requests one engine replica runs at once (the engine batches them)."""
+    ingress_max_ongoing_requests: int = Field(default=1024, ge=1)
+    """Requests one ingress replica holds at once: it only authenticates, admits and
+    relays streams, so far more than Serve's default of 5 (which would queue every request
+    past the fifth, admin status included, behind long streams)."""
     controller_period_s: float = Field(default=0.5, gt=0)
     engine: ReplicaSettings = Field(default_factory=ReplicaSettings)
     limits: InputLimits = Field(default_factory=InputLimits)
@@ -173,4 +178,7 @@ def build_app(args: dict[str, Any], *, admin_token: str | None = None) -> Applic
             policy_floor_tokens(engine_settings.vtoken) if config.admission == "active_kv" else None
         ),
     }
-    return Ingress.bind(engine, ingress_settings, controller)  # type: ignore[attr-defined]
+    ingress = Ingress.options(  # type: ignore[attr-defined]
+        max_ongoing_requests=config.ingress_max_ongoing_requests
+    )
+    return ingress.bind(engine, ingress_settings, controller)  # type: ignore[no-any-return]

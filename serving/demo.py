@@ -224,6 +224,12 @@ def final_report(state: DemoState) -> dict[str, Any]:
     return {"tenants": tenants, "replicas": replicas}
 
 
+@dataclass(frozen=True, slots=True)
+class LocalCluster:
+    url: str  # the HTTP API
+    redis_url: str  # the control plane's Redis (benchmarks read reports from it directly)
+
+
 @contextlib.contextmanager
 def local_cluster(
     num_replicas: int,
@@ -232,9 +238,9 @@ def local_cluster(
     max_model_len: int = 1024,
     admission: str = "active_kv",
     controller_period_s: float = 0.5,
-) -> Iterator[str]:
-    """Redis + Ray + the Serve app (SmolLM2 replicas) on this machine; yields the HTTP
-    base URL. The admin token is ``ADMIN_TOKEN``."""
+) -> Iterator[LocalCluster]:
+    """Redis + Ray + the Serve app (SmolLM2 replicas) on this machine; yields its URLs.
+    The admin token is ``ADMIN_TOKEN``."""
     import ray
     from ray import serve
 
@@ -263,7 +269,7 @@ def local_cluster(
                 },
             }
             serve.run(build_app(args, admin_token=ADMIN_TOKEN), name="vtoken", route_prefix="/")
-            yield f"http://127.0.0.1:{port}"
+            yield LocalCluster(f"http://127.0.0.1:{port}", redis.url)
         finally:
             with contextlib.suppress(Exception):
                 serve.shutdown()
@@ -278,9 +284,9 @@ def run_demo(report_path: Path | None, num_replicas: int = 2) -> dict[str, Any]:
     vtoken = {"policy": "h2o", "keep_ratio": 0.5, "eviction": "on_demand"}
     console.print(f"Starting Redis, Ray and {num_replicas} SmolLM2 replicas (vToken + h2o)...")
     state = DemoState()
-    with local_cluster(num_replicas, vtoken) as base_url:
-        console.print(f"Serving at {base_url}; driving the workload")
-        asyncio.run(run_workload(base_url, "smollm2", state))
+    with local_cluster(num_replicas, vtoken) as cluster:
+        console.print(f"Serving at {cluster.url}; driving the workload")
+        asyncio.run(run_workload(cluster.url, "smollm2", state))
     report = final_report(state)
     console.print_json(json.dumps(report))
     console.print(f"Done in {time.monotonic() - started:.0f} s.")

@@ -4,6 +4,7 @@ where the admin token comes from."""
 from __future__ import annotations
 
 import re
+import secrets
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,17 @@ def test_the_floor_admission_counts_squeezing_tenants_at_is_what_the_policy_alwa
     )
     assert policy_floor_tokens({"policy": "none"}) is None  # never evicts
     assert policy_floor_tokens({"policy": "h2o", "keep_ratio": 0.2, "mode": "naive"}) is None
+
+
+def test_the_ingress_holds_many_streams_at_once(monkeypatch: pytest.MonkeyPatch):
+    """Serve's default max_ongoing_requests (5) would queue the sixth request (and admin
+    status) behind five long streams at the ingress."""
+    token = secrets.token_urlsafe(32)
+    app = build_app({"redis_url": "redis://127.0.0.1:1/0"}, admin_token=token)
+    config = app._bound_deployment._deployment_config  # what serve.run deploys
+    assert config.max_ongoing_requests == 1024
+    small = build_app(
+        {"redis_url": "redis://127.0.0.1:1/0", "ingress_max_ongoing_requests": 64},
+        admin_token=token,
+    )
+    assert small._bound_deployment._deployment_config.max_ongoing_requests == 64

@@ -90,7 +90,7 @@ class RedisStore:
     async def get_quota(self, tenant_id: str) -> TenantQuota | None:
         """The tenant's quota, or None when the tenant does not exist."""
         raw = await self.redis.hget(self.keys.quotas, tenant_id)
-        return None if raw is None else TenantQuota.model_validate_json(raw)
+        return None if raw is None else TenantQuota.model_validate_json(raw, extra="ignore")
 
     async def delete_quota(self, tenant_id: str) -> bool:
         """Delete a tenant's quota only; True when it existed. Deleting a tenant for good
@@ -114,7 +114,7 @@ class RedisStore:
         quotas: dict[str, TenantQuota] = {}
         for tenant_id, value in raw.items():
             try:
-                quotas[tenant_id] = TenantQuota.model_validate_json(value)
+                quotas[tenant_id] = TenantQuota.model_validate_json(value, extra="ignore")
             except ValueError as error:
                 logger.error("store: quota of tenant %r is invalid, skipped: %s", tenant_id, error)
         return quotas
@@ -164,7 +164,7 @@ class RedisStore:
                 stale.add(replica_id)
                 continue
             try:
-                report = ReplicaReport.model_validate_json(raw)
+                report = ReplicaReport.model_validate_json(raw, extra="ignore")
             except ValueError:
                 invalid.add(replica_id)
                 continue
@@ -191,7 +191,7 @@ class RedisStore:
     async def read_plan(self) -> RoutingPlan | None:
         """The latest plan, or None before the first plan."""
         raw = await self.redis.get(self.keys.plan)
-        return None if raw is None else RoutingPlan.model_validate_json(raw)
+        return None if raw is None else RoutingPlan.model_validate_json(raw, extra="ignore")
 
     async def read_usage(self) -> dict[str, int]:
         """Per-tenant live KV blocks across the cluster, as of the latest plan."""

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,26 @@ async def test_an_invalid_stored_quota_is_skipped(store: RedisStore) -> None:
     await store.put_quota(quota("good"))
     await store.redis.hset(store.keys.quotas, "bad", '{"tenant_id": "bad"}')
     assert list(await store.list_quotas()) == ["good"]
+
+
+async def test_records_from_a_newer_version_are_read_by_an_older_one(store: RedisStore) -> None:
+    """A rolling upgrade: fields this version does not know (written by a newer one) are
+    ignored when quotas, reports and plans are read back, never a reason to drop them."""
+    redis, keys = store.redis, store.keys
+    await redis.hset(keys.quotas, "acme", '{"tenant_id": "acme", "kv_budget_blocks": 8, "x": 1}')
+    assert (await store.get_quota("acme")) == quota("acme", 8)
+    assert set(await store.list_quotas()) == {"acme"}
+    plan = {
+        "version": 3, "fence": 1, "created_s": 1.0, "future": {"r1": 2},
+        "tenants": {"acme": {"replicas": [{"replica_id": "r1", "weight": 1.0, "y": 0}]}},
+    }  # fmt: skip
+    await redis.set(keys.plan, json.dumps(plan))
+    read = await store.read_plan()
+    assert read is not None and read.version == 3 and "acme" in read.tenants
+    await store.publish_reports([report("r1", 100.0, {"acme": 4})], ttl_s=60)
+    raw = json.loads(await redis.hget(keys.replica("r1"), "report"))
+    raw["newer_counter"] = 7
+    raw["tenants"]["acme"]["newer"] = 1
+    await redis.hset(keys.replica("r1"), "report", json.dumps(raw))
+    snapshot = await store.read_reports(100.0, max_age_s=5.0, forget_after_s=60.0)
+    assert snapshot.fresh["r1"].tenants["acme"].blocks == 4

@@ -136,10 +136,18 @@ def compute_plan(inputs: PlanInputs, config: PlannerConfig) -> PlanResult:
             "drained_replica_ids": drained,
             "tenants": tenants,
             "pressure": eviction_pressure(reports, inputs.quotas, usage),
-            "allowance": kv_allowance(reports, inputs.quotas, usage),
+            "allowance": kv_allowance(reports, inputs.quotas, usage, _weights(tenants)),
         }
     )
     return PlanResult(plan, committed_blocks(reports), num_moves)
+
+
+def _weights(tenants: Mapping[str, dict[str, object]]) -> dict[str, dict[str, float]]:
+    """tenant -> replica -> routing weight, from the plain routes of `_tenant_routes`."""
+    return {
+        tenant_id: {w["replica_id"]: w["weight"] for w in route["replicas"]}  # type: ignore[attr-defined]
+        for tenant_id, route in tenants.items()
+    }
 
 
 def committed_blocks(reports: Mapping[str, ReplicaReport]) -> dict[str, int]:

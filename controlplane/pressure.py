@@ -59,18 +59,32 @@ def kv_allowance(
     reports: Mapping[str, ReplicaReport],
     quotas: Mapping[str, TenantQuota],
     usage: Mapping[str, int],
+    warm: Mapping[str, Mapping[str, float]],
 ) -> dict[str, dict[str, int]]:
-    """`allowance[replica_id][tenant_id]`: the blocks a tenant may hold on each replica
-    where it holds any, `floor(held there * budget / held everywhere)`. The shares sum to
-    at most the budget, and a tenant under budget gets room to grow in proportion; one
-    over budget gets less than it holds, which the replica takes back at its next step by
-    evicting the tenant's requests to their budgets (deeper than that is `pressure`'s)."""
-    allowance: dict[str, dict[str, int]] = {}
+    """`allowance[replica_id][tenant_id]`: the most blocks a tenant may hold on a replica.
+
+    Within budget, each replica keeps what the tenant holds there and the slack (budget -
+    held everywhere) is shared over its warm set by routing weight (`warm[tenant][replica]`,
+    weights summing to 1), so a replica about to receive its new requests has room for
+    them and one that holds nothing and gets none has 0. Over budget, each replica gets
+    `held there x budget / held everywhere`, which the replica takes back at its next step
+    by evicting the tenant's requests to their budgets (deeper than that is `pressure`'s).
+    Either way the shares sum to at most the budget. A tenant with no quota (deleted) has
+    no limit; its requests drain on their own."""
+    held: dict[str, dict[str, int]] = {}
     for replica_id, report in reports.items():
         for tenant_id, tenant in report.tenants.items():
-            quota, total = quotas.get(tenant_id), usage.get(tenant_id, 0)
-            if quota is None or tenant.blocks == 0 or total == 0:
-                continue
-            share = tenant.blocks * quota.kv_budget_blocks // total
+            if tenant.blocks:
+                held.setdefault(tenant_id, {})[replica_id] = tenant.blocks
+    allowance: dict[str, dict[str, int]] = {}
+    for tenant_id, quota in quotas.items():
+        mine, weights = held.get(tenant_id, {}), warm.get(tenant_id, {})
+        budget, total = quota.kv_budget_blocks, usage.get(tenant_id, 0)
+        for replica_id in (mine.keys() | weights.keys()) & reports.keys():
+            here = mine.get(replica_id, 0)
+            if total > budget:
+                share = here * budget // total
+            else:
+                share = here + int((budget - total) * weights.get(replica_id, 0.0))
             allowance.setdefault(replica_id, {})[tenant_id] = share
     return allowance

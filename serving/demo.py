@@ -237,7 +237,7 @@ def local_cluster(
     *,
     max_model_len: int = 1024,
     admission: str = "active_kv",
-    controller_period_s: float = 0.5,
+    controller_period_s: float = 0.2,
 ) -> Iterator[LocalCluster]:
     """Redis + Ray + the Serve app (SmolLM2 replicas) on this machine; yields its URLs.
     The admin token is ``ADMIN_TOKEN``."""

@@ -139,12 +139,23 @@ def test_allowances_split_each_budget_by_where_the_tenant_holds_kv() -> None:
         report("r2", 10.0, {"over": 20}),
         report("r3", 10.0, {"gone": 7}),
     ]
-    quotas = [quota("over", budget=45), quota("under", budget=20)]
-    allowance = plan_once(reports, quotas).plan.allowance
-    # over: 45 of 60 held -> 3/4 of what it holds on each replica; under may grow 4x
-    assert allowance == {"r1": {"over": 30, "under": 20}, "r2": {"over": 15}}
-    assert allowance["r1"]["over"] + allowance["r2"]["over"] <= 45  # a tenant without a
-    # quota ("gone", deleted) gets no allowance: its requests drain on their own
+    quotas = [quota("over", budget=45), quota("under", budget=20), quota("idle", budget=12)]
+    plan = plan_once(reports, quotas).plan
+    allowance = plan.allowance
+    # over budget: 45 of the 60 it holds -> 3/4 of what it holds on each replica
+    assert (allowance["r1"]["over"], allowance["r2"]["over"]) == (30, 15)
+    # within budget: what it holds, plus its slack (15 and 12) shared over its warm set by
+    # routing weight, so the replicas its new requests go to have room for them
+    for tenant_id, held, budget in (("under", {"r1": 5}, 20), ("idle", {}, 12)):
+        route = plan.tenants[tenant_id].replicas
+        for weight in route:
+            expected = held.get(weight.replica_id, 0) + int(
+                (budget - sum(held.values())) * weight.weight
+            )
+            assert allowance[weight.replica_id][tenant_id] == expected
+        shares = [a[tenant_id] for a in allowance.values() if tenant_id in a]
+        assert budget - len(route) < sum(shares) <= budget
+    assert all("gone" not in a for a in allowance.values())  # deleted: no limit, drains
 
 
 def test_no_live_replicas_gives_an_empty_plan() -> None:

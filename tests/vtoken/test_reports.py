@@ -79,9 +79,10 @@ def test_engine_report_sums_tenants_and_the_engine_once():
     report = _report(manager, pool)
     tenants = report.tenants
     assert tenants["t1"] == KVUsage(
+        # naive repacks too: only the ballast differs; Naive-Evict's floor is what it holds
         num_requests=2, live_tokens=12, allocated_blocks=4, ideal_blocks=3, floor_blocks=4,
-        naive_blocks=4, evicted_tokens=4, repack_moves=2,  # naive repacks too: only the
-    )  # fmt: skip  (ballast differs; Naive-Evict's floor is what it holds)
+        naive_blocks=4, evicted_tokens=4, repack_moves=2,
+    )  # fmt: skip
     assert tenants["t1"].reclaimable_blocks == 0
     assert tenants[DEFAULT_TENANT].reclaimable_blocks == 0
     assert report.total == tenants["t1"] + tenants[DEFAULT_TENANT]

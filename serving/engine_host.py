@@ -219,7 +219,11 @@ class EngineHost:
         )
         if common["otlp_traces_endpoint"] is not None:  # vLLM exports OTLP/gRPC unless told
             os.environ.setdefault(*ENGINE_TRACES_PROTOCOL)
-        args = AsyncEngineArgs(**common, served_model_name=settings.name, disable_log_stats=True)
+        # vLLM's request spans read each request's stats: tracing needs them kept.
+        tracing = common["otlp_traces_endpoint"] is not None
+        args = AsyncEngineArgs(
+            **common, served_model_name=settings.name, disable_log_stats=not tracing
+        )
         self.llm = AsyncLLM.from_engine_args(args)
         self.counters_at: float | None = None  # monotonic time of the last successful read
         self.counters = EngineCounters(

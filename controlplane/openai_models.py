@@ -37,10 +37,17 @@ DEFAULT_MAX_N = 8  # that maximum unless configured
 TopLogprobs = Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]
 
 
+MESSAGE_OVERHEAD_CHARS = 32
+"""What the chat template adds around each message (role markers, separators), counted
+toward the prompt limit: 60,000 one-character messages are a 2 MB prompt, not 60,000
+characters."""
+
+
 def prompt_chars(body: dict[str, Any]) -> int:
     """Characters of prompt text in a raw (unvalidated) completion or chat body: the
-    ``prompt`` string(s), or every message's text content. Anything else counts 0, so
-    this is safe on any JSON object and cheap next to tokenizing."""
+    ``prompt`` string(s), or every message's text content plus ``MESSAGE_OVERHEAD_CHARS``
+    per message. Anything else counts 0, so this is safe on any JSON object and cheap next
+    to tokenizing."""
 
     def text(value: Any) -> int:
         if isinstance(value, str):
@@ -51,7 +58,9 @@ def prompt_chars(body: dict[str, Any]) -> int:
             return text(value.get("text")) + text(value.get("content"))
         return 0
 
-    return text(body.get("prompt")) + text(body.get("messages"))
+    messages = body.get("messages")
+    overhead = MESSAGE_OVERHEAD_CHARS * len(messages) if isinstance(messages, list) else 0
+    return text(body.get("prompt")) + text(messages) + overhead
 
 
 class _Body(BaseModel):

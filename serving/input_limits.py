@@ -64,8 +64,9 @@ def json_depth_exceeds(value: Any, max_depth: int) -> bool:
 
 
 def check_body(path: str, body: bytes, limits: InputLimits) -> None:
-    """``InputError`` when the body breaks a limit; ``None`` otherwise (including bodies
-    that are not JSON at all, left to the route)."""
+    """``InputError`` when the body breaks a limit or is not JSON Python can read (a
+    400, before any route parses it: an integer of more than 4,300 digits is a
+    ``ValueError`` that no route expects); ``None`` otherwise."""
     if len(body) > limits.max_body_bytes:
         raise InputError(413, _too_large(limits), "request_too_large")
     if not body:
@@ -75,8 +76,9 @@ def check_body(path: str, body: bytes, limits: InputLimits) -> None:
     except RecursionError:
         parsed = None
         too_deep = True
-    except ValueError:  # not JSON or not UTF-8: the route says so
-        return
+    except ValueError as error:  # not JSON, not UTF-8, or an integer of 4,300+ digits
+        message = f"request body is not valid JSON: {error}"
+        raise InputError(400, message, "invalid_request") from None
     else:
         too_deep = json_depth_exceeds(parsed, limits.max_json_depth)
     if too_deep:

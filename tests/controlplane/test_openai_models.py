@@ -7,6 +7,7 @@ from pydantic import ValidationError
 
 from controlplane.openai_models import (
     MAX_STOP_CHARS,
+    MESSAGE_OVERHEAD_CHARS,
     ChatCompletionRequest,
     CompletionRequest,
     prompt_chars,
@@ -133,5 +134,5 @@ def test_prompt_chars_counts_text_of_any_shape():
     assert prompt_chars({"prompt": "abc"}) == 3
     assert prompt_chars({"prompt": ["ab", "cd"]}) == 4
     messages = [{"role": "user", "content": "abc"}, {"content": [{"type": "text", "text": "de"}]}]
-    assert prompt_chars({"messages": messages}) == 5
+    assert prompt_chars({"messages": messages}) == 5 + 2 * MESSAGE_OVERHEAD_CHARS  # templates
     assert prompt_chars({"prompt": 5, "messages": {"x": None}}) == 0

@@ -92,6 +92,35 @@ async def test_a_large_body_is_413_even_without_content_length(limited: Ingress)
     _error(streamed, 413, "request_too_large")
 
 
+async def test_many_tiny_chat_messages_count_their_template_toward_the_prompt_limit(
+    limited: Ingress, counting: CountingTokenizer
+) -> None:
+    """100 one-character messages are 100 characters of text but about 3,300 of prompt
+    once the chat template wraps each one: refused before the template runs."""
+    api_key = await limited.add_tenant("acme", kv_budget_blocks=100)
+    messages = [{"role": "user", "content": "a"}] * 100
+    chat = {"model": MODEL, "messages": messages}
+    refused = await limited.client.post("/v1/chat/completions", json=chat, headers=bearer(api_key))
+    assert "messages" in _error(refused, 400, "invalid_request")
+    assert counting.calls == 0
+
+
+async def test_an_integer_python_will_not_read_is_400_not_500(limited: Ingress) -> None:
+    api_key = await limited.add_tenant("acme", kv_budget_blocks=100)
+    huge = "9" * 5_000  # over Python's 4,300-digit limit for int(str)
+    headers = {**bearer(api_key), "content-type": "application/json"}
+    for method, path, body in (
+        (
+            "POST",
+            "/v1/completions",
+            f'{{"model": "{MODEL}", "prompt": "hi", "max_tokens": {huge}}}',
+        ),
+        ("PUT", "/admin/tenants/b", f'{{"kv_budget_blocks": {huge}}}'),
+    ):
+        response = await limited.client.request(method, path, content=body, headers=headers)
+        assert "not valid JSON" in _error(response, 400, "invalid_request")
+
+
 @pytest.mark.parametrize("depth", [9, 20_000])
 async def test_deeply_nested_json_is_400_not_500(limited: Ingress, depth: int) -> None:
     api_key = await limited.add_tenant("acme", kv_budget_blocks=100)

@@ -53,10 +53,8 @@ import contextlib
 import enum
 import functools
 import json
-import logging
 import os
 import random
-import secrets
 import signal
 import tempfile
 import time
@@ -272,92 +270,31 @@ def prompt_text(rng: random.Random) -> str:
 
 
 # ---------------------------------------------------------------------- the stack
-def make_tiny_model(folder: Path, tokenizer_source: Path) -> Path:
-    """A tiny random Llama (2 layers, hidden 128) with ``tokenizer_source``'s tokenizer."""
-    if (folder / "config.json").is_file():
-        return folder
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-@dataclass
-class Stack:
-    url: str
-    redis: Any  # controlplane.local_redis.LocalRedis
-    admin_token: str
-    model_path: str
-
-    @property
-    def admin(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.admin_token}"}
-
-
 @contextlib.contextmanager
-def local_stack(model: str, folder: Path) -> Iterator[Stack]:
-    """Redis (append-only), a private local Ray cluster and the Serve app."""
-    import ray
-    from ray import serve
-
-    from controlplane.local_redis import LocalRedis, free_port
-    from serving.app import build_app
-    from workers.models import resolve_model
+def local_stack(model: str, folder: Path) -> Iterator[Any]:
+    """Redis (append-only), a private local Ray cluster and the Serve app: 2 replicas of
+    ``model`` (``smollm2`` or ``tiny``) with vToken + H2O keep 0.5; yields the
+    ``serving.demo.LocalCluster``."""
+    from serving.demo import local_cluster
+    from workers.models import make_tiny_llama, resolve_model
 
     smollm2 = resolve_model("smollm2")
-    path = smollm2 if model == "smollm2" else make_tiny_model(folder / "tiny", smollm2)
-    token = secrets.token_urlsafe(32)
-    with LocalRedis(folder / "redis") as redis:
-        env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-        ray.init(
-            num_cpus=4,
-            include_dashboard=False,
-            logging_level=logging.ERROR,
-            log_to_driver=False,
-            runtime_env={"env_vars": env},
-        )
-        try:
-            port = free_port()
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
-            args = {
-                "redis_url": redis.url,
-                "num_replicas": 2,
-                "replica_num_cpus": 1,
-                "controller_period_s": 0.5,
-                "engine": {
-                    "model": str(path),
-                    "served_name": MODEL_NAME,
-                    "dtype": "float32",
-                    "max_model_len": 512,
-                    "num_blocks": 160,
-                    "vtoken": {"policy": "h2o", "keep_ratio": 0.5},
-                },
-            }
-            serve.run(build_app(args, admin_token=token), name="vtoken", route_prefix="/")
-            yield Stack(f"http://127.0.0.1:{port}", redis, token, str(path))
-        finally:
-            with contextlib.suppress(Exception):
-                serve.shutdown()
-            ray.shutdown()
-            if not redis.running:
-                redis.start()  # so the context manager's stop finds it
+    path = smollm2 if model == "smollm2" else make_tiny_llama(folder / "tiny", smollm2)
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with local_cluster(
+        2,
+        {"policy": "h2o", "keep_ratio": 0.5},
+        engine={
+            "model": str(path),
+            "served_name": MODEL_NAME,
+            "max_model_len": 512,
+            "num_blocks": 160,
+        },
+        app_args={"replica_num_cpus": 1, "controller_period_s": 0.5},
+        ray_init={"num_cpus": 4, "runtime_env": {"env_vars": env}},
+        folder=folder,
+    ) as cluster:
+        yield cluster
 
 
 def serve_actors(role: str) -> list[dict[str, Any]]:
@@ -424,7 +361,7 @@ class SkewedClock:
 
 
 @contextlib.asynccontextmanager
-async def skewed_ingress(stack: Stack, offset_s: float) -> AsyncIterator[str]:
+async def skewed_ingress(stack: Any, offset_s: float) -> AsyncIterator[str]:
     """A second ingress in this process (same replicas, same Redis, same model) whose
     clock is ``offset_s`` ahead; yields its base URL."""
     import uvicorn
@@ -471,7 +408,7 @@ async def skewed_ingress(stack: Stack, offset_s: float) -> AsyncIterator[str]:
 
 # ---------------------------------------------------------------------- scenarios
 class Bench:
-    def __init__(self, stack: Stack, concurrency: int, outage_s: float, max_tokens: tuple):
+    def __init__(self, stack: Any, concurrency: int, outage_s: float, max_tokens: tuple):
         import redis
 
         self.stack = stack

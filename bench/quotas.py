@@ -275,7 +275,10 @@ def run(
     for mode in modes:
         admission, vtoken = mode_settings(mode, keep)
         with local_cluster(
-            num_replicas, vtoken, max_model_len=max_model_len, admission=admission
+            num_replicas,
+            vtoken,
+            engine={"max_model_len": max_model_len},
+            app_args={"admission": admission},
         ) as cluster:
             results[mode] = asyncio.run(drive(cluster, TENANTS, arrivals, duration_s))
         typer.echo(f"{mode}: {results[mode]['requests_ok']} ok in {results[mode]['elapsed_s']} s")

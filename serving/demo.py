@@ -227,7 +227,17 @@ def final_report(state: DemoState) -> dict[str, Any]:
 @dataclass(frozen=True, slots=True)
 class LocalCluster:
     url: str  # the HTTP API
-    redis_url: str  # the control plane's Redis (benchmarks read reports from it directly)
+    redis: Any  # controlplane.local_redis.LocalRedis (append-only; benchmarks stop it)
+    admin_token: str
+    model_path: str  # the engines' model folder (its tokenizer too)
+
+    @property
+    def redis_url(self) -> str:
+        return str(self.redis.url)
+
+    @property
+    def admin(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_token}"}
 
 
 @contextlib.contextmanager
@@ -235,23 +245,36 @@ def local_cluster(
     num_replicas: int,
     vtoken: dict[str, Any],
     *,
-    max_model_len: int = 1024,
-    admission: str = "active_kv",
-    controller_period_s: float = 0.2,
+    engine: dict[str, Any] | None = None,
+    app_args: dict[str, Any] | None = None,
+    ray_init: dict[str, Any] | None = None,
+    folder: Path | None = None,
 ) -> Iterator[LocalCluster]:
-    """Redis + Ray + the Serve app (SmolLM2 replicas) on this machine; yields its URLs.
-    The admin token is ``ADMIN_TOKEN``."""
+    """Redis + Ray + the Serve app on this machine; yields its URLs. The engines run
+    SmolLM2 unless ``engine`` (fields of ``ReplicaSettings``) says otherwise; ``app_args``
+    (fields of ``AppArgs``) and ``ray_init`` (``ray.init`` arguments) add to the defaults.
+    Redis lives in ``folder`` (a temporary one by default). The admin token is
+    ``ADMIN_TOKEN``."""
     import ray
     from ray import serve
 
     from controlplane.local_redis import LocalRedis, free_port
     from serving.app import build_app
+    from workers.models import resolve_model
 
-    with (
-        tempfile.TemporaryDirectory(prefix="vtoken-demo-") as folder,
-        LocalRedis(Path(folder)) as redis,
-    ):
-        ray.init(include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
+    engine = {"model": "smollm2", "max_model_len": 1024, "dtype": "float32", **(engine or {})}
+    with contextlib.ExitStack() as stack:
+        if folder is None:
+            folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="vtoken-")))
+        redis = stack.enter_context(LocalRedis(folder / "redis"))
+        ray.init(
+            **{
+                "include_dashboard": False,
+                "logging_level": logging.ERROR,
+                "log_to_driver": False,
+                **(ray_init or {}),
+            }
+        )
         try:
             port = free_port()
             serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -259,21 +282,19 @@ def local_cluster(
                 "redis_url": redis.url,
                 "num_replicas": num_replicas,
                 "replica_num_cpus": 0.5,
-                "admission": admission,
-                "controller_period_s": controller_period_s,
-                "engine": {
-                    "model": "smollm2",
-                    "vtoken": vtoken,
-                    "max_model_len": max_model_len,
-                    "dtype": "float32",
-                },
+                "controller_period_s": 0.2,
+                **(app_args or {}),
+                "engine": {**engine, "vtoken": vtoken},
             }
             serve.run(build_app(args, admin_token=ADMIN_TOKEN), name="vtoken", route_prefix="/")
-            yield LocalCluster(f"http://127.0.0.1:{port}", redis.url)
+            model_path = str(resolve_model(engine["model"]))
+            yield LocalCluster(f"http://127.0.0.1:{port}", redis, ADMIN_TOKEN, model_path)
         finally:
             with contextlib.suppress(Exception):
                 serve.shutdown()
             ray.shutdown()
+            if not redis.running:
+                redis.start()  # a benchmark stopped it: its context manager stops it again
 
 
 def run_demo(report_path: Path | None, num_replicas: int = 2) -> dict[str, Any]:

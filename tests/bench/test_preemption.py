@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from bench.preemption import run_engine
-from tests.tiny_model import make_tiny_llama
 from tests.workers.conftest import token_prompts
+from workers.models import make_tiny_llama
 
 pytestmark = pytest.mark.slow
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from tests.tiny_model import make_tiny_llama
+from workers.models import make_tiny_llama
 
 pytestmark = pytest.mark.slow
 ADMIN = secrets.token_urlsafe(32)

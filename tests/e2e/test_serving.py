@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.otlp_sink import OTLPSink
-from tests.tiny_model import make_tiny_llama
+from workers.models import make_tiny_llama
 
 pytestmark = pytest.mark.slow
 ADMIN = secrets.token_urlsafe(32)

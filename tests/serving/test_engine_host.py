@@ -216,8 +216,8 @@ def test_a_caller_that_goes_away_aborts_the_engine_request_and_frees_its_kv(tmp_
     running and every KV block it held is free again (the engine's counters say so)."""
     import os
 
-    from tests.tiny_model import make_tiny_llama
     from workers.engine import CPU_ENV
+    from workers.models import make_tiny_llama
 
     for name, value in CPU_ENV.items():
         os.environ.setdefault(name, value)
@@ -278,9 +278,9 @@ def test_n_choices_with_logprobs_run_as_n_sequences_and_free_their_kv(tmp_path, 
     child by the id ``engine_request_ids`` gives; afterwards every block is free."""
     import os
 
-    from tests.tiny_model import make_tiny_llama
     from workers.api import async_request_counters
     from workers.engine import CPU_ENV
+    from workers.models import make_tiny_llama
 
     for name, value in CPU_ENV.items():
         os.environ.setdefault(name, value)

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from tests.tiny_model import make_tiny_llama
 from workers.engine import CPU_ENV
+from workers.models import make_tiny_llama
 from workers.scheduler_side import VTokenScheduler
 
 for _name, _value in CPU_ENV.items():

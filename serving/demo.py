@@ -248,11 +248,13 @@ def local_cluster(
     engine: dict[str, Any] | None = None,
     app_args: dict[str, Any] | None = None,
     ray_init: dict[str, Any] | None = None,
+    serve_logging: dict[str, Any] | None = None,
     folder: Path | None = None,
 ) -> Iterator[LocalCluster]:
     """Redis + Ray + the Serve app on this machine; yields its URLs. The engines run
     SmolLM2 unless ``engine`` (fields of ``ReplicaSettings``) says otherwise; ``app_args``
-    (fields of ``AppArgs``) and ``ray_init`` (``ray.init`` arguments) add to the defaults.
+    (fields of ``AppArgs``), ``ray_init`` (``ray.init`` arguments) and ``serve_logging``
+    (Serve's ``logging_config``) add to the defaults.
     Redis lives in ``folder`` (a temporary one by default). The admin token is
     ``ADMIN_TOKEN``."""
     import ray
@@ -286,7 +288,12 @@ def local_cluster(
                 **(app_args or {}),
                 "engine": {**engine, "vtoken": vtoken},
             }
-            serve.run(build_app(args, admin_token=ADMIN_TOKEN), name="vtoken", route_prefix="/")
+            serve.run(
+                build_app(args, admin_token=ADMIN_TOKEN),
+                name="vtoken",
+                route_prefix="/",
+                logging_config=serve_logging,
+            )
             model_path = str(resolve_model(engine["model"]))
             yield LocalCluster(f"http://127.0.0.1:{port}", redis, ADMIN_TOKEN, model_path)
         finally:

@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import math
 import random
-import secrets
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -27,10 +25,11 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
+from serving.demo import ADMIN_TOKEN
 from workers.models import make_tiny_llama
 
 pytestmark = pytest.mark.slow
-ADMIN = secrets.token_urlsafe(32)
+ADMIN = ADMIN_TOKEN  # what serving.demo.local_cluster deploys with
 MODEL = "tiny"
 BLOCK_SIZE = 32
 TOTAL_REQUESTS = 1000
@@ -77,52 +76,27 @@ class Outcomes:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, smollm2_path):
-    import ray
-    from ray import serve
-
-    from controlplane.local_redis import LocalRedis, free_port
-    from serving.app import build_app
+    from serving.demo import local_cluster
 
     folder = tmp_path_factory.mktemp("load")
     model = make_tiny_llama(folder / "tiny", smollm2_path)
-    with LocalRedis(folder / "redis") as redis:
-        env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-        ray.init(
-            num_cpus=4,
-            include_dashboard=False,
-            logging_level=logging.ERROR,
-            log_to_driver=False,
-            runtime_env={"env_vars": env},
-        )
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        args = {
-            "redis_url": redis.url,
-            "num_replicas": 2,
-            "replica_num_cpus": 1,
-            "max_ongoing_requests": 64,
-            "controller_period_s": 0.2,
-            "engine": {
-                "model": str(model),
-                "served_name": MODEL,
-                "dtype": "float32",
-                "max_model_len": 512,
-                "num_blocks": 128,
-                "max_num_seqs": 32,
-                "vtoken": {"policy": "h2o", "keep_ratio": 0.5},
-            },
-        }
-        serve.run(
-            build_app(args, admin_token=ADMIN),
-            name="vtoken",
-            route_prefix="/",
-            logging_config={"enable_access_log": False, "log_level": "WARNING"},  # CPU is scarce
-        )
-        try:
-            yield f"http://127.0.0.1:{port}", redis.url
-        finally:
-            serve.shutdown()
-            ray.shutdown()
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with local_cluster(
+        2,
+        {"policy": "h2o", "keep_ratio": 0.5},
+        engine={
+            "model": str(model),
+            "served_name": MODEL,
+            "max_model_len": 512,
+            "num_blocks": 128,
+            "max_num_seqs": 32,
+        },
+        app_args={"replica_num_cpus": 1, "max_ongoing_requests": 64},
+        ray_init={"num_cpus": 4, "runtime_env": {"env_vars": env}},
+        serve_logging={"enable_access_log": False, "log_level": "WARNING"},  # CPU is scarce
+        folder=folder,
+    ) as local:
+        yield local.url, local.redis_url
 
 
 def admin_headers() -> dict[str, str]:

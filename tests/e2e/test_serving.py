@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,11 +13,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from serving.demo import ADMIN_TOKEN
 from tests.otlp_sink import OTLPSink
 from workers.models import make_tiny_llama
 
 pytestmark = pytest.mark.slow
-ADMIN = secrets.token_urlsafe(32)
+ADMIN = ADMIN_TOKEN  # what serving.demo.local_cluster deploys with
 MODEL = "tiny"
 
 
@@ -31,44 +31,31 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, smollm2_path):
-    import ray
-    from ray import serve
-
-    from controlplane.local_redis import LocalRedis, free_port
-    from serving.app import build_app
+    from serving.demo import local_cluster
 
     folder = tmp_path_factory.mktemp("serving")
     model = make_tiny_llama(folder / "tiny", smollm2_path)
-    with OTLPSink() as sink, LocalRedis(folder / "redis") as redis:
+    with OTLPSink() as sink:
         env = {
             "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url,
             "OTEL_BSP_SCHEDULE_DELAY": "200",
             "HF_HUB_OFFLINE": "1",
             "VLLM_CPU_KVCACHE_SPACE": "1",
         }
-        ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": env})
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        args = {
-            "redis_url": redis.url,
-            "num_replicas": 2,
-            "replica_num_cpus": 1,
-            "controller_period_s": 0.2,
-            "engine": {
+        with local_cluster(
+            2,
+            {"policy": "h2o", "keep_ratio": 0.5},
+            engine={
                 "model": str(model),
                 "served_name": MODEL,
-                "dtype": "float32",
                 "max_model_len": 512,
                 "num_blocks": 64,
-                "vtoken": {"policy": "h2o", "keep_ratio": 0.5},
             },
-        }
-        serve.run(build_app(args, admin_token=ADMIN), name="vtoken", route_prefix="/")
-        try:
-            yield Cluster(f"http://127.0.0.1:{port}", sink, redis.url)
-        finally:
-            serve.shutdown()
-            ray.shutdown()
+            app_args={"replica_num_cpus": 1, "controller_period_s": 0.2},
+            ray_init={"num_cpus": 4, "runtime_env": {"env_vars": env}},
+            folder=folder,
+        ) as local:
+            yield Cluster(local.url, sink, local.redis_url)
 
 
 @pytest.fixture(scope="module")

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# GPU check for issue 3 (kernels): run on a CUDA machine with torch + triton, no network,
-# no pip install. Usage: bench/gpu_check.sh OUTDIR   (about 3-6 minutes on one H200)
-# Writes OUTDIR/{tests.txt,repack-gpu.json,scores-gpu.json,cuda-graph.json,env.json}.
+# GPU check: run on a machine with an NVIDIA GPU, PyTorch >= 2.11 and Triton >= 3.6, no
+# network, no install (the checkout is put on PYTHONPATH). Usage: bench/gpu_check.sh OUTDIR
+# (about 4-7 minutes on one H200). Writes OUTDIR/{env.json, tests.txt, repack-gpu.json,
+# repack-gpu-variants.json, scores-gpu.json, cuda-graph.json}; with vLLM's CUDA build
+# importable it also runs the GPU engine tests (OUTDIR/engine-tests.txt) and the
+# fragmentation and concurrency benchmarks.
 set -uo pipefail
 OUT="${1:?usage: bench/gpu_check.sh OUTDIR}"
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 PY="${PYTHON:-python3}"
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 # typer only decorates the benchmark CLIs; a stub keeps them importable where it is missing.
 if ! "$PY" -c "import typer" 2>/dev/null; then
@@ -18,23 +21,48 @@ if ! "$PY" -c "import typer" 2>/dev/null; then
 fi
 cd "$ROOT"
 "$PY" - "$OUT/env.json" <<'PY'
-import json, sys, torch, triton
-json.dump({"torch": torch.__version__, "triton": triton.__version__,
-           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
-          open(sys.argv[1], "w"))
+import json, subprocess, sys, torch, triton
+try:
+    import vllm; vllm_version = vllm.__version__
+except Exception:
+    vllm_version = None
+smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
+                      "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+json.dump({"torch": torch.__version__, "triton": triton.__version__, "vllm": vllm_version,
+           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+           "nvidia_smi": smi}, open(sys.argv[1], "w"), indent=1)
+print(open(sys.argv[1]).read())
 PY
 status=0
-echo "== kernel tests on CUDA"
+echo "== kernel tests on CUDA (every vLLM KVCacheLayout; bf16, fp16, fp8; side-stream repack)"
 if "$PY" -c "import pytest" 2>/dev/null; then
-  timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/kernels > "$OUT/tests.txt" 2>&1 || status=1
+  timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/kernels > "$OUT/tests.txt" 2>&1 || status=1
   tail -3 "$OUT/tests.txt"
 else
   echo "pytest missing: tests not run" | tee "$OUT/tests.txt"; status=1
 fi
-echo "== repack benchmark"
-timeout 180 "$PY" -c "from pathlib import Path; from bench.repack import cli; cli(Path('$OUT/repack-gpu.json'), 'smollm2,llama8b', '16,32,128', 'compact50,compact80,trickle,trickle1,scattered', 10, 'bfloat16', 'cuda', False)" || status=1
-echo "== scores benchmark"
-timeout 120 "$PY" -c "from pathlib import Path; from bench.scores import cli; cli(Path('$OUT/scores-gpu.json'), 'smollm2,llama8b', '1024,4096,16384', '1,32', 20, 'bfloat16', 'cuda')" || status=1
+echo "== repack benchmark (LBNHC, bf16)"
+timeout 150 "$PY" -c "
+from pathlib import Path; from bench.repack import cli
+cli(json_path=Path('$OUT/repack-gpu.json'), shapes='smollm2,llama8b', block_sizes='16,32,128',
+    patterns='compact50,compact80,trickle,trickle1,scattered', reps=10, dtype='bfloat16',
+    device='cuda', cold=True, kv_cache_layout='LBNHC', threads=None)" || status=1
+echo "== repack benchmark variants (llama8b: BLHNC bf16, LBNHC fp8 stored as uint8)"
+timeout 90 "$PY" -c "
+import json; from pathlib import Path; from bench.repack import cli
+runs = []
+for layout, dtype in (('BLHNC', 'bfloat16'), ('LBNHC', 'uint8')):  # fp8 KV is stored as uint8
+    path = Path('$OUT/repack-variant.json')
+    cli(json_path=path, shapes='llama8b', block_sizes='16', patterns='compact50,compact80,scattered',
+        reps=10, dtype=dtype, device='cuda', cold=True, kv_cache_layout=layout, threads=None)
+    runs.append(json.loads(path.read_text()))
+path.unlink()
+Path('$OUT/repack-gpu-variants.json').write_text(json.dumps(runs, indent=1))" || status=1
+echo "== scores benchmark (batched, vs SDPA of the same batch)"
+timeout 150 "$PY" -c "
+from pathlib import Path; from bench.scores import cli
+cli(json_path=Path('$OUT/scores-gpu.json'), shapes='smollm2,llama8b', batches='1,32,128',
+    seq_lens='1024,4096,16384', q_lens='1,32', reps=15, dtype='bfloat16', device='cuda')" || status=1
 echo "== CUDA graph replay across repack"
 timeout 120 "$PY" - "$OUT/cuda-graph.json" <<'PY' || status=1
 """Capture a decode attention step that reads block_table and seq_lens from static buffers;
@@ -42,11 +70,12 @@ repack (and shrink seq_lens) between replays; replay must equal eager on the new
 import json, sys
 import torch
 from kernels import KVLayout, repack
+from kernels.layout import paged_layer_views
 
 torch.manual_seed(0)
-dev, layout, bs, kvh, qh, hd = "cuda", KVLayout.FLASH, 16, 8, 32, 128
+dev, layout, bs, kvh, qh, hd = "cuda", KVLayout.BHNC, 16, 8, 32, 128
 num_reqs, max_blocks, pool = 4, 64, 512
-cache = layout.new_cache(pool, bs, kvh, hd, torch.bfloat16, dev).normal_()
+cache = paged_layer_views(1, pool, bs, kvh, hd, torch.bfloat16, dev, "LBNHC")[0].normal_()
 block_table = torch.randperm(pool, device=dev)[: num_reqs * max_blocks].view(num_reqs, max_blocks).int()
 seq_lens = torch.tensor([1000, 700, 1023, 64], device=dev, dtype=torch.int32)
 query = torch.randn(num_reqs, qh, hd, device=dev, dtype=torch.bfloat16)
@@ -70,10 +99,21 @@ torch.cuda.current_stream().wait_stream(stream)
 graph = torch.cuda.CUDAGraph()
 with torch.cuda.graph(graph):
     step()
+def live_attention(keys_live, values_live):
+    """Attention of each request's query over its live tokens, in logical order."""
+    outs = []
+    for r in range(num_reqs):
+        o = torch.nn.functional.scaled_dot_product_attention(
+            query[r][None, :, None], keys_live[r].transpose(0, 1)[None], values_live[r].transpose(0, 1)[None],
+            enable_gqa=True)
+        outs.append(o[0, :, 0])
+    return torch.stack(outs)
+
 results = []
 for round_ in range(3):
     # evict 30% of each request's older tokens, move tail tokens into the holes
-    src, dst = [], []
+    src, dst, keys_live, values_live = [], [], [], []
+    keys_all, values_all = layout.keys_values(cache)
     for r in range(num_reqs):
         n = int(seq_lens[r]); gen = torch.Generator().manual_seed(round_ * 10 + r)
         live = torch.ones(n, dtype=torch.bool); live[torch.randperm(n - 8, generator=gen)[: int(0.3 * n)]] = False
@@ -81,6 +121,9 @@ for round_ in range(3):
         holes = (~live[:n_live]).nonzero().flatten(); tail = live[n_live:].nonzero().flatten() + n_live
         row = block_table[r].long().cpu()
         slot = lambda p: row[p // bs] * bs + p % bs
+        live_slots = slot(live.nonzero().flatten()).to(dev)
+        keys_live.append(keys_all[live_slots // bs, live_slots % bs].clone())
+        values_live.append(values_all[live_slots // bs, live_slots % bs].clone())
         src.append(slot(tail)); dst.append(slot(holes))
         seq_lens[r] = n_live
     src_t, dst_t = torch.cat(src).to(dev), torch.cat(dst).to(dev)
@@ -89,11 +132,26 @@ for round_ in range(3):
     replayed = out.clone()
     step()
     diff = (replayed.float() - out.float()).abs().max().item()
-    results.append({"round": round_, "moves": int(src_t.numel()), "max_abs_diff": diff})
-ok = all(r["max_abs_diff"] == 0.0 for r in results)
+    # The same attention as over the live tokens before the repack (keys in another order:
+    # equal up to bf16 summation order).
+    expected = live_attention(keys_live, values_live)
+    live_diff = (replayed.float() - expected.float()).abs().max().item()
+    results.append({"round": round_, "moves": int(src_t.numel()), "max_abs_diff": diff,
+                    "max_abs_diff_vs_live_attention": live_diff})
+ok = all(r["max_abs_diff"] == 0.0 and r["max_abs_diff_vs_live_attention"] < 2e-2 for r in results)
 json.dump({"ok": ok, "rounds": results}, open(sys.argv[1], "w"), indent=1)
 print(json.dumps({"ok": ok, "rounds": results}))
 sys.exit(0 if ok else 1)
 PY
+if "$PY" -c "import vllm, torch; assert torch.cuda.is_available(); from vllm.platforms import current_platform as p; assert p.is_cuda()" 2>/dev/null; then
+  echo "== vLLM CUDA build found: GPU engine tests and engine benchmarks"
+  VTOKEN_GPU_ENGINE_TESTS=1 timeout 600 "$PY" -m pytest -q -p no:cacheprovider tests/workers \
+    > "$OUT/engine-tests.txt" 2>&1 || status=1
+  tail -3 "$OUT/engine-tests.txt"
+  timeout 600 "$PY" -m serving.cli bench fragmentation --engine vllm --json "$OUT/fragmentation-vllm-gpu.json" || status=1
+  timeout 600 "$PY" -m serving.cli bench concurrency --json "$OUT/concurrency-gpu.json" || status=1
+else
+  echo "== vLLM's CUDA build is not importable here: engine tests and engine benchmarks not run"
+fi
 echo "== done (status $status); results in $OUT"
 exit $status

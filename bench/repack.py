@@ -111,11 +111,13 @@ def torch_indexing_baseline(
 
 
 def _fill_pattern(cache: torch.Tensor) -> None:
-    """Distinct, finite values per element (so the correctness check means something)."""
+    """Distinct, finite values per element of the cache's whole buffer (so the
+    correctness check means something), whatever its strides."""
     import torch
 
     ints = {2: torch.int16, 4: torch.int32, 8: torch.int64, 1: torch.uint8}[cache.element_size()]
-    flat = cache.view(-1).view(ints)
+    whole = cache.untyped_storage().nbytes() // cache.element_size()
+    flat = cache.as_strided((whole,), (1,), 0).view(ints)
     # 16001 < 0x3E81: as bf16/fp16 bit patterns these are small finite numbers.
     flat.copy_(
         torch.arange(flat.numel(), device=cache.device) % (251 if ints is torch.uint8 else 16001)
@@ -184,25 +186,36 @@ def run_case(
     reps: int,
     dtype: torch.dtype,
     cold: bool = True,
+    kv_cache_layout: str = "LBNHC",
 ) -> dict[str, Any]:
+    """One case. On CUDA the caches are vLLM 0.32's GPU views (``bhnc``) of one buffer,
+    strided as ``kv_cache_layout``; on the CPU, ``cpu_attn`` layers as vLLM's CPU backend
+    allocates them."""
     import torch
 
     from bench import memory_floor
     from kernels import reference_repack, repack
-    from kernels.layout import KVLayout
+    from kernels.layout import KVLayout, paged_layer_views
     from kernels.repack_cpu import default_threads
 
     layers, kv_heads, head_dim = SHAPES[shape]
-    layout = KVLayout.FLASH if device.type == "cuda" else KVLayout.CPU_ATTN
     src_np, dst_np, pool_blocks = make_moves(pattern, block_size)
     src, dst = torch.from_numpy(src_np).to(device), torch.from_numpy(dst_np).to(device)
-    caches = [
-        layout.new_cache(pool_blocks, block_size, kv_heads, head_dim, dtype, device)
-        for _ in range(layers)
-    ]
-    for cache in caches:
-        _fill_pattern(cache)
-    moved_bytes = src.numel() * layers * 2 * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+    if device.type == "cuda":
+        layout = KVLayout.BHNC
+        caches = paged_layer_views(
+            layers, pool_blocks, block_size, kv_heads, head_dim, dtype, device, kv_cache_layout
+        )
+        _fill_pattern(caches[0])
+    else:
+        layout, kv_cache_layout = KVLayout.CPU_ATTN, "LBHNC"
+        caches = [
+            layout.new_cache(pool_blocks, block_size, kv_heads, head_dim, dtype, device)
+            for _ in range(layers)
+        ]
+        for cache in caches:
+            _fill_pattern(cache)
+    moved_bytes = src.numel() * layers * 2 * kv_heads * head_dim * caches[0].element_size()
     # The plain copy: one contiguous buffer of the moved bytes into another.
     buffer = torch.ones(moved_bytes, dtype=torch.uint8, device=device)
     target = torch.empty_like(buffer)
@@ -238,6 +251,7 @@ def run_case(
         "head_dim": head_dim,
         "block_size": block_size,
         "dtype": str(dtype).removeprefix("torch."),
+        "kv_cache_layout": kv_cache_layout,
         "moved_tokens": int(src.numel()),
         "moved_bytes": int(moved_bytes),
         "repack_ms": round(repack_ms, 4),
@@ -277,6 +291,9 @@ def cli(
         bool,
         typer.Option("--cold/--warm", help="Flush caches (default) or warm up before each call."),
     ] = True,
+    kv_cache_layout: Annotated[
+        str, typer.Option(help="vLLM KVCacheLayout of the CUDA caches (LBNHC, BLHNC, ...).")
+    ] = "LBNHC",
     threads: Annotated[
         int | None,
         typer.Option(
@@ -302,8 +319,9 @@ def cli(
         for block_size in (int(b) for b in block_sizes.split(",")):
             for pattern in patterns.split(","):
                 case = run_case(
-                    shape, block_size, pattern, chosen, reps, getattr(torch, dtype), cold
-                )
+                    shape, block_size, pattern, chosen, reps, getattr(torch, dtype), cold,
+                    kv_cache_layout,
+                )  # fmt: skip
                 cases.append(case)
                 typer.echo(
                     f"{shape:8} bs={block_size:<4} {pattern:10} moves={case['moved_tokens']:<5}"

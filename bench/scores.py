@@ -1,11 +1,18 @@
-"""`vtoken bench scores`: attention-score time vs the attention of the same step, one layer.
+"""`vtoken bench scores`: attention-score time vs the attention of the same batch, one layer.
 
-For each shape, seq_len and q_len (1: decode; 32: a SnapKV observation window): the
-dispatcher's ``attention_scores`` for one request and one layer, against attention over
-the same paged keys: SDPA (GQA, causal offset mask) on K and V gathered through the block
-table, which does the same gather work. ``ratio = scores_ms / attention_ms``. Both are
-timed as ``vtoken bench repack`` times its functions (``bench.repack.measure_interleaved``):
-repetitions interleaved, each call warmed by an untimed one right before, medians.
+For each shape, batch size, seq_len and q_len (1: decode; 32: a SnapKV observation window):
+``batch_attention_scores`` for the batch's requests in one call (on CUDA: the Triton
+kernels over vLLM 0.32's GPU view ``bhnc``, strided as ``LBNHC``, the default layout on
+Hopper), against attention of the same batch:
+
+- ``attention_ms``: SDPA over K and V already gathered into contiguous ``[batch, kv_heads,
+  seq_len, head_dim]`` (not timed): the attention kernel alone, a lower bound of a paged
+  decode kernel's time, which reads the same bytes through a block table;
+- ``paged_attention_ms`` (informational): the gather through the block table, then SDPA.
+
+``ratio = scores_ms / attention_ms`` (the target: <= 1.0 on a GPU). Timed as ``vtoken bench
+repack`` times its functions (``bench.repack.measure_interleaved``): repetitions
+interleaved, each call warmed by an untimed one right before, medians.
 """
 
 from __future__ import annotations
@@ -24,48 +31,94 @@ if TYPE_CHECKING:
 SHAPES = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}  # q_heads, kv_heads, head_dim
 
 
-def sdpa_attention(
-    query: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, layout: Any
-) -> torch.Tensor:
-    """Attention output ``[q_len, q_heads, head_dim]`` over the paged keys and values."""
+def _causal_mask(q_len: int, seq_len: int, device: torch.device) -> torch.Tensor | None:
+    """vLLM's rule (query ``i`` sees keys ``j <= seq_len - q_len + i``); None for decode."""
     import torch
 
-    block_size = layout.block_size(cache)
-    blocks = block_table[: cdiv(seq_len, block_size)].long()
-    keys, values = (part[blocks].flatten(0, 1)[:seq_len] for part in layout.keys_values(cache))
-    q_len = query.shape[0]
-    visible = torch.arange(seq_len, device=query.device).view(1, -1) <= (
-        seq_len - q_len + torch.arange(q_len, device=query.device).view(-1, 1)
+    if q_len == 1:
+        return None
+    return torch.arange(seq_len, device=device).view(1, -1) <= (
+        seq_len - q_len + torch.arange(q_len, device=device).view(-1, 1)
     )
+
+
+def sdpa_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """``query`` ``[batch, q_heads, q_len, head_dim]`` over ``keys``/``values`` ``[batch,
+    kv_heads, seq_len, head_dim]`` (GQA)."""
+    import torch
+
     return torch.nn.functional.scaled_dot_product_attention(
-        query.transpose(0, 1),
-        keys.transpose(0, 1),
-        values.transpose(0, 1),
-        attn_mask=visible,
-        enable_gqa=True,
-    ).transpose(0, 1)
+        query, keys, values, attn_mask=mask, enable_gqa=True
+    )
+
+
+def gather_pages(
+    cache: torch.Tensor, block_tables: torch.Tensor, seq_len: int, layout: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of every request: ``[batch, kv_heads, seq_len, head_dim]`` each (copies)."""
+    block_size = layout.block_size(cache)
+    blocks = block_tables[:, : cdiv(seq_len, block_size)].long()
+    return tuple(  # type: ignore[return-value]
+        part[blocks].flatten(1, 2)[:, :seq_len].transpose(1, 2).contiguous()
+        for part in layout.keys_values(cache)
+    )
 
 
 def run_case(
-    shape: str, seq_len: int, q_len: int, device: torch.device, reps: int, dtype: torch.dtype
+    shape: str,
+    batch: int,
+    seq_len: int,
+    q_len: int,
+    device: torch.device,
+    reps: int,
+    dtype: torch.dtype,
 ) -> dict[str, Any]:
     import torch
 
     from bench.repack import measure_interleaved
-    from kernels.attention_scores import attention_scores
-    from kernels.layout import KVLayout
+    from kernels.attention_scores import batch_attention_scores
+    from kernels.layout import KVLayout, paged_layer_views
 
     q_heads, kv_heads, head_dim = SHAPES[shape]
-    layout = KVLayout.FLASH if device.type == "cuda" else KVLayout.CPU_ATTN
-    block_size = 16 if device.type == "cuda" else 32
-    num_blocks = 2 * cdiv(seq_len, block_size)
-    cache = layout.new_cache(num_blocks, block_size, kv_heads, head_dim, dtype, device).normal_()
-    block_table = torch.randperm(num_blocks, device=device)[: num_blocks // 2].int()
-    query = torch.randn(q_len, q_heads, head_dim, device=device, dtype=dtype)
+    if device.type == "cuda":
+        layout, block_size = KVLayout.BHNC, 16
+        blocks_each = cdiv(seq_len, block_size)
+        cache = paged_layer_views(
+            1, 2 * batch * blocks_each, block_size, kv_heads, head_dim, dtype, device
+        )[0]
+    else:
+        layout, block_size = KVLayout.CPU_ATTN, 32
+        blocks_each = cdiv(seq_len, block_size)
+        cache = layout.new_cache(2 * batch * blocks_each, block_size, kv_heads, head_dim, dtype)
+    whole = cache.untyped_storage().nbytes() // cache.element_size()
+    cache.as_strided((whole,), (1,), 0).normal_()
+    block_tables = (
+        torch.randperm(2 * batch * blocks_each, device=device)[: batch * blocks_each]
+        .view(batch, blocks_each)
+        .int()
+    )
+    query = torch.randn(batch * q_len, q_heads, head_dim, device=device, dtype=dtype)
+    starts, q_lens, seq_lens = (
+        [r * q_len for r in range(batch)], [q_len] * batch, [seq_len] * batch,
+    )  # fmt: skip
+    batched_query = query.view(batch, q_len, q_heads, head_dim).transpose(1, 2)
+    keys, values = gather_pages(cache, block_tables, seq_len, layout)
+    mask = _causal_mask(q_len, seq_len, device)
+
+    def paged_attention() -> torch.Tensor:
+        return sdpa_attention(
+            batched_query, *gather_pages(cache, block_tables, seq_len, layout), mask
+        )
+
     times = measure_interleaved(
         {
-            "scores": lambda: attention_scores(query, cache, block_table, seq_len, layout),
-            "attention": lambda: sdpa_attention(query, cache, block_table, seq_len, layout),
+            "scores": lambda: batch_attention_scores(
+                query, cache, block_tables, starts, q_lens, seq_lens, layout, check=False
+            ),
+            "attention": lambda: sdpa_attention(batched_query, keys, values, mask),
+            "paged_attention": paged_attention,
         },
         device,
         reps,
@@ -78,11 +131,16 @@ def run_case(
         "kv_heads": kv_heads,
         "head_dim": head_dim,
         "block_size": block_size,
+        "dtype": str(dtype).removeprefix("torch."),
+        "batch": batch,
         "seq_len": seq_len,
         "q_len": q_len,
+        "key_mb": round(batch * seq_len * kv_heads * head_dim * cache.element_size() / 1e6, 1),
         "scores_ms": round(scores_ms, 4),
         "attention_ms": round(attention_ms, 4),
+        "paged_attention_ms": round(times["paged_attention"], 4),
         "ratio": round(scores_ms / attention_ms, 3),
+        "ratio_paged": round(scores_ms / times["paged_attention"], 3),
     }
 
 
@@ -91,13 +149,14 @@ def cli(
     shapes: Annotated[str, typer.Option(help="Comma list of " + ",".join(SHAPES))] = ",".join(
         SHAPES
     ),
+    batches: Annotated[str, typer.Option(help="Comma list of batch sizes (requests).")] = "1,32",
     seq_lens: Annotated[str, typer.Option(help="Comma list of sequence lengths.")] = "1024,4096",
     q_lens: Annotated[str, typer.Option(help="Comma list of query lengths.")] = "1,32",
     reps: Annotated[int, typer.Option(help="Timed repetitions per measurement.")] = 11,
     dtype: Annotated[str, typer.Option(help="Query and KV cache dtype.")] = "bfloat16",
     device: Annotated[str, typer.Option(help="cpu, cuda, or auto.")] = "auto",
 ) -> None:
-    """Time attention_scores against SDPA attention of the same step; JSON output."""
+    """Time batch_attention_scores against SDPA attention of the same batch; JSON output."""
     import torch
 
     chosen = torch.device(
@@ -105,18 +164,22 @@ def cli(
     )
     cases = []
     for shape in shapes.split(","):
-        for seq_len in (int(s) for s in seq_lens.split(",")):
-            for q_len in (int(q) for q in q_lens.split(",")):
-                case = run_case(shape, seq_len, q_len, chosen, reps, getattr(torch, dtype))
-                cases.append(case)
-                typer.echo(
-                    f"{shape:8} seq={seq_len:<5} q={q_len:<3} scores {case['scores_ms']:8.3f} ms"
-                    f"  attention {case['attention_ms']:8.3f} ms  ratio {case['ratio']:.2f}"
-                )
+        for batch in (int(b) for b in batches.split(",")):
+            for seq_len in (int(s) for s in seq_lens.split(",")):
+                for q_len in (int(q) for q in q_lens.split(",")):
+                    case = run_case(
+                        shape, batch, seq_len, q_len, chosen, reps, getattr(torch, dtype)
+                    )
+                    cases.append(case)
+                    typer.echo(
+                        f"{shape:8} batch={batch:<3} seq={seq_len:<5} q={q_len:<3} scores "
+                        f"{case['scores_ms']:8.3f} ms  attention {case['attention_ms']:8.3f} ms"
+                        f"  ratio {case['ratio']:.2f}  (paged {case['ratio_paged']:.2f})"
+                    )
     name = torch.cuda.get_device_name() if chosen.type == "cuda" else "cpu"
     result = {
         "device": name,
-        "attention": "sdpa over gathered pages",
+        "attention": "sdpa over contiguous K/V of the batch (paged: gather + sdpa)",
         "statistic": "median of interleaved warm repetitions",
         "reps": reps,
         "cases": cases,

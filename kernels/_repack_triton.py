@@ -1,11 +1,15 @@
-"""Triton repack kernel: one launch moves every (src, dst) slot pair in every layer, K and V.
+"""Triton repack kernel: one launch moves every (src, dst) slot pair in every layer.
 
-Layers are separate tensors; the launcher passes the first layer's pointer and each
-layer's element offset from it (``layer_offsets``), so one grid covers all layers without
-a pointer table. Grid: ``(cdiv(num_moves, BLOCK_M), num_layers, 2 * kv_heads)``; a program
-copies a ``[BLOCK_M, head_dim]`` tile of one head of K or V. In the flash layout a tile
-row is contiguous (coalesced loads); in cpu_attn the K tile is strided (only run under
-the interpreter, for tests).
+Layers are separate views of one buffer in vLLM (or separate tensors); the launcher passes
+the first layer's pointer and each layer's element offset from it (``layer_offsets``), so
+one grid covers all layers without a pointer table. A token of one head is one or two
+"runs" of ``WIDTH`` elements (``KVLayout.copy_runs``): in vLLM 0.32's GPU layout K and V sit
+side by side, one run of ``2 * head_dim``; in ``cpu_attn`` K and V are two runs of
+``head_dim`` (K strided: only run under the interpreter, for tests).
+
+Grid: ``(cdiv(num_moves, BLOCK_M), num_layers, num_runs * kv_heads)``; a program copies a
+``[BLOCK_M, WIDTH]`` tile. Strides are runtime integers: Triton specialises a stride of 1
+and multiples of 16, so a contiguous run becomes vector loads and stores.
 """
 
 from __future__ import annotations
@@ -27,46 +31,37 @@ def _repack_kernel(
     dst_slots_ptr,  # [num_moves] int64
     num_moves,
     block_size,
-    k_base,
-    k_block_stride,
-    k_offset_stride,
-    k_head_stride,
-    k_dim_stride,
-    v_base,
-    v_block_stride,
-    v_offset_stride,
-    v_head_stride,
-    v_dim_stride,
+    base_0,
+    offset_stride_0,
+    dim_stride_0,
+    base_1,
+    offset_stride_1,
+    dim_stride_1,
+    block_stride,
+    head_stride,
     KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
+    WIDTH: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_W: tl.constexpr,
 ):
     move_tile = tl.program_id(0)
     layer = tl.program_id(1)
-    part = tl.program_id(2) // KV_HEADS  # 0: keys, 1: values
+    run = tl.program_id(2) // KV_HEADS
     head = tl.program_id(2) % KV_HEADS
-    is_key = part == 0
-    base = tl.where(is_key, k_base, v_base)
-    block_stride = tl.where(is_key, k_block_stride, v_block_stride)
-    offset_stride = tl.where(is_key, k_offset_stride, v_offset_stride)
-    head_stride = tl.where(is_key, k_head_stride, v_head_stride)
-    dim_stride = tl.where(is_key, k_dim_stride, v_dim_stride)
+    base = tl.where(run == 0, base_0, base_1)
+    offset_stride = tl.where(run == 0, offset_stride_0, offset_stride_1)
+    dim_stride = tl.where(run == 0, dim_stride_0, dim_stride_1)
 
     moves = move_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     move_mask = moves < num_moves
     src = tl.load(src_slots_ptr + moves, mask=move_mask, other=0)
     dst = tl.load(dst_slots_ptr + moves, mask=move_mask, other=0)
-    layer_offset = tl.load(layer_offsets_ptr + layer) + base + head * head_stride
-    src_rows = (
-        layer_offset + (src // block_size) * block_stride + (src % block_size) * offset_stride
-    )
-    dst_rows = (
-        layer_offset + (dst // block_size) * block_stride + (dst % block_size) * offset_stride
-    )
-    dims = tl.arange(0, BLOCK_D)
-    mask = move_mask[:, None] & (dims < HEAD_DIM)[None, :]
-    columns = (dims * dim_stride)[None, :]
+    start = tl.load(layer_offsets_ptr + layer) + base + head * head_stride
+    src_rows = start + (src // block_size) * block_stride + (src % block_size) * offset_stride
+    dst_rows = start + (dst // block_size) * block_stride + (dst % block_size) * offset_stride
+    columns = tl.arange(0, BLOCK_W)
+    mask = move_mask[:, None] & (columns < WIDTH)[None, :]
+    columns = (columns * dim_stride)[None, :]
     values = tl.load(cache_ptr + src_rows[:, None] + columns, mask=mask)
     tl.store(cache_ptr + dst_rows[:, None] + columns, values, mask=mask)
 
@@ -75,13 +70,18 @@ def triton_repack(
     kv_caches: Sequence[torch.Tensor],
     src_slots: torch.Tensor,
     dst_slots: torch.Tensor,
-    parts: tuple[PartStrides, PartStrides],
+    runs: tuple[PartStrides, ...],
+    width: int,
     block_size: int,
     kv_heads: int,
-    head_dim: int,
 ) -> None:
-    """Launch ``_repack_kernel`` once. Caches: one dtype and device, contiguous, checked by
-    ``repack``; slots: contiguous int64 ``[num_moves]`` on the caches' device."""
+    """Launch ``_repack_kernel`` once. Caches: one geometry, checked by ``repack``; slots:
+    contiguous int64 ``[num_moves]`` on the caches' device; ``runs`` (one or two, sharing
+    the block and head strides) and ``width`` from ``KVLayout.copy_runs``."""
+    if not 1 <= len(runs) <= 2 or any(
+        (r.block_stride, r.head_stride) != (runs[0].block_stride, runs[0].head_stride) for r in runs
+    ):
+        raise ValueError("the Triton repack copies one or two runs with one block/head stride")
     first = kv_caches[0]
     elem_size = first.element_size()
     byte_offsets = [cache.data_ptr() - first.data_ptr() for cache in kv_caches]
@@ -91,11 +91,12 @@ def triton_repack(
         [offset // elem_size for offset in byte_offsets], dtype=torch.int64
     ).to(first.device, non_blocking=True)
     num_moves = src_slots.numel()
-    # 32 moves x head_dim per program: 8 KB per bf16 tile at head_dim 128, enough loads in
-    # flight per SM without many idle lanes for the <= 16-move trickle pattern.
-    block_m = 32
-    grid = (triton.cdiv(num_moves, block_m), len(kv_caches), 2 * kv_heads)
-    keys, values = parts
+    block_w = triton.next_power_of_2(width)
+    # About 16 KB per tile (32 moves of a 2 x 128 bf16 run): loads enough in flight per SM
+    # without many idle lanes for the <= 16-move trickle pattern.
+    block_m = max(16, min(64, 8192 // block_w))
+    grid = (triton.cdiv(num_moves, block_m), len(kv_caches), len(runs) * kv_heads)
+    first_run, last_run = runs[0], runs[-1]
     _repack_kernel[grid](
         first,
         layer_offsets,
@@ -103,18 +104,17 @@ def triton_repack(
         dst_slots,
         num_moves,
         block_size,
-        keys.base,
-        keys.block_stride,
-        keys.offset_stride,
-        keys.head_stride,
-        keys.dim_stride,
-        values.base,
-        values.block_stride,
-        values.offset_stride,
-        values.head_stride,
-        values.dim_stride,
+        first_run.base,
+        first_run.offset_stride,
+        first_run.dim_stride,
+        last_run.base,
+        last_run.offset_stride,
+        last_run.dim_stride,
+        first_run.block_stride,
+        first_run.head_stride,
         KV_HEADS=kv_heads,
-        HEAD_DIM=head_dim,
+        WIDTH=width,
         BLOCK_M=block_m,
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_W=block_w,
+        num_warps=4,
     )

@@ -1,12 +1,22 @@
-"""Triton logits kernel for ``attention_scores``; softmax and the sum over rows stay in torch.
+"""Triton kernels for ``attention_scores`` over a batch of requests (varlen queries).
 
-Grid ``(num_kv_heads, cdiv(seq_len, BLOCK_N), cdiv(group * q_len, BLOCK_R))``: a program
-reads one ``[BLOCK_N, head_dim]`` tile of paged keys (through the block table) once for
-all query rows of its KV group (row ``r = g * q_len + i``: q head ``kv_head * group + g``,
-query ``i``), so a decode step reads each key once, as the attention kernel does, and
-writes ``group`` float32 logits per key (``2 * group / head_dim`` of the key bytes in
-bf16). The dot runs in float32 with ``input_precision="ieee"``: scores stay comparable
-with the torch paths, and decode scoring is bound by key reads, not by the dot.
+Two launches and one torch reduction, for any number of requests:
+
+1. ``_logits_kernel``, grid ``(num_kv_heads, max_key_tiles, num_requests * max_row_tiles)``:
+   a program reads one ``[BLOCK_N, head_dim]`` tile of a request's paged keys (through its
+   block table row) once for all query rows of its KV group (row ``r = g * q_len + i``: q
+   head ``kv_head * group + g``, query ``i``), writes the scaled, causally masked float32
+   logits, and the log-sum-exp of each row over its tile.
+2. ``_lse_kernel``, grid ``(num_kv_heads, total_rows)``: each row's softmax normaliser, the
+   log-sum-exp of its tiles' (only the request's tiles are read: nothing is pre-filled).
+3. ``_mass_kernel``, grid ``(num_kv_heads, max_key_tiles, num_requests)``: for a key tile,
+   ``sum over rows of exp(logit - lse_row)``, added into the output (so query chunks of one
+   request, launched one after another, accumulate).
+
+A decode step reads each key once, as the attention kernel does, and writes and reads back
+``group`` float32 logits per key (``4 * group / head_dim`` of the key bytes in bf16). The
+dot runs in float32 with ``input_precision="ieee"``: scores stay comparable with the torch
+paths. An fp8 cache is read through its float8 view; ``k_scale`` is folded into the scale.
 """
 
 from __future__ import annotations
@@ -15,19 +25,25 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention_scores import ScoredSpan
 from kernels.layout import KVLayout
+
+BLOCK_N = 64
 
 
 @triton.jit
 def _logits_kernel(
-    query_ptr,  # [q_len, num_q_heads, head_dim], any float dtype
-    cache_ptr,  # one layer's cache
-    block_table_ptr,  # [>= cdiv(seq_len, block_size)] int32/int64
-    logits_ptr,  # [num_kv_heads, group * q_len, seq_len] float32
-    q_len,  # queries in this launch (a chunk of the step's queries)
-    seq_len,
-    last_visible,  # query i of the chunk sees keys j <= last_visible + i
+    query_ptr,  # [num_tokens, num_q_heads, head_dim], any float dtype
+    cache_ptr,  # one layer's cache (float view)
+    block_tables_ptr,  # [num_requests, max_blocks] int32/int64
+    requests_ptr,  # [num_requests, 7] int64: q_start, q_len, seq_len, causal, logits, rows,
+    #                 key offset
+    logits_ptr,  # flat float32: request r's [kv_heads, rows_r, seq_r] at its logits offset
+    lse_ptr,  # [num_kv_heads, total_rows, max_key_tiles] float32 (the request's tiles)
+    total_rows,
+    max_key_tiles,
     block_size,
+    block_table_stride,
     scale,
     query_token_stride,
     query_head_stride,
@@ -36,6 +52,7 @@ def _logits_kernel(
     key_offset_stride,
     key_head_stride,
     key_dim_stride,
+    ROW_TILES: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -43,24 +60,37 @@ def _logits_kernel(
     BLOCK_D: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
-    keys = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
-    dims = tl.arange(0, BLOCK_D)
+    key_tile = tl.program_id(1)
+    request = tl.program_id(2) // ROW_TILES
+    row_tile = tl.program_id(2) % ROW_TILES
+    info = requests_ptr + request * 7
+    q_start = tl.load(info)
+    q_len = tl.load(info + 1)
+    seq_len = tl.load(info + 2)
+    causal = tl.load(info + 3)  # query i sees keys j <= causal + i
+    logits_start = tl.load(info + 4)
+    rows_start = tl.load(info + 5)
     num_rows = GROUP * q_len
+    if key_tile * BLOCK_N >= seq_len or row_tile * BLOCK_R >= num_rows:
+        return
+    keys = key_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = row_tile * BLOCK_R + tl.arange(0, BLOCK_R)
+    dims = tl.arange(0, BLOCK_D)
     row_mask = rows < num_rows
     key_mask = keys < seq_len
     dim_mask = dims < HEAD_DIM
 
     query_index = rows % q_len
     q_head = kv_head * GROUP + rows // q_len
-    q_offsets = query_index * query_token_stride + q_head * query_head_stride
+    q_offsets = (q_start + query_index) * query_token_stride + q_head * query_head_stride
     q = tl.load(
         query_ptr + q_offsets[:, None] + dims[None, :],
         mask=row_mask[:, None] & dim_mask[None, :],
         other=0.0,
     ).to(tl.float32)
 
-    blocks = tl.load(block_table_ptr + keys // block_size, mask=key_mask, other=0).to(tl.int64)
+    table = block_tables_ptr + request * block_table_stride
+    blocks = tl.load(table + keys // block_size, mask=key_mask, other=0).to(tl.int64)
     key_rows = key_base + blocks * key_block_stride + (keys % block_size) * key_offset_stride
     key_rows += kv_head * key_head_stride
     k_t = tl.load(
@@ -70,44 +100,152 @@ def _logits_kernel(
     ).to(tl.float32)  # [BLOCK_D, BLOCK_N]
 
     logits = tl.dot(q, k_t, input_precision="ieee") * scale
-    visible = keys[None, :] <= (last_visible + query_index)[:, None]
+    visible = (keys[None, :] <= (causal + query_index)[:, None]) & key_mask[None, :]
     logits = tl.where(visible, logits, float("-inf"))
-    out = logits_ptr + kv_head * num_rows * seq_len + rows[:, None] * seq_len + keys[None, :]
-    tl.store(out, logits, mask=row_mask[:, None] & key_mask[None, :])
+    out = logits_ptr + logits_start + (kv_head * num_rows + rows[:, None]) * seq_len
+    tl.store(out + keys[None, :], logits, mask=row_mask[:, None] & key_mask[None, :])
+
+    row_max = tl.max(logits, axis=1)
+    safe_max = tl.where(row_max == float("-inf"), 0.0, row_max)
+    row_sum = tl.sum(tl.exp(logits - safe_max[:, None]), axis=1)
+    lse = tl.where(row_sum > 0, safe_max + tl.log(tl.maximum(row_sum, 1e-30)), float("-inf"))
+    lse_rows = (kv_head * total_rows + rows_start + rows) * max_key_tiles + key_tile
+    tl.store(lse_ptr + lse_rows, lse, mask=row_mask)
 
 
-def _launch_logits(
+@triton.jit
+def _lse_kernel(
+    row_requests_ptr,  # [total_rows] int32: the request of each row
+    requests_ptr,
+    tile_lse_ptr,  # [num_kv_heads, total_rows, max_key_tiles] float32
+    row_lse_ptr,  # [num_kv_heads, total_rows] float32
+    total_rows,
+    max_key_tiles,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    kv_head = tl.program_id(0)
+    row = tl.program_id(1)
+    request = tl.load(row_requests_ptr + row)
+    seq_len = tl.load(requests_ptr + request * 7 + 2)
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    at = tile_lse_ptr + (kv_head * total_rows + row) * max_key_tiles
+    running_max = tl.full([], float("-inf"), tl.float32)
+    running_sum = tl.zeros([], tl.float32)
+    for start in range(0, num_tiles, BLOCK_T):
+        tiles = start + tl.arange(0, BLOCK_T)
+        lse = tl.load(at + tiles, mask=tiles < num_tiles, other=float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(lse, axis=0))
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        running_sum = running_sum * tl.exp(running_max - safe_max) + tl.sum(
+            tl.exp(lse - safe_max), axis=0
+        )
+        running_max = new_max
+    # Every row sees key 0, so its sum is positive.
+    tl.store(row_lse_ptr + kv_head * total_rows + row, running_max + tl.log(running_sum))
+
+
+@triton.jit
+def _mass_kernel(
+    requests_ptr,
+    logits_ptr,
+    lse_ptr,  # [num_kv_heads, total_rows] float32
+    out_ptr,  # [num_kv_heads, out_stride] float32, request r's keys at its key offset
+    total_rows,
+    out_stride,
+    GROUP: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    kv_head = tl.program_id(0)
+    key_tile = tl.program_id(1)
+    request = tl.program_id(2)
+    info = requests_ptr + request * 7
+    q_len = tl.load(info + 1)
+    seq_len = tl.load(info + 2)
+    logits_start = tl.load(info + 4)
+    rows_start = tl.load(info + 5)
+    if key_tile * BLOCK_N >= seq_len:
+        return
+    num_rows = GROUP * q_len
+    keys = key_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    key_mask = keys < seq_len
+    mass = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for row_start in range(0, num_rows, BLOCK_R):
+        rows = row_start + tl.arange(0, BLOCK_R)
+        row_mask = rows < num_rows
+        lse = tl.load(lse_ptr + kv_head * total_rows + rows_start + rows, mask=row_mask, other=0.0)
+        # A row that sees no key of the request cannot occur (query i sees key 0).
+        at = logits_ptr + logits_start + (kv_head * num_rows + rows[:, None]) * seq_len
+        logits = tl.load(
+            at + keys[None, :], mask=row_mask[:, None] & key_mask[None, :], other=float("-inf")
+        )
+        mass += tl.sum(tl.exp(logits - lse[:, None]), axis=0)
+    out = out_ptr + kv_head * out_stride + tl.load(info + 6) + keys
+    tl.store(out, tl.load(out, mask=key_mask, other=0.0) + mass, mask=key_mask)
+
+
+def triton_span_scores(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_len: int,
-    last_visible: int,
+    block_tables: torch.Tensor,
+    spans: list[ScoredSpan],
+    out: torch.Tensor,
     layout: KVLayout,
     scale: float,
-) -> torch.Tensor:
-    """Scaled, causally masked logits float32 ``[num_kv_heads, group * q_len, seq_len]``."""
+) -> None:
+    """Add each span's attention mass per key into ``out`` ``[num_kv_heads, columns]``.
+
+    One launch of each kernel; a block-table row and its output columns must not appear
+    in two spans of one call (their adds would race). Arguments are checked by the callers.
+    """
+    if not spans:
+        return
     parts = layout.part_strides(kv_cache)
     if parts is None:
         raise ValueError(f"the Triton scores kernel does not handle layout {layout.value}")
     keys = parts[0]
-    q_len, num_q_heads, head_dim = query.shape
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    num_q_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = layout.num_kv_heads(kv_cache)
     group = num_q_heads // num_kv_heads
-    num_rows = group * q_len
-    logits = torch.empty(num_kv_heads, num_rows, seq_len, dtype=torch.float32, device=query.device)
-    # tl.dot needs >= 16 on each side; 64 keys x head_dim keeps a bf16 K tile at 16 KB.
-    block_r = min(64, max(16, triton.next_power_of_2(num_rows)))
-    block_n = 64
-    grid = (num_kv_heads, triton.cdiv(seq_len, block_n), triton.cdiv(num_rows, block_r))
-    _logits_kernel[grid](
+    rows = [group * span.q_len for span in spans]
+    info, row_requests, logits_size, rows_start = [], [], 0, 0
+    for index, (span, num_rows) in enumerate(zip(spans, rows, strict=True)):
+        info.append([span.q_start, span.q_len, span.seq_len, span.causal, logits_size,
+                     rows_start, span.key_offset])  # fmt: skip
+        logits_size += num_kv_heads * num_rows * span.seq_len
+        rows_start += num_rows
+        row_requests.extend([index] * num_rows)
+    device = query.device
+    table_rows = [span.table_row for span in spans]
+    # One host-to-device copy: the per-request table, then each row's request.
+    packed = torch.tensor([value for row in info for value in row] + row_requests,
+                          dtype=torch.int64).to(device, non_blocking=True)  # fmt: skip
+    requests = packed[: 7 * len(spans)]
+    row_request = packed[7 * len(spans) :]
+    tables = block_tables
+    if table_rows != list(range(len(spans))):
+        index = torch.tensor(table_rows, dtype=torch.int64).to(device, non_blocking=True)
+        tables = block_tables.index_select(0, index)
+    max_tiles = triton.cdiv(max(span.seq_len for span in spans), BLOCK_N)
+    logits = torch.empty(logits_size, dtype=torch.float32, device=device)
+    lse = torch.empty((num_kv_heads, rows_start, max_tiles), dtype=torch.float32, device=device)
+    # tl.dot needs >= 16 rows; 64 keys x head_dim keeps a bf16 K tile at 16 KB.
+    block_r = min(64, max(16, triton.next_power_of_2(max(rows))))
+    row_tiles = triton.cdiv(max(rows), block_r)
+    _logits_kernel[(num_kv_heads, max_tiles, len(spans) * row_tiles)](
         query,
         kv_cache,
-        block_table,
+        tables,
+        requests,
         logits,
-        q_len,
-        seq_len,
-        last_visible,
+        lse,
+        rows_start,
+        max_tiles,
         layout.block_size(kv_cache),
+        tables.stride(0),
         scale,
         query.stride(0),
         query.stride(1),
@@ -116,35 +254,25 @@ def _launch_logits(
         keys.offset_stride,
         keys.head_stride,
         keys.dim_stride,
+        ROW_TILES=row_tiles,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_R=block_r,
-        BLOCK_N=block_n,
+        BLOCK_N=BLOCK_N,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
     )
-    return logits
-
-
-def triton_attention_scores(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_len: int,
-    layout: KVLayout,
-    scale: float,
-) -> torch.Tensor:
-    """Arguments as ``attention_scores`` (already checked); float32 ``[num_kv_heads, seq_len]``."""
-    if query.stride(-1) != 1:
-        query = query.contiguous()
-    q_len, num_q_heads, _ = query.shape
-    out = torch.zeros(
-        layout.num_kv_heads(kv_cache), seq_len, dtype=torch.float32, device=query.device
+    row_lse = torch.empty((num_kv_heads, rows_start), dtype=torch.float32, device=device)
+    _lse_kernel[(num_kv_heads, rows_start)](
+        row_request, requests, lse, row_lse, rows_start, max_tiles, BLOCK_T=64, BLOCK_N=BLOCK_N
     )
-    # Query chunks bound the float32 logits to about 64 MiB; exact, rows normalise alone.
-    chunk = max(1, (16 * 1024 * 1024) // (num_q_heads * seq_len))
-    for start in range(0, q_len, chunk):
-        rows = query[start : start + chunk]
-        last_visible = seq_len - q_len + start
-        logits = _launch_logits(rows, kv_cache, block_table, seq_len, last_visible, layout, scale)
-        out += logits.softmax(dim=-1).sum(dim=1)
-    return out
+    _mass_kernel[(num_kv_heads, max_tiles, len(spans))](
+        requests,
+        logits,
+        row_lse,
+        out,
+        rows_start,
+        out.stride(0),
+        GROUP=group,
+        BLOCK_R=block_r,
+        BLOCK_N=BLOCK_N,
+    )

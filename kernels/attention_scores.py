@@ -8,24 +8,46 @@ sees key ``j`` iff ``j <= seq_len - q_len + i``) and q head ``g`` reading KV hea
 ``g // (num_q_heads // num_kv_heads)``. Each row of ``out`` sums to
 ``q_len * num_q_heads / num_kv_heads``.
 
-Backends: ``triton`` (CUDA; logits kernel, then softmax and sum in torch), ``torch``
+``batch_attention_scores`` does the same for several requests of a step at once (on CUDA
+one pair of kernel launches per layer, not one per request).
+
+Backends: ``triton`` (CUDA; logits kernel, a log-sum-exp in torch, a mass kernel), ``torch``
 (CPU: block-wise gather and one batched matmul per query chunk), and the reference, which
 sums ``attention_probabilities`` (every query's softmax, before the sum).
+
+An fp8 KV cache (vLLM stores it as ``uint8``) is passed as its float8 view with the layer's
+per-tensor ``k_scale``: the logits are ``scale * k_scale * q . k``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import StrEnum
 
 import torch
 
 from kernels.intmath import cdiv
-from kernels.layout import KVLayout
+from kernels.layout import KVLayout, indexable
 
 # Queries per chunk are capped so the float32 logits of a chunk stay under this many
 # elements (64 MiB): exact, because each query row is normalised on its own.
 _MAX_LOGITS = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ScoredSpan:
+    """Rows ``[q_start, q_start + q_len)`` of the query tensor, scored against the first
+    ``seq_len`` keys of a block-table row; query ``i`` sees keys ``j <= causal + i``; the
+    mass is added at output columns ``[key_offset, key_offset + seq_len)``."""
+
+    q_start: int
+    q_len: int
+    seq_len: int
+    causal: int
+    key_offset: int
+    table_row: int
 
 
 class ScoresBackend(StrEnum):
@@ -111,6 +133,15 @@ def check_scores_args(
         raise ValueError(f"block_table of {block_table.numel()} blocks cannot hold {seq_len}")
     if query.device != kv_cache.device or block_table.device != kv_cache.device:
         raise ValueError("query, kv_cache and block_table must share a device")
+    _check_key_dtype(kv_cache)
+
+
+def _check_key_dtype(kv_cache: torch.Tensor) -> None:
+    if not kv_cache.dtype.is_floating_point:
+        raise ValueError(
+            f"keys of dtype {kv_cache.dtype} cannot be scored: pass an fp8 cache stored as "
+            "uint8 as its float8 view (cache.view(torch.float8_e4m3fn)) with its k_scale"
+        )
 
 
 def _keys_transposed(
@@ -127,7 +158,8 @@ def _keys_transposed(
     if layout is KVLayout.CPU_ATTN_AMX:
         keys = layout.gather(kv_cache, _slots(block_table, seq_len, block_size))[:, 0]
         return keys.permute(1, 2, 0).float()
-    keys = layout.keys_values(kv_cache)[0][blocks]  # [num_blocks, block_size, kv_heads, dim]
+    # [num_blocks, block_size, kv_heads, dim] -> [kv_heads, dim, num_blocks * block_size]
+    keys = layout.keys_values(indexable(kv_cache))[0][blocks].view(kv_cache.dtype)
     keys = keys.permute(2, 3, 0, 1).float().reshape(keys.shape[2], keys.shape[3], -1)
     return keys[:, :, :seq_len]
 
@@ -172,6 +204,7 @@ def attention_scores(
     layout: KVLayout,
     *,
     scale: float | None = None,
+    k_scale: float = 1.0,
     backend: ScoresBackend | None = None,
     check: bool = True,
 ) -> torch.Tensor:
@@ -179,21 +212,153 @@ def attention_scores(
 
     ``query``: ``[q_len, num_q_heads, head_dim]``, ``kv_cache``: one layer of ``layout``,
     ``block_table``: the request's block ids (int32/int64, at least ``ceil(seq_len /
-    block_size)`` of them), ``scale``: vLLM's softmax scale (default ``head_dim ** -0.5``).
-    Bad shapes raise ``ValueError`` (unless ``check=False``).
+    block_size)`` of them), ``scale``: vLLM's softmax scale (default ``head_dim ** -0.5``),
+    ``k_scale``: an fp8 cache's key scale. Bad shapes raise ``ValueError`` (unless
+    ``check=False``).
     """
     if check:
         check_scores_args(query, kv_cache, block_table, seq_len, layout)
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    if backend is None:
-        use_triton = kv_cache.device.type == "cuda" and layout is not KVLayout.CPU_ATTN_AMX
-        backend = ScoresBackend.TRITON if use_triton else ScoresBackend.TORCH
+    scale = _effective_scale(query, scale, k_scale)
+    backend = backend or _default_backend(kv_cache, layout)
     if backend is ScoresBackend.REFERENCE:
         return reference_attention_scores(
             query, kv_cache, block_table, seq_len, layout, scale=scale
         )
     if backend is ScoresBackend.TORCH:
         return torch_attention_scores(query, kv_cache, block_table, seq_len, layout, scale)
-    from kernels._scores_triton import triton_attention_scores
+    out = torch.zeros(
+        layout.num_kv_heads(kv_cache), seq_len, dtype=torch.float32, device=query.device
+    )
+    spans = _request_spans(query.shape, 0, query.shape[0], seq_len, 0, 0)
+    _triton_launches(query, kv_cache, block_table.view(1, -1), [spans], out, layout, scale)
+    return out
 
-    return triton_attention_scores(query, kv_cache, block_table, seq_len, layout, scale)
+
+def batch_attention_scores(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_starts: Sequence[int],
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    layout: KVLayout,
+    *,
+    scale: float | None = None,
+    k_scale: float = 1.0,
+    backend: ScoresBackend | None = None,
+    check: bool = True,
+) -> torch.Tensor:
+    """``attention_scores`` of several requests of one step, concatenated: float32
+    ``[num_kv_heads, sum(seq_lens)]``, request ``r``'s keys at ``sum(seq_lens[:r])``.
+
+    Request ``r`` is query rows ``[query_starts[r], query_starts[r] + query_lens[r])`` of
+    ``query`` (``[num_tokens, num_q_heads, head_dim]``, the step's batch) over the first
+    ``seq_lens[r]`` keys of block-table row ``block_tables[r]`` (``[num_requests,
+    max_blocks]``). The lengths are host integers (the scheduler's), so nothing waits on
+    the device. On CUDA this is one pair of launches for requests whose float32 logits fit
+    in 64 MiB together; a longer one (a prefill) is split into query chunks.
+    """
+    num_requests = len(seq_lens)
+    if check:
+        _check_batch_args(query, kv_cache, block_tables, query_starts, query_lens, seq_lens, layout)
+    scale = _effective_scale(query, scale, k_scale)
+    key_offsets = [0]
+    for seq_len in seq_lens:
+        key_offsets.append(key_offsets[-1] + int(seq_len))
+    out = torch.zeros(
+        layout.num_kv_heads(kv_cache), key_offsets[-1], dtype=torch.float32, device=query.device
+    )
+    backend = backend or _default_backend(kv_cache, layout)
+    if backend is not ScoresBackend.TRITON:
+        for r in range(num_requests):
+            rows = query[query_starts[r] : query_starts[r] + query_lens[r]]
+            out[:, key_offsets[r] : key_offsets[r + 1]] = attention_scores(
+                rows, kv_cache, block_tables[r], int(seq_lens[r]), layout,
+                scale=scale, backend=backend, check=False,
+            )  # fmt: skip
+        return out
+    requests = [
+        _request_spans(query.shape, int(query_starts[r]), int(query_lens[r]), int(seq_lens[r]),
+                       key_offsets[r], r)
+        for r in range(num_requests)
+    ]  # fmt: skip
+    _triton_launches(query, kv_cache, block_tables, requests, out, layout, scale)
+    return out
+
+
+def _effective_scale(query: torch.Tensor, scale: float | None, k_scale: float) -> float:
+    return (1.0 / math.sqrt(query.shape[-1]) if scale is None else scale) * float(k_scale)
+
+
+def _default_backend(kv_cache: torch.Tensor, layout: KVLayout) -> ScoresBackend:
+    if kv_cache.device.type == "cuda" and layout is not KVLayout.CPU_ATTN_AMX:
+        return ScoresBackend.TRITON
+    return ScoresBackend.TORCH
+
+
+def _check_batch_args(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_starts: Sequence[int],
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    layout: KVLayout,
+) -> None:
+    if not len(query_starts) == len(query_lens) == len(seq_lens):
+        raise ValueError("query_starts, query_lens and seq_lens differ in length")
+    if block_tables.dim() != 2 or block_tables.shape[0] < len(seq_lens):
+        raise ValueError(
+            f"block_tables must be [num_requests, max_blocks], got {tuple(block_tables.shape)}"
+        )
+    for r, (start, q_len, seq_len) in enumerate(
+        zip(query_starts, query_lens, seq_lens, strict=True)
+    ):
+        if start < 0 or start + q_len > query.shape[0]:
+            raise ValueError(f"request {r}: rows [{start}, {start + q_len}) outside the query")
+        check_scores_args(
+            query[start : start + q_len], kv_cache, block_tables[r], int(seq_len), layout
+        )
+
+
+def _request_spans(
+    query_shape: torch.Size, q_start: int, q_len: int, seq_len: int, key_offset: int, row: int
+) -> list[ScoredSpan]:
+    """One request as query chunks whose float32 logits stay under ``_MAX_LOGITS``."""
+    chunk = max(1, _MAX_LOGITS // (query_shape[1] * seq_len))
+    return [
+        ScoredSpan(q_start + start, min(chunk, q_len - start), seq_len,
+                   seq_len - q_len + start, key_offset, row)
+        for start in range(0, q_len, chunk)
+    ]  # fmt: skip
+
+
+def _triton_launches(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    requests: list[list[ScoredSpan]],
+    out: torch.Tensor,
+    layout: KVLayout,
+    scale: float,
+) -> None:
+    """Pack requests into launches of at most ``_MAX_LOGITS`` logits; the chunks of one
+    request go to different launches (their adds to one output column would race)."""
+    from kernels._scores_triton import triton_span_scores
+
+    num_q_heads = query.shape[1]
+    batch: list[ScoredSpan] = []
+    size = 0
+    for spans in requests:
+        if len(spans) > 1:
+            for span in spans:
+                triton_span_scores(query, kv_cache, block_tables, [span], out, layout, scale)
+            continue
+        span = spans[0]
+        cost = num_q_heads * span.q_len * span.seq_len
+        if batch and size + cost > _MAX_LOGITS:
+            triton_span_scores(query, kv_cache, block_tables, batch, out, layout, scale)
+            batch, size = [], 0
+        batch.append(span)
+        size += cost
+    triton_span_scores(query, kv_cache, block_tables, batch, out, layout, scale)

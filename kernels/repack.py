@@ -7,8 +7,12 @@ destination may appear twice. Every path copies all layers, K and V, in one call
 
 Backends (``repack(..., backend=...)``; ``None`` picks the first that applies):
 
-    triton   CUDA caches, flash or cpu_attn layout; one launch for all layers
-    cpu      CPU caches, flash or cpu_attn layout; ``csrc/repack.c`` via ctypes (``repack_cpu``)
+    triton   CUDA caches, bhnc or cpu_attn layout; one launch for all layers
+    cpu      CPU caches, bhnc or cpu_attn layout; ``csrc/repack.c`` via ctypes (``repack_cpu``)
+
+Caches may have any strides (vLLM 0.32's ``KVCacheLayout`` views, fp8 caches stored as
+``uint8``: bytes are copied), but every layer must share one geometry (shape, strides,
+dtype, device), as vLLM's per-layer views of one buffer do.
     torch    anything, including cpu_attn_amx: ``reference_repack``
 """
 
@@ -19,7 +23,7 @@ from enum import StrEnum
 
 import torch
 
-from kernels.layout import KVLayout
+from kernels.layout import KVLayout, same_geometry
 from kernels.repack_cpu import cpu_repack, load_library
 from kernels.slot_checks import slot_problem_numpy, slot_problem_torch
 
@@ -57,7 +61,7 @@ def check_repack_args(
 ) -> None:
     """Raise ``ValueError`` unless the caches and slots are a valid repack.
 
-    Caches: non-empty, one shape, dtype and device, contiguous, of ``layout``. Slots: 1-D
+    Caches: non-empty, of ``layout``, one geometry (shape, strides, dtype, device). Slots: 1-D
     int64 of equal length on the caches' device, and (``slot_values``) within the cache, no
     destination repeated or also a source (sources are read while destinations are written).
     """
@@ -65,15 +69,14 @@ def check_repack_args(
         raise ValueError("repack needs at least one layer cache")
     first = kv_caches[0]
     layout.check_cache(first)
-    shape, dtype, device = first.shape, first.dtype, first.device
     for cache in kv_caches:  # one cheap test per layer (it runs every decode step)
-        if cache.shape == shape and cache.dtype == dtype and cache.is_contiguous():
-            if cache.device == device:
-                continue
-            raise ValueError(f"layer caches on {cache.device} and {device}")
-        layout.check_cache(cache)
+        if same_geometry(cache, first):
+            continue
+        if cache.device != first.device:
+            raise ValueError(f"layer caches on {cache.device} and {first.device}")
         raise ValueError(
-            f"layer caches differ: {tuple(cache.shape)} {cache.dtype} vs {tuple(shape)} {dtype}"
+            f"layer caches differ: {tuple(cache.shape)} {cache.stride()} {cache.dtype} vs "
+            f"{tuple(first.shape)} {first.stride()} {first.dtype}"
         )
     for name, slots in (("src_slots", src_slots), ("dst_slots", dst_slots)):
         if slots.dim() != 1 or slots.dtype != torch.int64:
@@ -140,13 +143,14 @@ def repack(
         reference_repack(kv_caches, src_slots, dst_slots, layout)
         return
     parts = layout.part_strides(first)
-    if parts is None:
+    runs = layout.copy_runs(first)
+    if parts is None or runs is None:
         raise ValueError(f"backend {chosen.value} does not handle layout {layout.value}")
     sizes = (layout.block_size(first), layout.num_kv_heads(first), layout.head_dim(first))
     if chosen is RepackBackend.TRITON:
         from kernels._repack_triton import triton_repack
 
-        triton_repack(kv_caches, src_slots.contiguous(), dst_slots.contiguous(), parts, *sizes)
+        triton_repack(kv_caches, src_slots.contiguous(), dst_slots.contiguous(), *runs, *sizes[:2])
         return
     if first.device.type != "cpu":
         raise ValueError(f"backend cpu needs CPU caches, got {first.device}")

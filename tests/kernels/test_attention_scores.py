@@ -54,7 +54,7 @@ def test_backends_match_reference(
 
 def test_reference_contract_by_hand() -> None:
     """One KV head, two q heads, q_len 2 over 3 keys, computed with explicit softmaxes."""
-    layout = KVLayout.FLASH
+    layout = KVLayout.BHNC
     cache = layout.new_cache(2, 2, 1, 4).zero_()
     keys = torch.randn(3, 1, 4)
     layout.scatter(cache, torch.tensor([2, 3, 0]), torch.stack([keys, keys], dim=1))

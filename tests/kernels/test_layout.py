@@ -16,7 +16,7 @@ def test_element_offsets_cover_the_cache_once(layout: KVLayout, block_size: int)
     assert torch.equal(offsets.flatten().sort().values, torch.arange(cache.numel()))
 
 
-@pytest.mark.parametrize("layout", [KVLayout.FLASH, KVLayout.CPU_ATTN])
+@pytest.mark.parametrize("layout", [KVLayout.BHNC, KVLayout.CPU_ATTN])
 def test_keys_values_views_agree_with_gather(layout: KVLayout) -> None:
     cache = layout.new_cache(4, 16, 3, 32).normal_()
     keys, values = layout.keys_values(cache)

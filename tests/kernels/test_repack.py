@@ -92,11 +92,11 @@ def test_default_backend_and_empty_moves() -> None:
     ],
 )
 def test_check_rejects_bad_moves(src: list[int], dst: list[int], message: str) -> None:
-    cache = KVLayout.FLASH.new_cache(4, 16, 1, 32)
+    cache = KVLayout.BHNC.new_cache(4, 16, 1, 32)
     with pytest.raises(ValueError, match=message):
-        check_repack_args([cache], torch.tensor(src), torch.tensor(dst), KVLayout.FLASH)
+        check_repack_args([cache], torch.tensor(src), torch.tensor(dst), KVLayout.BHNC)
     # Through the dispatcher: the C loop checks slot values itself; nothing is copied.
-    for layout in (KVLayout.FLASH, KVLayout.CPU_ATTN):
+    for layout in (KVLayout.BHNC, KVLayout.CPU_ATTN):
         caches = [layout.new_cache(4, 16, 1, 32).normal_() for _ in range(2)]
         before = [c.clone() for c in caches]
         for backend in _backends(layout):
@@ -107,7 +107,7 @@ def test_check_rejects_bad_moves(src: list[int], dst: list[int], message: str) -
 
 def test_moves_into_a_cache_without_slots_are_rejected() -> None:
     """No blocks: every slot is out of range, whichever backend checks it."""
-    for layout in (KVLayout.FLASH, KVLayout.CPU_ATTN):
+    for layout in (KVLayout.BHNC, KVLayout.CPU_ATTN):
         cache = layout.new_cache(0, 16, 1, 32)
         for backend in _backends(layout):
             with pytest.raises(ValueError, match=r"out of range \[0, 0\)"):
@@ -131,7 +131,7 @@ def test_check_rejects_bad_caches() -> None:
         check_repack_args([], *slots, layout)
 
 
-@pytest.mark.parametrize("layout", [KVLayout.CPU_ATTN, KVLayout.FLASH])
+@pytest.mark.parametrize("layout", [KVLayout.CPU_ATTN, KVLayout.BHNC])
 def test_planner_moves_keep_every_live_token(layout: KVLayout) -> None:
     """The repack planner's moves, applied by the dispatcher, keep each live token's bytes."""
     rng = np.random.default_rng(0)

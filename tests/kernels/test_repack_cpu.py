@@ -53,7 +53,7 @@ CPU_PATHS = [  # (simd, prefetch, threads)
 ]
 
 
-@pytest.mark.parametrize("layout", [KVLayout.CPU_ATTN, KVLayout.FLASH])
+@pytest.mark.parametrize("layout", [KVLayout.CPU_ATTN, KVLayout.BHNC])
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.uint8])
 @pytest.mark.parametrize(
     ("block_size", "kv_heads", "head_dim"),

@@ -32,6 +32,16 @@ BLOCK_N = 64
 
 
 @triton.jit
+def _dot(q, k, NATIVE_DOT: tl.constexpr):
+    """``q @ k.T`` in float32. Native: keys converted to the query's 16-bit dtype (exact
+    for bf16/fp16/fp8 keys) on tensor cores, products exact and accumulated in float32;
+    otherwise float32 FMA (``ieee``)."""
+    if NATIVE_DOT:
+        return tl.dot(q, tl.trans(k.to(q.dtype)))
+    return tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+
+
+@triton.jit
 def _logits_kernel(
     query_ptr,  # [num_tokens, num_q_heads, head_dim], any float dtype
     cache_ptr,  # one layer's cache (float view)
@@ -58,6 +68,8 @@ def _logits_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    NATIVE_DOT: tl.constexpr,
+    STORE_LOGITS: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     key_tile = tl.program_id(1)
@@ -87,23 +99,23 @@ def _logits_kernel(
         query_ptr + q_offsets[:, None] + dims[None, :],
         mask=row_mask[:, None] & dim_mask[None, :],
         other=0.0,
-    ).to(tl.float32)
+    )
 
     table = block_tables_ptr + request * block_table_stride
     blocks = tl.load(table + keys // block_size, mask=key_mask, other=0).to(tl.int64)
     key_rows = key_base + blocks * key_block_stride + (keys % block_size) * key_offset_stride
     key_rows += kv_head * key_head_stride
-    k_t = tl.load(
-        cache_ptr + key_rows[None, :] + (dims * key_dim_stride)[:, None],
-        mask=dim_mask[:, None] & key_mask[None, :],
+    k = tl.load(
+        cache_ptr + key_rows[:, None] + (dims * key_dim_stride)[None, :],
+        mask=key_mask[:, None] & dim_mask[None, :],
         other=0.0,
-    ).to(tl.float32)  # [BLOCK_D, BLOCK_N]
-
-    logits = tl.dot(q, k_t, input_precision="ieee") * scale
+    )  # [BLOCK_N, BLOCK_D], each key's channels contiguous
+    logits = _dot(q, k, NATIVE_DOT) * scale
     visible = (keys[None, :] <= (causal + query_index)[:, None]) & key_mask[None, :]
     logits = tl.where(visible, logits, float("-inf"))
-    out = logits_ptr + logits_start + (kv_head * num_rows + rows[:, None]) * seq_len
-    tl.store(out + keys[None, :], logits, mask=row_mask[:, None] & key_mask[None, :])
+    if STORE_LOGITS:
+        out = logits_ptr + logits_start + (kv_head * num_rows + rows[:, None]) * seq_len
+        tl.store(out + keys[None, :], logits, mask=row_mask[:, None] & key_mask[None, :])
 
     row_max = tl.max(logits, axis=1)
     safe_max = tl.where(row_max == float("-inf"), 0.0, row_max)
@@ -153,16 +165,35 @@ def _mass_kernel(
     out_ptr,  # [num_kv_heads, out_stride] float32, request r's keys at its key offset
     total_rows,
     out_stride,
+    query_ptr,  # the arguments below only when the logits are recomputed
+    cache_ptr,
+    block_tables_ptr,
+    block_size,
+    block_table_stride,
+    scale,
+    query_token_stride,
+    query_head_stride,
+    key_base,
+    key_block_stride,
+    key_offset_stride,
+    key_head_stride,
+    key_dim_stride,
     GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NATIVE_DOT: tl.constexpr,
+    STORED_LOGITS: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     key_tile = tl.program_id(1)
     request = tl.program_id(2)
     info = requests_ptr + request * 7
+    q_start = tl.load(info)
     q_len = tl.load(info + 1)
     seq_len = tl.load(info + 2)
+    causal = tl.load(info + 3)
     logits_start = tl.load(info + 4)
     rows_start = tl.load(info + 5)
     if key_tile * BLOCK_N >= seq_len:
@@ -170,19 +201,48 @@ def _mass_kernel(
     num_rows = GROUP * q_len
     keys = key_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     key_mask = keys < seq_len
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    if not STORED_LOGITS:  # the key tile is read once for every row tile below
+        table = block_tables_ptr + request * block_table_stride
+        blocks = tl.load(table + keys // block_size, mask=key_mask, other=0).to(tl.int64)
+        key_rows = key_base + blocks * key_block_stride + (keys % block_size) * key_offset_stride
+        key_rows += kv_head * key_head_stride
+        k = tl.load(
+            cache_ptr + key_rows[:, None] + (dims * key_dim_stride)[None, :],
+            mask=key_mask[:, None] & dim_mask[None, :],
+            other=0.0,
+        )
     mass = tl.zeros([BLOCK_N], dtype=tl.float32)
     for row_start in range(0, num_rows, BLOCK_R):
         rows = row_start + tl.arange(0, BLOCK_R)
         row_mask = rows < num_rows
         lse = tl.load(lse_ptr + kv_head * total_rows + rows_start + rows, mask=row_mask, other=0.0)
-        # A row that sees no key of the request cannot occur (query i sees key 0).
-        at = logits_ptr + logits_start + (kv_head * num_rows + rows[:, None]) * seq_len
-        logits = tl.load(
-            at + keys[None, :], mask=row_mask[:, None] & key_mask[None, :], other=float("-inf")
-        )
+        if STORED_LOGITS:
+            at = logits_ptr + logits_start + (kv_head * num_rows + rows[:, None]) * seq_len
+            logits = tl.load(
+                at + keys[None, :], mask=row_mask[:, None] & key_mask[None, :], other=float("-inf")
+            )
+        else:
+            query_index = rows % q_len
+            q_head = kv_head * GROUP + rows // q_len
+            q_offsets = (q_start + query_index) * query_token_stride + q_head * query_head_stride
+            q = tl.load(
+                query_ptr + q_offsets[:, None] + dims[None, :],
+                mask=row_mask[:, None] & dim_mask[None, :],
+                other=0.0,
+            )
+            logits = _dot(q, k, NATIVE_DOT) * scale
+            visible = (keys[None, :] <= (causal + query_index)[:, None]) & key_mask[None, :]
+            logits = tl.where(visible & row_mask[:, None], logits, float("-inf"))
+        # Every row sees key 0, so its log-sum-exp is finite.
         mass += tl.sum(tl.exp(logits - lse[:, None]), axis=0)
     out = out_ptr + kv_head * out_stride + tl.load(info + 6) + keys
     tl.store(out, tl.load(out, mask=key_mask, other=0.0) + mass, mask=key_mask)
+
+
+# Under TRITON_INTERPRET=1 (tests without a GPU) kernels are InterpretedFunction objects.
+_INTERPRETED = type(_logits_kernel).__name__ == "InterpretedFunction"
 
 
 def triton_span_scores(
@@ -230,10 +290,19 @@ def triton_span_scores(
         index = torch.tensor(table_rows, dtype=torch.int64).to(device, non_blocking=True)
         tables = block_tables.index_select(0, index)
     max_tiles = triton.cdiv(max(span.seq_len for span in spans), BLOCK_N)
-    logits = torch.empty(logits_size, dtype=torch.float32, device=device)
+    # Keep the float32 logits for the second pass when writing and reading them back costs
+    # less than reading the keys again (decode: a few rows per KV head); else recompute.
+    store_logits = 8 * max(rows) < head_dim * kv_cache.element_size()
+    native_dot = query.dtype in (torch.bfloat16, torch.float16) and (
+        kv_cache.dtype == query.dtype or kv_cache.element_size() == 1
+    )
+    if query.dtype == torch.bfloat16 and _INTERPRETED:
+        native_dot = False  # the interpreter's dot reads bf16 as raw integers
+    logits = torch.empty(logits_size if store_logits else 1, dtype=torch.float32, device=device)
     lse = torch.empty((num_kv_heads, rows_start, max_tiles), dtype=torch.float32, device=device)
     # tl.dot needs >= 16 rows; 64 keys x head_dim keeps a bf16 K tile at 16 KB.
     block_r = min(64, max(16, triton.next_power_of_2(max(rows))))
+    block_d = max(16, triton.next_power_of_2(head_dim))
     row_tiles = triton.cdiv(max(rows), block_r)
     _logits_kernel[(num_kv_heads, max_tiles, len(spans) * row_tiles)](
         query,
@@ -259,7 +328,10 @@ def triton_span_scores(
         HEAD_DIM=head_dim,
         BLOCK_R=block_r,
         BLOCK_N=BLOCK_N,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_D=block_d,
+        NATIVE_DOT=native_dot,
+        STORE_LOGITS=store_logits,
+        num_warps=4,
     )
     row_lse = torch.empty((num_kv_heads, rows_start), dtype=torch.float32, device=device)
     _lse_kernel[(num_kv_heads, rows_start)](
@@ -272,7 +344,25 @@ def triton_span_scores(
         out,
         rows_start,
         out.stride(0),
+        query,
+        kv_cache,
+        tables,
+        layout.block_size(kv_cache),
+        tables.stride(0),
+        scale,
+        query.stride(0),
+        query.stride(1),
+        keys.base,
+        keys.block_stride,
+        keys.offset_stride,
+        keys.head_stride,
+        keys.dim_stride,
         GROUP=group,
+        HEAD_DIM=head_dim,
         BLOCK_R=block_r,
         BLOCK_N=BLOCK_N,
+        BLOCK_D=block_d,
+        NATIVE_DOT=native_dot,
+        STORED_LOGITS=store_logits,
+        num_warps=4,
     )

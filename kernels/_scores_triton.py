@@ -287,8 +287,8 @@ def triton_span_scores(
     row_request = packed[7 * len(spans) :]
     tables = block_tables
     if table_rows != list(range(len(spans))):
-        index = torch.tensor(table_rows, dtype=torch.int64).to(device, non_blocking=True)
-        tables = block_tables.index_select(0, index)
+        selected = torch.tensor(table_rows, dtype=torch.int64).to(device, non_blocking=True)
+        tables = block_tables.index_select(0, selected)
     max_tiles = triton.cdiv(max(span.seq_len for span in spans), BLOCK_N)
     # Keep the float32 logits for the second pass when writing and reading them back costs
     # less than reading the keys again (decode: a few rows per KV head); else recompute.

@@ -38,7 +38,25 @@ _EXPORTS = {
     "TokenTable": "vtoken.token_table",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "BlockPool",
+    "DEFAULT_TENANT",
+    "EngineReport",
+    "EvictionPolicy",
+    "KVUsage",
+    "NoFreeBlocksError",
+    "PolicyView",
+    "ReclaimMode",
+    "RepackPlan",
+    "RequestKV",
+    "RequestReport",
+    "ScoreNeeds",
+    "StandaloneBlockPool",
+    "StepAttention",
+    "TokenTable",
+    "VTokenManager",
+    "plan_repack",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -219,12 +219,23 @@ def run_case(
     # The plain copy: one contiguous buffer of the moved bytes into another.
     buffer = torch.ones(moved_bytes, dtype=torch.uint8, device=device)
     target = torch.empty_like(buffer)
+    # On CUDA the engine checks the planner's moves on the host, in numpy, before they are
+    # uploaded (``kernels.async_repack``), and launches unchecked: time it that way, and the
+    # device-side check (several synchronising torch ops) as ``repack_checked_ms``.
+    on_gpu = device.type == "cuda"
     functions: dict[str, Callable[[], object]] = {
-        "repack": lambda: repack(caches, src, dst, layout),
+        "repack": lambda: repack(caches, src, dst, layout, check=not on_gpu),
         "copy": lambda: target.copy_(buffer),
         "baseline": lambda: reference_repack(caches, src, dst, layout),
         "view_index": lambda: torch_indexing_baseline(caches, src, dst, layout),
     }
+    if on_gpu:
+        from kernels.slot_checks import slot_problem_numpy
+
+        num_slots = layout.num_blocks(caches[0]) * layout.block_size(caches[0])
+        if slot_problem_numpy(src_np, dst_np, num_slots) is not None:
+            raise AssertionError(f"planner moves of {pattern} are not a valid repack")
+        functions["repack_checked"] = lambda: repack(caches, src, dst, layout)
     # CPU: the least memory work of these moves (see bench/memory_floor.py), same threads.
     floor = memory_floor.plan(caches, src, dst, layout) if device.type == "cpu" else None
     touch = floor.runner(caches, default_threads(moved_bytes)) if floor is not None else None
@@ -262,6 +273,9 @@ def run_case(
         "baseline_ms": round(baseline_ms, 4),
         "speedup": round(baseline_ms / repack_ms, 2),
         "view_index_ms": round(times["view_index"], 4),
+        "repack_checked_ms": (
+            round(times["repack_checked"], 4) if "repack_checked" in times else None
+        ),
         "view_index_speedup": round(times["view_index"] / repack_ms, 2),
         # Fastest samples: under load a long call is preempted more often than a short one,
         # which biases median ratios against the slower function; minima bound that bias.

@@ -21,6 +21,7 @@ paths. An fp8 cache is read through its float8 view; ``k_scale`` is folded into 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -281,8 +282,10 @@ def triton_span_scores(
     device = query.device
     table_rows = [span.table_row for span in spans]
     # One host-to-device copy: the per-request table, then each row's request.
-    packed = torch.tensor([value for row in info for value in row] + row_requests,
-                          dtype=torch.int64).to(device, non_blocking=True)  # fmt: skip
+    packed_host = np.concatenate(
+        [np.asarray(info, dtype=np.int64).ravel(), np.asarray(row_requests, dtype=np.int64)]
+    )
+    packed = torch.from_numpy(packed_host).to(device, non_blocking=True)
     requests = packed[: 7 * len(spans)]
     row_request = packed[7 * len(spans) :]
     tables = block_tables

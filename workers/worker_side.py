@@ -4,7 +4,9 @@ One ``VTokenWorker`` per model runner (installed by ``workers/vllm_patches.py``)
 no token tables: the scheduler decides, the worker copies. Per step:
 
 1. ``repack`` the KV moves of ``StepOps`` in every layer (``kernels.repack``; synchronous
-   on CPU, so done before the forward reads or writes any moved slot);
+   on CPU, so done before the forward reads or writes any moved slot; on CUDA checked on
+   the host and queued on a side stream, the compute stream fenced after it:
+   ``kernels.async_repack``);
 2. remember ``num_evicted`` per request: positions stay logical, ``seq_lens`` and slot
    positions subtract it (``physical_offsets``);
 3. while a scored policy runs, attention layers hand their queries to ``record``; after
@@ -23,7 +25,9 @@ import torch
 
 import kernels
 from kernels import KVLayout
+from kernels.async_repack import SideStreamRepacker
 from kernels.attention_scores import attention_probabilities, attention_scores
+from kernels.layout import distinct_layer_caches
 from vtoken.policy import ScoreNeeds, StepAttention
 from workers.config import VTokenConfig
 from workers.messages import StepOps, StepScores
@@ -61,6 +65,7 @@ class VTokenWorker:
         self.score_needs: dict[str, ScoreNeeds] = {}
         self.captured: dict[int, CapturedQuery] = {}
         self.num_moves = 0
+        self._repacker: SideStreamRepacker | None = None
 
     @property
     def capturing(self) -> bool:
@@ -70,9 +75,18 @@ class VTokenWorker:
         """Apply the repack and take the step's offsets (before the forward)."""
         if ops.num_moves:
             device = kv_caches[0].device
-            src = torch.from_numpy(ops.src_slots).to(device)
-            dst = torch.from_numpy(ops.dst_slots).to(device)
-            kernels.repack(kv_caches, src, dst, self.layout)
+            if device.type == "cuda":
+                # Checked on the host, copied on a side stream; the fence orders the
+                # forward queued next after the copies (kernels/async_repack.py).
+                if self._repacker is None:
+                    self._repacker = SideStreamRepacker(device)
+                caches = distinct_layer_caches(kv_caches)
+                self._repacker.submit(caches, ops.src_slots, ops.dst_slots, self.layout)
+                self._repacker.fence()
+            else:
+                src = torch.from_numpy(ops.src_slots).to(device)
+                dst = torch.from_numpy(ops.dst_slots).to(device)
+                kernels.repack(kv_caches, src, dst, self.layout)
             self.num_moves += ops.num_moves
         self.num_evicted = dict(ops.num_evicted)
         self.score_needs = dict(ops.score_needs)

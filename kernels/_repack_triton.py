@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.layout import PartStrides
+from kernels.layout import PartStrides, vector_alignment
 
 
 @triton.jit
@@ -43,6 +43,7 @@ def _repack_kernel(
     WIDTH: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     move_tile = tl.program_id(0)
     layer = tl.program_id(1)
@@ -59,6 +60,9 @@ def _repack_kernel(
     start = tl.load(layer_offsets_ptr + layer) + base + head * head_stride
     src_rows = start + (src // block_size) * block_stride + (src % block_size) * offset_stride
     dst_rows = start + (dst // block_size) * block_stride + (dst % block_size) * offset_stride
+    # Row starts are data-dependent: promise their alignment, or loads stay scalar.
+    src_rows = tl.multiple_of(src_rows, ALIGN)
+    dst_rows = tl.multiple_of(dst_rows, ALIGN)
     columns = tl.arange(0, BLOCK_W)
     mask = move_mask[:, None] & (columns < WIDTH)[None, :]
     columns = (columns * dim_stride)[None, :]
@@ -114,6 +118,13 @@ def triton_repack(
     block_m = max(16, min(64, 8192 // block_w))
     grid = (triton.cdiv(num_moves, block_m), len(kv_caches), len(runs) * kv_heads)
     first_run, last_run = runs[0], runs[-1]
+    same_dim_stride = all(run.dim_stride == first_run.dim_stride for run in runs)
+    align = vector_alignment(
+        kv_caches,
+        [first_run.block_stride, first_run.head_stride]
+        + [value for run in runs for value in (run.base, run.offset_stride)],
+        first_run.dim_stride if same_dim_stride else 0,
+    )
     _repack_kernel[grid](
         first,
         layer_offsets,
@@ -133,5 +144,6 @@ def triton_repack(
         WIDTH=width,
         BLOCK_M=block_m,
         BLOCK_W=block_w,
+        ALIGN=align,
         num_warps=4,
     )

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention_scores import ScoredSpan
-from kernels.layout import KVLayout
+from kernels.layout import KVLayout, vector_alignment
 
 BLOCK_N = 64
 
@@ -71,6 +71,7 @@ def _logits_kernel(
     BLOCK_D: tl.constexpr,
     NATIVE_DOT: tl.constexpr,
     STORE_LOGITS: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     key_tile = tl.program_id(1)
@@ -106,6 +107,7 @@ def _logits_kernel(
     blocks = tl.load(table + keys // block_size, mask=key_mask, other=0).to(tl.int64)
     key_rows = key_base + blocks * key_block_stride + (keys % block_size) * key_offset_stride
     key_rows += kv_head * key_head_stride
+    key_rows = tl.multiple_of(key_rows, ALIGN)  # data-dependent: promise 16-byte rows
     k = tl.load(
         cache_ptr + key_rows[:, None] + (dims * key_dim_stride)[None, :],
         mask=key_mask[:, None] & dim_mask[None, :],
@@ -186,6 +188,7 @@ def _mass_kernel(
     BLOCK_D: tl.constexpr,
     NATIVE_DOT: tl.constexpr,
     STORED_LOGITS: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     key_tile = tl.program_id(1)
@@ -209,6 +212,7 @@ def _mass_kernel(
         blocks = tl.load(table + keys // block_size, mask=key_mask, other=0).to(tl.int64)
         key_rows = key_base + blocks * key_block_stride + (keys % block_size) * key_offset_stride
         key_rows += kv_head * key_head_stride
+        key_rows = tl.multiple_of(key_rows, ALIGN)
         k = tl.load(
             cache_ptr + key_rows[:, None] + (dims * key_dim_stride)[None, :],
             mask=key_mask[:, None] & dim_mask[None, :],
@@ -306,6 +310,11 @@ def triton_span_scores(
     # tl.dot needs >= 16 rows; 64 keys x head_dim keeps a bf16 K tile at 16 KB.
     block_r = min(64, max(16, triton.next_power_of_2(max(rows))))
     block_d = max(16, triton.next_power_of_2(head_dim))
+    align = vector_alignment(
+        [kv_cache],
+        [keys.base, keys.block_stride, keys.offset_stride, keys.head_stride],
+        keys.dim_stride,
+    )
     row_tiles = triton.cdiv(max(rows), block_r)
     _logits_kernel[(num_kv_heads, max_tiles, len(spans) * row_tiles)](
         query,
@@ -334,6 +343,7 @@ def triton_span_scores(
         BLOCK_D=block_d,
         NATIVE_DOT=native_dot,
         STORE_LOGITS=store_logits,
+        ALIGN=align,
         num_warps=4,
     )
     row_lse = torch.empty((num_kv_heads, rows_start), dtype=torch.float32, device=device)
@@ -367,5 +377,6 @@ def triton_span_scores(
         BLOCK_D=block_d,
         NATIVE_DOT=native_dot,
         STORED_LOGITS=store_logits,
+        ALIGN=align,
         num_warps=4,
     )

@@ -243,6 +243,24 @@ class KVLayout(StrEnum):
         )
 
 
+def vector_alignment(
+    caches: Sequence[torch.Tensor], offsets: Sequence[int], dim_stride: int
+) -> int:
+    """The largest power of two, up to 16 bytes of elements, dividing every token-row start
+    a kernel computes from ``offsets`` (strides, bases) and the caches' addresses: what it
+    may promise Triton (``tl.multiple_of``) so rows load as 16-byte vectors. 1 when the
+    channels are not contiguous."""
+    if dim_stride != 1:
+        return 1
+    element = caches[0].element_size()
+    align = max(1, 16 // element)
+    values = [*offsets, *(cache.data_ptr() // element for cache in caches)]
+    values += [cache.data_ptr() % element for cache in caches]  # a misaligned view: 1
+    while align > 1 and any(value % align for value in values):
+        align //= 2
+    return align
+
+
 def flat_view(cache: torch.Tensor) -> torch.Tensor:
     """A 1-D view of the storage ``cache`` spans, starting at its first element.
 
@@ -337,4 +355,5 @@ __all__ = [
     "paged_layer_views",
     "resolve_kv_cache_layout",
     "same_geometry",
+    "vector_alignment",
 ]

@@ -297,3 +297,17 @@ def test_batch_rejects_bad_arguments(change: dict, message: str) -> None:
             query, cache, tables, args["query_starts"], args["query_lens"], args["seq_lens"],
             LAYOUT,
         )  # fmt: skip
+
+
+def test_vector_alignment_promises_only_what_holds() -> None:
+    from kernels.layout import vector_alignment
+
+    caches = paged_layer_views(2, 4, 16, 2, 64, torch.bfloat16, "cpu", "LBNHC")
+    assert vector_alignment(caches, [256, 128, 0], 1) == 8  # 16 bytes of bf16
+    assert vector_alignment(caches, [256, 124, 0], 1) == 4
+    assert vector_alignment(caches, [256, 128, 1], 1) == 1
+    assert vector_alignment(caches, [256, 128], 2) == 1  # strided channels: no vectors
+    odd = paged_layer_views(2, 4, 16, 2, 64, torch.bfloat16, "cpu", "LBNHC", block_padding=3)
+    assert vector_alignment(odd, [odd[0].stride(0)], 1) == 1
+    fp8 = paged_layer_views(2, 4, 16, 2, 64, torch.uint8, "cpu", "BLHNC")
+    assert vector_alignment(fp8, [fp8[0].stride(0), 128, 256], 1) == 16

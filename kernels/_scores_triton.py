@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_scores import ScoredSpan
 from kernels.layout import KVLayout, vector_alignment
+from kernels.score_spans import ScoredSpan
 
 BLOCK_N = 64
 

@@ -23,31 +23,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from enum import StrEnum
 
 import torch
 
+from kernels import score_spans
 from kernels.intmath import cdiv
 from kernels.layout import KVLayout, indexable
-
-# Queries per chunk are capped so the float32 logits of a chunk stay under this many
-# elements (64 MiB): exact, because each query row is normalised on its own.
-_MAX_LOGITS = 16 * 1024 * 1024
-
-
-@dataclass(frozen=True, slots=True)
-class ScoredSpan:
-    """Rows ``[q_start, q_start + q_len)`` of the query tensor, scored against the first
-    ``seq_len`` keys of a block-table row; query ``i`` sees keys ``j <= causal + i``; the
-    mass is added at output columns ``[key_offset, key_offset + seq_len)``."""
-
-    q_start: int
-    q_len: int
-    seq_len: int
-    causal: int
-    key_offset: int
-    table_row: int
+from kernels.score_spans import ScoredSpan
 
 
 class ScoresBackend(StrEnum):
@@ -180,7 +163,7 @@ def torch_attention_scores(
     # [kv_heads, group, q_len, head_dim]: the rows that share one KV head, scaled once.
     queries = query.float().permute(1, 0, 2).reshape(num_kv_heads, group, q_len, head_dim) * scale
     out = torch.zeros(num_kv_heads, seq_len, dtype=torch.float32, device=query.device)
-    chunk = max(1, _MAX_LOGITS // (num_q_heads * seq_len))
+    chunk = max(1, score_spans.MAX_LOGITS // (num_q_heads * seq_len))
     keys_index = torch.arange(seq_len, device=query.device)
     for start in range(0, q_len, chunk):
         stop = min(q_len, start + chunk)
@@ -229,8 +212,8 @@ def attention_scores(
     out = torch.zeros(
         layout.num_kv_heads(kv_cache), seq_len, dtype=torch.float32, device=query.device
     )
-    spans = _request_spans(query.shape, 0, query.shape[0], seq_len, 0, 0)
-    _triton_launches(query, kv_cache, block_table.view(1, -1), [spans], out, layout, scale)
+    spans = score_spans.request_spans(query.shape[1], 0, query.shape[0], seq_len, 0, 0)
+    _triton_scores(query, kv_cache, block_table.view(1, -1), [spans], out, layout, scale)
     return out
 
 
@@ -278,11 +261,12 @@ def batch_attention_scores(
             )  # fmt: skip
         return out
     requests = [
-        _request_spans(query.shape, int(query_starts[r]), int(query_lens[r]), int(seq_lens[r]),
+        score_spans.request_spans(query.shape[1], int(query_starts[r]), int(query_lens[r]),
+                                  int(seq_lens[r]),
                        key_offsets[r], r)
         for r in range(num_requests)
     ]  # fmt: skip
-    _triton_launches(query, kv_cache, block_tables, requests, out, layout, scale)
+    _triton_scores(query, kv_cache, block_tables, requests, out, layout, scale)
     return out
 
 
@@ -321,19 +305,7 @@ def _check_batch_args(
         )
 
 
-def _request_spans(
-    query_shape: torch.Size, q_start: int, q_len: int, seq_len: int, key_offset: int, row: int
-) -> list[ScoredSpan]:
-    """One request as query chunks whose float32 logits stay under ``_MAX_LOGITS``."""
-    chunk = max(1, _MAX_LOGITS // (query_shape[1] * seq_len))
-    return [
-        ScoredSpan(q_start + start, min(chunk, q_len - start), seq_len,
-                   seq_len - q_len + start, key_offset, row)
-        for start in range(0, q_len, chunk)
-    ]  # fmt: skip
-
-
-def _triton_launches(
+def _triton_scores(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
     block_tables: torch.Tensor,
@@ -342,23 +314,7 @@ def _triton_launches(
     layout: KVLayout,
     scale: float,
 ) -> None:
-    """Pack requests into launches of at most ``_MAX_LOGITS`` logits; the chunks of one
-    request go to different launches (their adds to one output column would race)."""
     from kernels._scores_triton import triton_span_scores
 
-    num_q_heads = query.shape[1]
-    batch: list[ScoredSpan] = []
-    size = 0
-    for spans in requests:
-        if len(spans) > 1:
-            for span in spans:
-                triton_span_scores(query, kv_cache, block_tables, [span], out, layout, scale)
-            continue
-        span = spans[0]
-        cost = num_q_heads * span.q_len * span.seq_len
-        if batch and size + cost > _MAX_LOGITS:
-            triton_span_scores(query, kv_cache, block_tables, batch, out, layout, scale)
-            batch, size = [], 0
-        batch.append(span)
-        size += cost
-    triton_span_scores(query, kv_cache, block_tables, batch, out, layout, scale)
+    for launch in score_spans.pack_launches(requests, query.shape[1]):
+        triton_span_scores(query, kv_cache, block_tables, launch, out, layout, scale)

@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-import kernels.attention_scores as scores_module
+from kernels import score_spans
 from kernels.attention_scores import (
     ScoresBackend,
     attention_scores,
@@ -249,7 +249,7 @@ def test_long_requests_are_scored_in_query_chunks(monkeypatch: pytest.MonkeyPatc
     after another, adding into the same columns), the others batched around it."""
     if not triton_usable():
         pytest.skip("Triton unusable here")
-    monkeypatch.setattr(scores_module, "_MAX_LOGITS", 4 * 40 * 3)
+    monkeypatch.setattr(score_spans, "MAX_LOGITS", 4 * 40 * 3)
     case = (16, 64, 4, 2, torch.float32, 1.0)
     seq_lens, q_lens = [40, 50, 33], [1, 9, 2]
     query, cache, tables, starts, _ = _score_inputs("LBNHC", case, seq_lens, q_lens)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU check: run on a machine with an NVIDIA GPU, PyTorch >= 2.11 and Triton >= 3.6, no
 # network, no install (the checkout is put on PYTHONPATH). Usage: bench/gpu_check.sh OUTDIR
-# (about 4-7 minutes on one H200). Writes OUTDIR/{env.json, tests.txt, repack-gpu.json,
-# repack-gpu-variants.json, scores-gpu.json, cuda-graph.json}; with vLLM's CUDA build
+# (about 3 minutes on one H200; the stage limits add up to 10 minutes). Writes
+# OUTDIR/{env.json, tests.txt, repack-gpu.json, repack-gpu-variants.json, scores-gpu.json,
+# cuda-graph.json}; with vLLM's CUDA build
 # importable it also runs the GPU engine tests (OUTDIR/engine-tests.txt) and the
 # fragmentation and concurrency benchmarks.
 set -uo pipefail
@@ -36,19 +37,19 @@ PY
 status=0
 echo "== kernel tests on CUDA (every vLLM KVCacheLayout; bf16, fp16, fp8; side-stream repack)"
 if "$PY" -c "import pytest" 2>/dev/null; then
-  timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/kernels > "$OUT/tests.txt" 2>&1 || status=1
+  timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/kernels > "$OUT/tests.txt" 2>&1 || status=1
   tail -3 "$OUT/tests.txt"
 else
   echo "pytest missing: tests not run" | tee "$OUT/tests.txt"; status=1
 fi
 echo "== repack benchmark (LBNHC, bf16)"
-timeout 150 "$PY" -c "
+timeout 100 "$PY" -c "
 from pathlib import Path; from bench.repack import cli
 cli(json_path=Path('$OUT/repack-gpu.json'), shapes='smollm2,llama8b', block_sizes='16,32,128',
     patterns='compact50,compact80,trickle,trickle1,scattered', reps=10, dtype='bfloat16',
     device='cuda', cold=True, kv_cache_layout='LBNHC', threads=None)" || status=1
 echo "== repack benchmark variants (llama8b: BLHNC bf16, LBNHC fp8 stored as uint8)"
-timeout 90 "$PY" -c "
+timeout 60 "$PY" -c "
 import json; from pathlib import Path; from bench.repack import cli
 runs = []
 for layout, dtype in (('BLHNC', 'bfloat16'), ('LBNHC', 'uint8')):  # fp8 KV is stored as uint8
@@ -59,12 +60,12 @@ for layout, dtype in (('BLHNC', 'bfloat16'), ('LBNHC', 'uint8')):  # fp8 KV is s
 path.unlink()
 Path('$OUT/repack-gpu-variants.json').write_text(json.dumps(runs, indent=1))" || status=1
 echo "== scores benchmark (batched, vs SDPA of the same batch)"
-timeout 150 "$PY" -c "
+timeout 120 "$PY" -c "
 from pathlib import Path; from bench.scores import cli
 cli(json_path=Path('$OUT/scores-gpu.json'), shapes='smollm2,llama8b', batches='1,32,128',
     seq_lens='1024,4096,16384', q_lens='1,32', reps=15, dtype='bfloat16', device='cuda')" || status=1
 echo "== CUDA graph replay across repack"
-timeout 120 "$PY" - "$OUT/cuda-graph.json" <<'PY' || status=1
+timeout 60 "$PY" - "$OUT/cuda-graph.json" <<'PY' || status=1
 """Capture a decode attention step that reads block_table and seq_lens from static buffers;
 repack (and shrink seq_lens) between replays; replay must equal eager on the new state."""
 import json, sys

@@ -124,6 +124,13 @@ def _fill_pattern(cache: torch.Tensor) -> None:
     )
 
 
+def _whole_buffers(caches: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The one buffer that per-layer views of vLLM's allocation share, as a 1-D tensor."""
+    first = caches[0]
+    whole = first.untyped_storage().nbytes() // first.element_size()
+    return [first.as_strided((whole,), (1,), 0)]
+
+
 def measure_interleaved(
     functions: dict[str, Callable[[], object]],
     device: torch.device,
@@ -241,16 +248,23 @@ def run_case(
     touch = floor.runner(caches, default_threads(moved_bytes)) if floor is not None else None
     if touch is not None:
         functions["floor"] = touch
+    # Before timing: one dispatcher pass from the filled state must leave every byte of the
+    # caches (other layers' and padding bytes included) as the reference's pass does.
+    regions = _whole_buffers(caches) if on_gpu else caches
+    filled = [region.clone() for region in regions]
+    repack(caches, src, dst, layout, check=not on_gpu)
+    moved = [region.clone() for region in regions]
+    for region, original in zip(regions, filled, strict=True):
+        region.copy_(original)
+    reference_repack(caches, src, dst, layout)
+    for index, (region, got) in enumerate(zip(regions, moved, strict=True)):
+        if not torch.equal(region.view(torch.uint8), got.view(torch.uint8)):
+            raise AssertionError(
+                f"repack moved wrong bytes in {shape}/{block_size}/{pattern} buffer {index}"
+            )
+    del filled, moved
     prime = tuple(name for name in ("repack", "copy", "floor") if name in functions)
     times = measure_interleaved(functions, device, reps, cold, prime=prime)
-    # Sources are never destinations, so every pass leaves dst == src; check it after the
-    # dispatcher runs last, in every layer.
-    repack(caches, src, dst, layout)
-    for index, cache in enumerate(caches):
-        if not torch.equal(layout.gather(cache, dst), layout.gather(cache, src)):
-            raise AssertionError(
-                f"repack moved wrong bytes in {shape}/{block_size}/{pattern} layer {index}"
-            )
     repack_ms, copy_ms, baseline_ms = times["repack"], times["copy"], times["baseline"]
     repack_gbps = moved_bytes / repack_ms / 1e6
     copy_gbps = moved_bytes / copy_ms / 1e6

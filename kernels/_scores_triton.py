@@ -1,22 +1,26 @@
 """Triton kernels for ``attention_scores`` over a batch of requests (varlen queries).
 
-Two launches and one torch reduction, for any number of requests:
+Three launches for any number of requests (grids put requests and rows on axis 0, whose
+limit is 2**31 - 1, and KV heads on axis 2):
 
-1. ``_logits_kernel``, grid ``(num_kv_heads, max_key_tiles, num_requests * max_row_tiles)``:
-   a program reads one ``[BLOCK_N, head_dim]`` tile of a request's paged keys (through its
+1. ``_logits_kernel``, grid ``(num_requests * row_tiles, max_key_tiles, num_kv_heads)``: a
+   program reads one ``[BLOCK_N, head_dim]`` tile of a request's paged keys (through its
    block table row) once for all query rows of its KV group (row ``r = g * q_len + i``: q
-   head ``kv_head * group + g``, query ``i``), writes the scaled, causally masked float32
-   logits, and the log-sum-exp of each row over its tile.
-2. ``_lse_kernel``, grid ``(num_kv_heads, total_rows)``: each row's softmax normaliser, the
-   log-sum-exp of its tiles' (only the request's tiles are read: nothing is pre-filled).
-3. ``_mass_kernel``, grid ``(num_kv_heads, max_key_tiles, num_requests)``: for a key tile,
+   head ``kv_head * group + g``, query ``i``), and writes the log-sum-exp of each row over
+   its tile (and, when kept, the scaled, causally masked float32 logits).
+2. ``_lse_kernel``, grid ``(total_rows, num_kv_heads)``: each row's softmax normaliser, the
+   log-sum-exp over the tiles of its request (each request has its own tile count).
+3. ``_mass_kernel``, grid ``(num_requests, max_key_tiles, num_kv_heads)``: for a key tile,
    ``sum over rows of exp(logit - lse_row)``, added into the output (so query chunks of one
-   request, launched one after another, accumulate).
+   request, launched one after another, accumulate). The logits are read back when a KV
+   head has few rows (decode: ``group`` float32 per key, under the key bytes), else
+   recomputed from the keys (a 32-query window: reading the keys again is cheaper).
 
-A decode step reads each key once, as the attention kernel does, and writes and reads back
-``group`` float32 logits per key (``4 * group / head_dim`` of the key bytes in bf16). The
-dot runs in float32 with ``input_precision="ieee"``: scores stay comparable with the torch
-paths. An fp8 cache is read through its float8 view; ``k_scale`` is folded into the scale.
+The dot runs on tensor cores in the query's 16-bit dtype when the keys are of that dtype
+or fp8 (products exact, accumulated in float32), else in float32 (``ieee``). An fp8 cache
+is read through its float8 view; ``k_scale`` is folded into the scale. Token rows are
+data-dependent addresses: ``ALIGN`` promises their alignment (``vector_alignment``), so
+they load as 16-byte vectors.
 """
 
 from __future__ import annotations
@@ -50,9 +54,7 @@ def _logits_kernel(
     requests_ptr,  # [num_requests, 7] int64: q_start, q_len, seq_len, causal, logits, rows,
     #                 key offset
     logits_ptr,  # flat float32: request r's [kv_heads, rows_r, seq_r] at its logits offset
-    lse_ptr,  # [num_kv_heads, total_rows, max_key_tiles] float32 (the request's tiles)
-    total_rows,
-    max_key_tiles,
+    lse_ptr,  # per request [num_kv_heads, rows, tiles] float32, at its lse offset
     block_size,
     block_table_stride,
     scale,
@@ -63,7 +65,7 @@ def _logits_kernel(
     key_offset_stride,
     key_head_stride,
     key_dim_stride,
-    ROW_TILES: tl.constexpr,
+    row_tiles,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -73,17 +75,16 @@ def _logits_kernel(
     STORE_LOGITS: tl.constexpr,
     ALIGN: tl.constexpr,
 ):
-    kv_head = tl.program_id(0)
+    request = tl.program_id(0) // row_tiles
+    row_tile = tl.program_id(0) % row_tiles
     key_tile = tl.program_id(1)
-    request = tl.program_id(2) // ROW_TILES
-    row_tile = tl.program_id(2) % ROW_TILES
-    info = requests_ptr + request * 7
+    kv_head = tl.program_id(2).to(tl.int64)
+    info = requests_ptr + request * 8
     q_start = tl.load(info)
     q_len = tl.load(info + 1)
     seq_len = tl.load(info + 2)
     causal = tl.load(info + 3)  # query i sees keys j <= causal + i
     logits_start = tl.load(info + 4)
-    rows_start = tl.load(info + 5)
     num_rows = GROUP * q_len
     if key_tile * BLOCK_N >= seq_len or row_tile * BLOCK_R >= num_rows:
         return
@@ -124,27 +125,31 @@ def _logits_kernel(
     safe_max = tl.where(row_max == float("-inf"), 0.0, row_max)
     row_sum = tl.sum(tl.exp(logits - safe_max[:, None]), axis=1)
     lse = tl.where(row_sum > 0, safe_max + tl.log(tl.maximum(row_sum, 1e-30)), float("-inf"))
-    lse_rows = (kv_head * total_rows + rows_start + rows) * max_key_tiles + key_tile
-    tl.store(lse_ptr + lse_rows, lse, mask=row_mask)
+    # The request's tile log-sum-exps: [kv_heads, num_rows, its own tile count].
+    lse_at = tl.load(info + 7) + (kv_head * num_rows + rows) * tl.cdiv(seq_len, BLOCK_N)
+    tl.store(lse_ptr + lse_at + key_tile, lse, mask=row_mask)
 
 
 @triton.jit
 def _lse_kernel(
-    row_requests_ptr,  # [total_rows] int32: the request of each row
+    row_requests_ptr,  # [total_rows] int64: the request of each row
     requests_ptr,
-    tile_lse_ptr,  # [num_kv_heads, total_rows, max_key_tiles] float32
+    tile_lse_ptr,  # per request [num_kv_heads, rows, tiles] float32, at its lse offset
     row_lse_ptr,  # [num_kv_heads, total_rows] float32
     total_rows,
-    max_key_tiles,
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
-    kv_head = tl.program_id(0)
-    row = tl.program_id(1)
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1).to(tl.int64)
     request = tl.load(row_requests_ptr + row)
-    seq_len = tl.load(requests_ptr + request * 7 + 2)
+    info = requests_ptr + request * 8
+    q_len = tl.load(info + 1)
+    seq_len = tl.load(info + 2)
+    rows_start = tl.load(info + 5)
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
-    at = tile_lse_ptr + (kv_head * total_rows + row) * max_key_tiles
+    at = tile_lse_ptr + tl.load(info + 7) + (kv_head * GROUP * q_len + row - rows_start) * num_tiles
     running_max = tl.full([], float("-inf"), tl.float32)
     running_sum = tl.zeros([], tl.float32)
     for start in range(0, num_tiles, BLOCK_T):
@@ -190,10 +195,10 @@ def _mass_kernel(
     STORED_LOGITS: tl.constexpr,
     ALIGN: tl.constexpr,
 ):
-    kv_head = tl.program_id(0)
+    request = tl.program_id(0)
     key_tile = tl.program_id(1)
-    request = tl.program_id(2)
-    info = requests_ptr + request * 7
+    kv_head = tl.program_id(2).to(tl.int64)
+    info = requests_ptr + request * 8
     q_start = tl.load(info)
     q_len = tl.load(info + 1)
     seq_len = tl.load(info + 2)
@@ -272,15 +277,18 @@ def triton_span_scores(
     keys = parts[0]
     if query.stride(-1) != 1:
         query = query.contiguous()
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()  # the kernels step through a row by one
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = layout.num_kv_heads(kv_cache)
     group = num_q_heads // num_kv_heads
     rows = [group * span.q_len for span in spans]
-    info, row_requests, logits_size, rows_start = [], [], 0, 0
+    info, row_requests, logits_size, rows_start, lse_size = [], [], 0, 0, 0
     for index, (span, num_rows) in enumerate(zip(spans, rows, strict=True)):
         info.append([span.q_start, span.q_len, span.seq_len, span.causal, logits_size,
-                     rows_start, span.key_offset])  # fmt: skip
+                     rows_start, span.key_offset, lse_size])  # fmt: skip
         logits_size += num_kv_heads * num_rows * span.seq_len
+        lse_size += num_kv_heads * num_rows * triton.cdiv(span.seq_len, BLOCK_N)
         rows_start += num_rows
         row_requests.extend([index] * num_rows)
     device = query.device
@@ -290,8 +298,8 @@ def triton_span_scores(
         [np.asarray(info, dtype=np.int64).ravel(), np.asarray(row_requests, dtype=np.int64)]
     )
     packed = torch.from_numpy(packed_host).to(device, non_blocking=True)
-    requests = packed[: 7 * len(spans)]
-    row_request = packed[7 * len(spans) :]
+    requests = packed[: 8 * len(spans)]
+    row_request = packed[8 * len(spans) :]
     tables = block_tables
     if table_rows != list(range(len(spans))):
         selected = torch.tensor(table_rows, dtype=torch.int64).to(device, non_blocking=True)
@@ -306,7 +314,7 @@ def triton_span_scores(
     if query.dtype == torch.bfloat16 and _INTERPRETED:
         native_dot = False  # the interpreter's dot reads bf16 as raw integers
     logits = torch.empty(logits_size if store_logits else 1, dtype=torch.float32, device=device)
-    lse = torch.empty((num_kv_heads, rows_start, max_tiles), dtype=torch.float32, device=device)
+    lse = torch.empty(lse_size, dtype=torch.float32, device=device)
     # tl.dot needs >= 16 rows; 64 keys x head_dim keeps a bf16 K tile at 16 KB.
     block_r = min(64, max(16, triton.next_power_of_2(max(rows))))
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -316,15 +324,13 @@ def triton_span_scores(
         keys.dim_stride,
     )
     row_tiles = triton.cdiv(max(rows), block_r)
-    _logits_kernel[(num_kv_heads, max_tiles, len(spans) * row_tiles)](
+    _logits_kernel[(len(spans) * row_tiles, max_tiles, num_kv_heads)](
         query,
         kv_cache,
         tables,
         requests,
         logits,
         lse,
-        rows_start,
-        max_tiles,
         layout.block_size(kv_cache),
         tables.stride(0),
         scale,
@@ -335,7 +341,7 @@ def triton_span_scores(
         keys.offset_stride,
         keys.head_stride,
         keys.dim_stride,
-        ROW_TILES=row_tiles,
+        row_tiles,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_R=block_r,
@@ -347,10 +353,10 @@ def triton_span_scores(
         num_warps=4,
     )
     row_lse = torch.empty((num_kv_heads, rows_start), dtype=torch.float32, device=device)
-    _lse_kernel[(num_kv_heads, rows_start)](
-        row_request, requests, lse, row_lse, rows_start, max_tiles, BLOCK_T=64, BLOCK_N=BLOCK_N
+    _lse_kernel[(rows_start, num_kv_heads)](
+        row_request, requests, lse, row_lse, rows_start, BLOCK_T=64, BLOCK_N=BLOCK_N, GROUP=group
     )
-    _mass_kernel[(num_kv_heads, max_tiles, len(spans))](
+    _mass_kernel[(len(spans), max_tiles, num_kv_heads)](
         requests,
         logits,
         row_lse,

@@ -16,12 +16,14 @@ Invariant (no slot is read or written by two things at once):
 3. A freed block is reused only by work queued after ``fence()`` (the scheduler frees the
    tail blocks when it plans the repack; the worker calls ``fence()`` before the forward
    that can first write them), so reuse is ordered after the copies that read them.
-4. The slot tensors given to ``submit`` are kept alive until the copies are done (the
-   caching allocator could otherwise hand their memory to the compute stream early).
+4. The slots are uploaded on the side stream (from pinned memory, without blocking the
+   host), so the caching allocator reuses their memory only after the copies.
 
 Between ``submit`` and ``fence`` the compute stream may run work that touches no moved
-slot (input preparation, the embedding). On CPU, ``submit`` copies synchronously and
-``fence`` does nothing.
+slot (input preparation, the embedding), and the host runs on: ``submit`` waits for
+nothing on the device. The worker (``workers/worker_side.py``) fences right after it
+submits, before the forward's inputs are prepared, so today the copies overlap host work
+only. On CPU, ``submit`` copies synchronously and ``fence`` does nothing.
 """
 
 from __future__ import annotations
@@ -70,21 +72,27 @@ class SideStreamRepacker:
         if problem is not None:
             raise ValueError(problem.message(num_slots))
         self.num_submits += 1
-        src = torch.from_numpy(np.ascontiguousarray(src_slots, dtype=np.int64)).to(self.device)
-        dst = torch.from_numpy(np.ascontiguousarray(dst_slots, dtype=np.int64)).to(self.device)
-        check_repack_args(kv_caches, src, dst, layout, slot_values=False)
+        moves = np.stack(
+            [np.asarray(src_slots, dtype=np.int64), np.asarray(dst_slots, dtype=np.int64)]
+        )
         if self._stream is None:
+            src, dst = torch.from_numpy(moves)
+            check_repack_args(kv_caches, src, dst, layout, slot_values=False)
             repack(kv_caches, src, dst, layout, check=False)
             return
+        # Pinned, so the upload is asynchronous: a copy from pageable memory would wait for
+        # the compute stream. The caching host allocator keeps the pinned block until the
+        # copy that reads it has run.
+        staged = torch.from_numpy(moves).pin_memory()
         compute = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(compute)  # (1): after the forward that wrote the sources
         with torch.cuda.stream(self._stream):
+            src, dst = staged.to(self.device, non_blocking=True)
+            check_repack_args(kv_caches, src, dst, layout, slot_values=False)
             repack(kv_caches, src, dst, layout, check=False)
             done = torch.cuda.Event()
             done.record(self._stream)
-        for tensor in (src, dst):
-            tensor.record_stream(self._stream)  # (4)
-        self._done = done
+        self._done = done  # (4): src and dst were allocated on the side stream
 
     def fence(self) -> None:
         """Make the compute stream wait (on the device) for every submitted copy."""

@@ -9,9 +9,9 @@ sees key ``j`` iff ``j <= seq_len - q_len + i``) and q head ``g`` reading KV hea
 ``q_len * num_q_heads / num_kv_heads``.
 
 ``batch_attention_scores`` does the same for several requests of a step at once (on CUDA
-one pair of kernel launches per layer, not one per request).
+three kernel launches per layer for the whole batch, not a loop over requests).
 
-Backends: ``triton`` (CUDA; logits kernel, a log-sum-exp in torch, a mass kernel), ``torch``
+Backends: ``triton`` (CUDA; logits, row log-sum-exp and mass kernels), ``torch``
 (CPU: block-wise gather and one batched matmul per query chunk), and the reference, which
 sums ``attention_probabilities`` (every query's softmax, before the sum).
 
@@ -202,7 +202,7 @@ def attention_scores(
     if check:
         check_scores_args(query, kv_cache, block_table, seq_len, layout)
     scale = _effective_scale(query, scale, k_scale)
-    backend = backend or _default_backend(kv_cache, layout)
+    backend = ScoresBackend(backend) if backend else _default_backend(kv_cache, layout)
     if backend is ScoresBackend.REFERENCE:
         return reference_attention_scores(
             query, kv_cache, block_table, seq_len, layout, scale=scale
@@ -251,7 +251,7 @@ def batch_attention_scores(
     out = torch.zeros(
         layout.num_kv_heads(kv_cache), key_offsets[-1], dtype=torch.float32, device=query.device
     )
-    backend = backend or _default_backend(kv_cache, layout)
+    backend = ScoresBackend(backend) if backend else _default_backend(kv_cache, layout)
     if backend is not ScoresBackend.TRITON:
         for r in range(num_requests):
             rows = query[query_starts[r] : query_starts[r] + query_lens[r]]

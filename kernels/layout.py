@@ -304,9 +304,8 @@ def paged_layer_views(
     """Per-layer ``[B, H, N, 2 * head_dim]`` views of one buffer, strided as vLLM 0.32's
     ``create_kv_cache_views`` strides them for ``kv_cache_layout``.
 
-    ``block_padding`` elements are added to the stride of the outer of L and B (vLLM pads a
-    page in hybrid models, and aligns a block of a blocks-outermost layout): a kernel that
-    assumed dense pages would read the wrong bytes.
+    ``block_padding`` elements are added to the stride of the inner of L and B, as vLLM pads
+    a page in hybrid models: a kernel that assumed dense pages would read the wrong bytes.
     """
     order = resolve_kv_cache_layout(kv_cache_layout)
     shape = (num_layers, num_blocks, kv_heads, block_size, 2 * head_dim)

@@ -128,8 +128,8 @@ def repack(
     """Move tokens ``src_slots[i] -> dst_slots[i]`` in every layer, K and V, in place.
 
     ``kv_caches``: per-layer tensors of ``layout``. ``check=False`` skips the argument
-    checks (they synchronise a CUDA stream; use it inside CUDA-graph capture once the
-    planner is trusted). On CUDA the copy is queued on the current stream.
+    checks (on CUDA they synchronise the stream: check the moves on the host first, as
+    ``kernels.async_repack`` does). On CUDA the copy is queued on the current stream.
     """
     if check:  # the slot values are checked by the backend's path below
         check_repack_args(kv_caches, src_slots, dst_slots, layout, slot_values=False)

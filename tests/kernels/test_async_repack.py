@@ -67,20 +67,20 @@ def test_empty_moves_queue_nothing() -> None:
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="stream ordering needs CUDA")
 def test_copies_wait_for_queued_compute_and_fence_orders_the_next() -> None:
-    """A slow kernel queued before ``submit`` writes a source slot: the copy must carry the
-    written value; a read queued after ``fence`` must see the destination written."""
+    """The compute stream sleeps, then writes a source slot: the copy (submitted while it
+    sleeps, without the host waiting) must carry the written value, and a read queued
+    after ``fence`` must see it at the destination. Without the side stream's wait on the
+    compute stream the copy would run during the sleep and move the old value."""
     caches = _caches()
-    src, dst = np.array([5, 6, 7]), np.array([900, 901, 902])
-    big = torch.randn(8192, 8192, device=DEVICE)
-    for _ in range(4):
-        big = big @ big / 8192  # keep the compute stream busy for a while
-    marker = (big[0, 0] * 0 + 3.0).to(torch.bfloat16)  # ready only after the matmuls
     keys, _ = LAYOUT.keys_values(caches[0])
     keys[0, 5].fill_(0)
-    keys[0, 5, 0, 0] = marker  # queued after the matmuls, before submit
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # about 0.1 s of spinning on the compute stream
+    keys[0, 5, 0, 0] = 3.0  # queued after the sleep, before submit
     repacker = SideStreamRepacker(DEVICE)
-    repacker.submit(caches, src, dst, LAYOUT)
+    repacker.submit(caches, np.array([5, 6, 7]), np.array([900, 901, 902]), LAYOUT)
+    assert repacker.pending
     repacker.fence()
     moved = keys[900 // 16, 900 % 16, 0, 0].clone()  # queued after the fence
     torch.cuda.synchronize()
-    assert torch.equal(moved, marker)
+    assert float(moved) == 3.0

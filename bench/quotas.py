@@ -39,7 +39,7 @@ from typing import Annotated, Any
 
 import typer
 
-from serving.demo import over_budget
+from serving.demo import over_budget, over_budget_stretches
 
 MODES = ("worst_case", "active_kv")
 PROMPT_TOKENS = (256, 1024)
@@ -82,6 +82,34 @@ class TenantTally:
     failed: int = 0
     throttle_responses: int = 0
     errors: list[str] = field(default_factory=list)
+
+
+REPORT_PERIOD_S = 0.1  # the replicas' default report period (serving.engine_host)
+
+
+def judge_stretches(
+    stretches: list[tuple[float, float]],
+    steps: list[tuple[float, float]],
+    report_period_s: float,
+    slack_s: float = 0.25,
+) -> list[dict[str, Any]]:
+    """Each stretch above budget with its bound: one report period plus the longest step
+    the replicas reported from its start to ``slack_s`` after its end (a report carries the
+    longest step of the last two seconds, and comes a sample or two after the step)."""
+    judged = []
+    for start, end in stretches:
+        step_s = max((s for at_s, s in steps if start <= at_s <= end + slack_s), default=0.0)
+        bound_s = report_period_s + step_s
+        judged.append(
+            {
+                "start_s": round(start, 2),
+                "length_s": round(end - start, 2),
+                "step_s": round(step_s, 3),
+                "bound_s": round(bound_s, 3),
+                "within_bound": end - start <= bound_s,
+            }
+        )
+    return judged
 
 
 def make_arrivals(
@@ -184,6 +212,7 @@ async def drive(
     admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
     tallies = {t.tenant_id: TenantTally() for t in tenants}
     samples: dict[str, list[tuple[float, int]]] = {t.tenant_id: [] for t in tenants}
+    steps: list[tuple[float, float]] = []  # (time, longest recent step of any replica)
     async with httpx.AsyncClient(base_url=cluster.url, timeout=900) as client:
         keys = {}
         for tenant in tenants:
@@ -208,6 +237,8 @@ async def drive(
             for tenant in status["tenants"]:
                 if tenant["id"] in samples:
                     samples[tenant["id"]].append((now_s, tenant["kv_blocks"]))
+            fresh = [r for r in status["replicas"] if r.get("fresh")]
+            steps.append((now_s, max((r.get("max_step_s", 0.0) for r in fresh), default=0.0)))
             await asyncio.wait([work], timeout=SAMPLE_PERIOD_S)
         finishes = await work
         await asyncio.sleep(0.5)  # one more report after the last request
@@ -219,6 +250,9 @@ async def drive(
     for tenant in tenants:
         tally, series = tallies[tenant.tenant_id], samples[tenant.tenant_id]
         seconds_over, longest_over = over_budget(series, tenant.budget_blocks)
+        stretches = judge_stretches(
+            over_budget_stretches(series, tenant.budget_blocks), steps, REPORT_PERIOD_S
+        )
         rows.append(
             {
                 "id": tenant.tenant_id,
@@ -227,6 +261,10 @@ async def drive(
                 "peak_active_blocks": max((blocks for _, blocks in series), default=0),
                 "seconds_over_budget": round(seconds_over, 2),
                 "longest_over_budget_s": round(longest_over, 2),
+                # each stretch against one report period plus the longest engine step the
+                # replicas reported during it (the target's bound)
+                "stretches_over_budget": stretches,
+                "stretches_over_bound": sum(1 for s in stretches if not s["within_bound"]),
                 # what a stretch above budget shorter than this could hide between samples
                 "max_sample_gap_s": round(
                     max((b[0] - a[0] for a, b in zip(series, series[1:], strict=False)), default=0),
@@ -248,6 +286,8 @@ async def drive(
         if elapsed_min
         else 0.0,
         "elapsed_s": round(elapsed_min * 60, 1),
+        "stretches_over_bound": sum(row["stretches_over_bound"] for row in rows),
+        "max_step_s": max((s for _, s in steps), default=0.0),
         "preemptions": sum(r.get("preemptions", 0) for r in replicas),
         "evictions_under_pressure": sum(r.get("evictions_under_pressure", 0) for r in replicas),
     }

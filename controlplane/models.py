@@ -93,6 +93,9 @@ class EngineCounters(_Frozen):
     were still running (since the engine started)."""
     naive_equivalent_blocks: NonNegativeInt = 0
     """Blocks the running requests would hold under Naive-Evict (same decisions)."""
+    max_step_s: float = Field(default=0.0, ge=0)
+    """The engine's longest recent step (see ``workers.scheduler_side.StepTimes``): how
+    long its reports can lag what it holds."""
     preemptions: NonNegativeInt = 0
     evictions_under_pressure: NonNegativeInt = 0
     tenants: dict[TenantId, TenantUsage] = Field(default_factory=dict)

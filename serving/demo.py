@@ -50,18 +50,29 @@ class Tally:
     peak_kv_blocks: int = 0
 
 
-def over_budget(samples: list[tuple[float, int]], budget: int) -> tuple[float, float]:
-    """(total seconds, longest stretch in seconds) that ``samples`` ((time, blocks), in
-    time order) spend above ``budget``; a sample above budget lasts until the next one."""
-    total = longest = stretch = 0.0
+def over_budget_stretches(
+    samples: list[tuple[float, int]], budget: int
+) -> list[tuple[float, float]]:
+    """The ``(start, end)`` stretches that ``samples`` ((time, blocks), in time order) spend
+    above ``budget``; a sample above budget lasts until the next one."""
+    stretches: list[tuple[float, float]] = []
+    start: float | None = None
     for (at_s, blocks), (next_s, _) in zip(samples, samples[1:], strict=False):
         if blocks > budget:
-            stretch += next_s - at_s
-            total += next_s - at_s
-            longest = max(longest, stretch)
-        else:
-            stretch = 0.0
-    return total, longest
+            start = at_s if start is None else start
+            end = next_s
+        elif start is not None:
+            stretches.append((start, end))
+            start = None
+    if start is not None:
+        stretches.append((start, end))
+    return stretches
+
+
+def over_budget(samples: list[tuple[float, int]], budget: int) -> tuple[float, float]:
+    """(total seconds, longest stretch in seconds) that ``samples`` spend above ``budget``."""
+    lengths = [end - start for start, end in over_budget_stretches(samples, budget)]
+    return sum(lengths), max(lengths, default=0.0)
 
 
 @dataclass

@@ -102,6 +102,7 @@ def counters_from_snapshot(report: EngineReport, running: int) -> EngineCounters
         naive_equivalent_blocks=report.total.naive_blocks,
         preemptions=report.num_preemptions,
         evictions_under_pressure=report.num_evictions_under_pressure,
+        max_step_s=report.recent_max_step_s,
         tenants={
             tenant: TenantUsage(
                 live_tokens=usage.live_tokens,

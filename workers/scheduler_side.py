@@ -35,8 +35,9 @@ request holds what a block-granular manager would (``vtoken/manager.py``).
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Mapping
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,7 @@ from workers.messages import StepOps, StepScores
 from workers.vllm_block_pool import VLLMBlockPool
 
 MAX_FINISHED_RECORDS = 4096
+STEP_WINDOW_S = 2.0  # reports carry the longest step that ended this recently
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 
@@ -77,6 +79,42 @@ class FinishedRequest:
 
     report: RequestReport
     evictions: list[np.ndarray]
+
+
+class StepTimes:
+    """How long the engine's recent steps took, from ``schedule`` to its output.
+
+    Reports carry the longest step that ended in the last ``window_s``: a tenant's KV can
+    run over its budget for a report period plus one step before anything acts, so a reader
+    of the reports needs the step to judge an excursion.
+    """
+
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, window_s: float = STEP_WINDOW_S
+    ) -> None:
+        self._clock = clock
+        self._window_s = window_s
+        self._started: float | None = None
+        self._recent: deque[tuple[float, float]] = deque()  # (ended at, duration)
+
+    def begin(self) -> None:
+        self._started = self._clock()
+
+    def end(self) -> None:
+        if self._started is None:
+            return
+        now = self._clock()
+        self._recent.append((now, now - self._started))
+        self._started = None
+        self._forget(now)
+
+    def recent_max_s(self) -> float:
+        self._forget(self._clock())
+        return max((duration for _, duration in self._recent), default=0.0)
+
+    def _forget(self, now: float) -> None:
+        while self._recent and self._recent[0][0] < now - self._window_s:
+            self._recent.popleft()
 
 
 class VTokenScheduler:
@@ -106,6 +144,7 @@ class VTokenScheduler:
         self.num_evictions_under_pressure = 0
         self.pressure: dict[str, float] = {}  # tenant -> keep fraction (the controller's)
         self.allowance: dict[str, int] = {}  # tenant -> most blocks it may hold here
+        self.step_times = StepTimes()
 
     def manages(self, request_id: str) -> bool:
         return request_id in self.requests
@@ -169,6 +208,7 @@ class VTokenScheduler:
         pressure (``set_pressure``), requests under a tenant's per-request cap (admission
         counted on it), and policies that decide at one step only.
         """
+        self.step_times.end()  # the forward's output is here: the step is over
         attention_of = scores.attention if scores is not None else {}
         running = [r for r in num_scheduled_tokens if r in self.requests and r in requests]
         decoding = [r for r in running if requests[r].num_computed_tokens >= requests[r].num_tokens]
@@ -347,6 +387,7 @@ class VTokenScheduler:
 
     def take_ops(self, num_scheduled_tokens: dict[str, int], requests: dict[str, Any]) -> StepOps:
         """The ops the workers apply before this step's forward (see ``StepOps``)."""
+        self.step_times.begin()
         num_evicted, score_needs = {}, {}
         for request_id in num_scheduled_tokens:
             record = self.requests.get(request_id)
@@ -423,6 +464,7 @@ class VTokenScheduler:
             num_preemptions=self.num_preemptions,
             blocks_reclaimed=self.manager.num_blocks_reclaimed,
             num_evictions_under_pressure=self.num_evictions_under_pressure,
+            recent_max_step_s=self.step_times.recent_max_s(),
             requests=self.manager.reports(
                 {  # a request in prefill has no budget yet: nothing of it can be evicted
                     request_id: self._budget(record)

@@ -24,7 +24,7 @@ def paged_attention(query, cache, block_ids, num_tokens, block_size, layout):
     )
 
 
-@pytest.mark.parametrize("layout", [KVLayout.FLASH, KVLayout.CPU_ATTN])
+@pytest.mark.parametrize("layout", [KVLayout.BHNC, KVLayout.CPU_ATTN])
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("seed", range(4))
 def test_repacked_attention_matches_live_tokens(layout, block_size, seed):

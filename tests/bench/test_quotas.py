@@ -70,3 +70,20 @@ def test_plot_draws_each_mode(tmp_path) -> None:
     path = tmp_path / "quotas.png"
     plot(json.loads(json.dumps(summary)), path)
     assert path.read_bytes().startswith(b"\x89PNG")
+
+
+def test_stretches_are_judged_against_a_report_period_plus_the_step() -> None:
+    from bench.quotas import judge_stretches
+    from serving.demo import over_budget_stretches
+
+    samples = [(0.0, 5), (0.1, 12), (0.3, 11), (0.4, 9), (1.0, 15), (1.5, 10), (2.0, 30)]
+    stretches = over_budget_stretches(samples, budget=10)
+    assert stretches == [(0.1, 0.4), (1.0, 1.5)]  # the last sample has no duration
+    # Steps reported: 0.25 s around the first stretch, 0.3 s up to the second's end.
+    steps = [(0.0, 0.05), (0.2, 0.25), (0.5, 0.1), (1.2, 0.3), (1.7, 0.3), (3.0, 2.0)]
+    first, second = judge_stretches(stretches, steps, report_period_s=0.1)
+    assert first["step_s"] == 0.25 and first["bound_s"] == pytest.approx(0.35)
+    assert first["within_bound"]  # 0.3 s <= 0.1 + 0.25
+    assert second["step_s"] == 0.3 and not second["within_bound"]  # 0.5 s > 0.4 s
+    # A step reported long after a stretch does not excuse it.
+    assert not judge_stretches([(1.0, 1.5)], [(3.0, 2.0)], 0.1)[0]["within_bound"]

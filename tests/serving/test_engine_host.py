@@ -253,6 +253,8 @@ def test_a_caller_that_goes_away_aborts_the_engine_request_and_frees_its_kv(tmp_
             await asyncio.wait_for(started.wait(), 120)
             held = await host.refresh_counters()
             assert held.running_requests == 1 and held.used_blocks >= 7  # 199-token prompt
+            # The engine has been stepping: its reports carry how long a step takes.
+            assert 0 < held.max_step_s < 60
             task.cancel()
             seen.append(await _drained(host))
             # (2) The generator is closed after a few chunks (the stream was abandoned).

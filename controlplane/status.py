@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from controlplane.store import RedisStore
+from controlplane.store import RedisStore, ReportSnapshot
 
 REPORT_MAX_AGE_S = 3.0
 
@@ -38,10 +38,16 @@ async def cluster_status(store: RedisStore, now_s: float | None = None) -> dict[
             "preemptions": report.preemptions,
             "evictions_under_pressure": report.evictions_under_pressure,
             "max_step_s": round(report.max_step_s, 3),
+            "report_age_s": _report_age(snapshot, replica_id),
         }
         for replica_id, report in sorted(snapshot.fresh.items())
     ]
-    replicas += [{"id": replica_id, "fresh": False} for replica_id in sorted(snapshot.stale_ids)]
+    # Registered but silent (a lost node, a hung engine): listed, not fresh, with the age of
+    # their last report, never dropped from the view while the registry remembers them.
+    replicas += [
+        {"id": replica_id, "fresh": False, "report_age_s": _report_age(snapshot, replica_id)}
+        for replica_id in sorted(snapshot.stale_ids)
+    ]
     held: dict[str, dict[str, int]] = {}
     for report in snapshot.fresh.values():
         for tenant_id, usage in report.tenants.items():
@@ -82,3 +88,8 @@ async def cluster_status(store: RedisStore, now_s: float | None = None) -> dict[
         "tenants": tenants,
         "blocks_reclaimed": sum(r.get("blocks_reclaimed", 0) for r in replicas),
     }
+
+
+def _report_age(snapshot: ReportSnapshot, replica_id: str) -> float | None:
+    heartbeat = snapshot.last_heartbeat_s.get(replica_id)
+    return None if heartbeat is None else round(max(0.0, snapshot.now_s - heartbeat), 2)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
@@ -56,6 +56,8 @@ class ReportSnapshot:
     fresh: dict[str, ReplicaReport]
     stale_ids: frozenset[str]
     invalid_ids: frozenset[str]
+    last_heartbeat_s: dict[str, float] = field(default_factory=dict)
+    """Each registered replica's last heartbeat (its registry score), stale ones too."""
 
 
 class RedisStore:
@@ -153,8 +155,10 @@ class RedisStore:
         """
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.zremrangebyscore(self.keys.replicas, "-inf", now_s - forget_after_s)
-            pipe.zrange(self.keys.replicas, 0, -1)
-            _, replica_ids = await pipe.execute()
+            pipe.zrange(self.keys.replicas, 0, -1, withscores=True)
+            _, registered = await pipe.execute()
+        replica_ids = [replica_id for replica_id, _ in registered]
+        last_heartbeat_s = {replica_id: float(score) for replica_id, score in registered}
         raw_reports = await self._read_report_fields(replica_ids) if replica_ids else []
         fresh: dict[str, ReplicaReport] = {}
         stale: set[str] = set()
@@ -172,7 +176,9 @@ class RedisStore:
                 stale.add(replica_id)
             else:
                 fresh[replica_id] = report
-        return ReportSnapshot(now_s, fresh, frozenset(stale | invalid), frozenset(invalid))
+        return ReportSnapshot(
+            now_s, fresh, frozenset(stale | invalid), frozenset(invalid), last_heartbeat_s
+        )
 
     async def _read_report_fields(self, replica_ids: list[str]) -> list[str | None]:
         """The `report` field of each replica's hash (None where expired), in one script

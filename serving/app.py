@@ -38,6 +38,9 @@ class AppArgs(AdminTokenSource):
     num_replicas: int = Field(default=1, ge=1)
     replica_num_cpus: float = Field(default=1.0, ge=0)
     replica_num_gpus: float = Field(default=0.0, ge=0)
+    replica_resources: dict[str, float] = Field(default_factory=dict)
+    """Ray custom resources each engine replica needs (e.g. ``{"engine_node": 1}`` to keep
+    engines off the head node, whose start command then does not offer it)."""
     max_ongoing_requests: int = Field(default=16, ge=1)
     """Requests one engine replica runs at once (the engine batches them)."""
     ingress_max_ongoing_requests: int = Field(default=1024, ge=1)
@@ -155,6 +158,7 @@ def build_app(args: dict[str, Any], *, admin_token: str | None = None) -> Applic
         ray_actor_options={
             "num_cpus": config.replica_num_cpus,
             "num_gpus": config.replica_num_gpus,
+            "resources": config.replica_resources,
         },
         request_router_config=router,
     ).bind(engine_settings.model_dump())

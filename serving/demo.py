@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import secrets
 import tempfile
 import time
@@ -20,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import httpx
 
@@ -261,12 +263,16 @@ def local_cluster(
     ray_init: dict[str, Any] | None = None,
     serve_logging: dict[str, Any] | None = None,
     folder: Path | None = None,
+    redis_password: str | None = None,
 ) -> Iterator[LocalCluster]:
     """Redis + Ray + the Serve app on this machine; yields its URLs. The engines run
     SmolLM2 unless ``engine`` (fields of ``ReplicaSettings``) says otherwise; ``app_args``
     (fields of ``AppArgs``), ``ray_init`` (``ray.init`` arguments) and ``serve_logging``
     (Serve's ``logging_config``) add to the defaults.
-    Redis lives in ``folder`` (a temporary one by default). The admin token is
+    Redis lives in ``folder`` (a temporary one by default), with ``redis_password`` if
+    given: the URL then travels as a Serve config must carry it, in ``$VTOKEN_REDIS_URL``,
+    not in the config. ``ray_init`` may
+    name an ``address`` to deploy onto a running cluster. The admin token is
     ``ADMIN_TOKEN``."""
     import ray
     from ray import serve
@@ -279,7 +285,9 @@ def local_cluster(
     with contextlib.ExitStack() as stack:
         if folder is None:
             folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="vtoken-")))
-        redis = stack.enter_context(LocalRedis(folder / "redis"))
+        redis = stack.enter_context(LocalRedis(folder / "redis", password=redis_password))
+        if redis_password:
+            stack.enter_context(mock.patch.dict(os.environ, {"VTOKEN_REDIS_URL": redis.url}))
         ray.init(
             **{
                 "include_dashboard": False,
@@ -290,9 +298,10 @@ def local_cluster(
         )
         try:
             port = free_port()
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            # One proxy, on the head: nodes sharing this machine cannot all bind the port.
+            serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
             args = {
-                "redis_url": redis.url,
+                **({} if redis_password else {"redis_url": redis.url}),
                 "num_replicas": num_replicas,
                 "replica_num_cpus": 0.5,
                 "controller_period_s": 0.2,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from controlplane.controller import Controller, ControllerConfig
 from controlplane.lease import ControllerLease
 from controlplane.status import cluster_status
@@ -38,3 +40,19 @@ async def test_status_shows_budget_active_kv_floor_reclaimable_and_pressure(
     assert not within["over_budget"] and within["replicas"]
     assert tenants["idle"]["kv_blocks"] == 0 and tenants["idle"]["running_requests"] == 0
     assert status["plan_version"] is not None
+
+
+async def test_a_silent_replica_is_listed_unhealthy_with_its_report_age(
+    store: RedisStore, clock: FakeClock
+) -> None:
+    """A replica whose reports stop (a lost node) stays in the view, not fresh, with the
+    age of its last report, whether its report is merely old or already expired."""
+    await store.publish_reports([report("alive", clock.now(), {"a": 1})], ttl_s=60)
+    await store.publish_reports([report("old", clock.now() - 10, {"a": 1})], ttl_s=60)
+    await store.publish_reports([report("gone", clock.now() - 20, {"a": 1})], ttl_s=0.001)
+    await asyncio.sleep(0.01)  # the report hash of "gone" expires
+    status = await cluster_status(store, now_s=clock.now())
+    replicas = {r["id"]: r for r in status["replicas"]}
+    assert replicas["alive"]["fresh"] and replicas["alive"]["report_age_s"] == 0
+    assert not replicas["old"]["fresh"] and replicas["old"]["report_age_s"] == 10
+    assert not replicas["gone"]["fresh"] and replicas["gone"]["report_age_s"] == 20

@@ -19,6 +19,7 @@ from ray import serve
 from controlplane import telemetry
 from controlplane.clock import SystemClock
 from controlplane.openai_models import ChatCompletionRequest, CompletionRequest
+from controlplane.otel_metrics import configure_metrics
 from controlplane.redis_conn import RedisConfig, connect
 from controlplane.tracing import configure_tracing
 from serving.admin_api import NewKey, TenantUpdate, admin_routes
@@ -94,6 +95,7 @@ class Ingress:
         from transformers import AutoTokenizer
 
         configure_tracing("vtoken-ingress")
+        configure_metrics("vtoken-ingress")
         settings = dict(settings)
         self.limits = InputLimits.model_validate(settings.pop("limits", {}))
         config = IngressSettings(**settings)

@@ -34,7 +34,9 @@ from typing import Any, Protocol, TypeVar
 import redis.asyncio as aioredis
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import metrics as otel_metrics
 from opentelemetry import trace
+from opentelemetry.metrics import Meter
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 
@@ -53,6 +55,7 @@ from controlplane.openai_models import (
     GenerateRequest,
     TokenLogprob,
 )
+from controlplane.otel_metrics import RequestMetrics
 from controlplane.redis_conn import REDIS_ERRORS
 from controlplane.releases import Releaser
 from controlplane.store import RedisStore
@@ -125,6 +128,7 @@ class IngressState:
         clock: Clock,
         tokenizer: Tokenizer,
         tracer: trace.Tracer,
+        meter: Meter | None = None,
     ) -> None:
         self.settings = settings
         self.replicas = replicas
@@ -147,6 +151,11 @@ class IngressState:
         )
         self.releaser = Releaser(self.admission)
         self.metrics = IngressMetrics()
+        # OpenTelemetry (admissions, TTFT, TPOT per tenant): the global meter provider's
+        # meter unless one is given; a no-op until ``configure_metrics`` set a provider.
+        self.request_metrics = RequestMetrics(
+            meter or otel_metrics.get_meter(telemetry.TRACER_INGRESS)
+        )
         self.pace = TokenPace()
 
     # ----------------------------------------------------------------- request pipeline
@@ -244,6 +253,7 @@ class IngressState:
             )
         )
         self.metrics.admission(quota.tenant_id, decision.outcome.value)
+        self.request_metrics.admission(quota.tenant_id, decision.outcome.value)
         if decision.outcome is AdmissionOutcome.THROTTLED:
             retry = max(1, round(decision.retry_after_s))
             why = THROTTLE_REASONS.get(decision.reason, decision.reason)
@@ -267,6 +277,7 @@ class IngressState:
         try:
             stream = self.replicas.options(stream=True).generate.remote(request.model_dump())
             tokens_seen, seen_at = 0, self.clock.now()
+            first_token_at: float | None = None
             decoding: set[int] = set()  # choices past their prefill
             finished: set[int] = set()  # choices with their finish reason
             async for raw in stream:
@@ -281,6 +292,8 @@ class IngressState:
                     )
                 if chunk.completion_tokens > tokens_seen:
                     tokens_seen, seen_at = chunk.completion_tokens, now
+                    if first_token_at is None:
+                        first_token_at = now
                 if chunk.completion_tokens:  # a piece of this choice: its prefill is over
                     decoding.add(chunk.index)
                 if len(decoding) >= request.n and reservation.blocks > reservation.steady:
@@ -293,6 +306,13 @@ class IngressState:
             stream = None  # ended: nothing to cancel
             if len(finished) < request.n:  # a replica that vanished: not a short answer
                 raise RuntimeError("the replica's stream ended without a finish reason")
+            if first_token_at is not None:  # answered: its latencies, per sequence
+                self.request_metrics.request_done(
+                    request.tenant_id,
+                    first_token_at - started,
+                    seen_at - started,
+                    round(tokens_seen / request.n),
+                )
         except HTTPError:
             raise
         except asyncio.CancelledError:

@@ -14,6 +14,8 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -89,6 +91,20 @@ class Ingress:
     keys: KeySpace
     api: FastAPI
     api_keys: dict[str, str] = field(default_factory=dict)
+    metric_reader: InMemoryMetricReader | None = None
+
+    def metric_points(self, name: str) -> list[Any]:
+        """The data points of OpenTelemetry metric ``name`` the ingress recorded so far."""
+        assert self.metric_reader is not None
+        data = self.metric_reader.get_metrics_data()
+        return [
+            point
+            for resource in (data.resource_metrics if data else [])
+            for scope in resource.scope_metrics
+            for metric in scope.metrics
+            if metric.name == name
+            for point in metric.data.data_points
+        ]
 
     async def add_tenant(self, tenant_id: str, **limits: Any) -> str:
         response = await self.client.put(
@@ -134,11 +150,15 @@ async def running_ingress(
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(spans))
     replicas = FakeReplicas(lambda: state)
-    state = IngressState(settings, replicas, redis, clock, tokenizer, provider.get_tracer("test"))
+    reader = InMemoryMetricReader()
+    meter = MeterProvider(metric_readers=[reader]).get_meter("test")
+    state = IngressState(
+        settings, replicas, redis, clock, tokenizer, provider.get_tracer("test"), meter
+    )
     api = build_api(state, limits)
     transport = httpx.ASGITransport(app=api)
     async with httpx.AsyncClient(transport=transport, base_url="http://ingress") as client:
-        under_test = Ingress(client, state, replicas, clock, spans, keys, api)
+        under_test = Ingress(client, state, replicas, clock, spans, keys, api, metric_reader=reader)
         yield under_test
     for tenant_id in under_test.api_keys:
         assert await state.admission.reserved_blocks(tenant_id) == 0, tenant_id

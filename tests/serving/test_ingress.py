@@ -227,3 +227,28 @@ async def test_kv_budget_retry_after_comes_from_the_measured_token_pace(ingress:
     assert int(throttled.headers["Retry-After"]) in (19, 20)
     ingress.replicas.gate.set()
     assert (await running).status_code == 200
+
+
+async def test_opentelemetry_metrics_count_admissions_and_time_answers(ingress: Ingress) -> None:
+    """Per tenant: admissions by outcome, time to first token, time per output token
+    (measured on the ingress's clock between the chunks it streams)."""
+    api_key = await ingress.add_tenant("acme", kv_budget_blocks=4)  # one 40-token answer
+    ingress.replicas.gate.clear()
+    running = asyncio.create_task(ingress.complete(api_key, max_tokens=40))
+    await ingress.replicas.arrived.wait()
+    throttled = await ingress.complete(api_key, max_tokens=40)
+    assert throttled.status_code == 429
+    ingress.clock.advance(0.5)  # the second token comes 0.5 s after the first
+    ingress.replicas.gate.set()
+    assert (await running).status_code == 200
+
+    admissions = {
+        point.attributes[telemetry.ATTR_ADMISSION_OUTCOME]: point.value
+        for point in ingress.metric_points(telemetry.METRIC_ADMISSIONS)
+    }
+    assert admissions == {"admitted": 1, "throttled": 1}
+    (ttft,) = ingress.metric_points(telemetry.METRIC_TIME_TO_FIRST_TOKEN)
+    (tpot,) = ingress.metric_points(telemetry.METRIC_TIME_PER_OUTPUT_TOKEN)
+    assert ttft.attributes[telemetry.ATTR_TENANT_ID] == "acme" and ttft.count == 1
+    assert ttft.sum == pytest.approx(0.0)  # the fake engine's first chunk comes at once
+    assert tpot.count == 1 and tpot.sum == pytest.approx(0.5)  # 2 tokens, 0.5 s apart

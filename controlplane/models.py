@@ -93,6 +93,10 @@ class EngineCounters(_Frozen):
     were still running (since the engine started)."""
     naive_equivalent_blocks: NonNegativeInt = 0
     """Blocks the running requests would hold under Naive-Evict (same decisions)."""
+    evicted_tokens: NonNegativeInt = 0
+    """Tokens evicted since the engine started (finished requests' too)."""
+    repack_moves: NonNegativeInt = 0
+    """Token copies (K and V, every layer) repacks made since the engine started."""
     max_step_s: float = Field(default=0.0, ge=0)
     """The engine's longest recent step (see ``workers.scheduler_side.StepTimes``): how
     long its reports can lag what it holds."""

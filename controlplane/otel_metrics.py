@@ -88,8 +88,12 @@ class ReplicaMetrics:
             (telemetry.METRIC_REPLICA_BLOCKS_RECLAIMED, "blocks_reclaimed", BLOCK),
             (telemetry.METRIC_REPLICA_PREEMPTIONS, "preemptions", REQUEST),
             (pressure, "evictions_under_pressure", REQUEST),
+            (telemetry.METRIC_REPLICA_EVICTED_TOKENS, "evicted_tokens", TOKEN),
+            (telemetry.METRIC_REPLICA_REPACK_MOVES, "repack_moves", TOKEN),
         ):
             counter(name, [self._scalar(field)], unit)
+        step = self._scalar("max_step_s")
+        gauge(telemetry.METRIC_REPLICA_STEP_DURATION, [step], SECONDS, "Longest recent step.")
 
     def _blocks(self, _: CallbackOptions) -> Iterable[Observation]:
         counters = self._read()
@@ -226,6 +230,9 @@ PROMETHEUS_NAMES: frozenset[str] = frozenset(
         (telemetry.METRIC_REPLICA_BLOCKS_RECLAIMED, BLOCK, "counter"),
         (telemetry.METRIC_REPLICA_PREEMPTIONS, REQUEST, "counter"),
         (telemetry.METRIC_REPLICA_EVICTIONS_UNDER_PRESSURE, REQUEST, "counter"),
+        (telemetry.METRIC_REPLICA_EVICTED_TOKENS, TOKEN, "counter"),
+        (telemetry.METRIC_REPLICA_REPACK_MOVES, TOKEN, "counter"),
+        (telemetry.METRIC_REPLICA_STEP_DURATION, SECONDS, "gauge"),
         (telemetry.METRIC_TENANT_KV_ACTIVE, BLOCK, "gauge"),
         (telemetry.METRIC_TENANT_KV_BUDGET, BLOCK, "gauge"),
         (telemetry.METRIC_PLAN_AGE, SECONDS, "gauge"),

@@ -69,6 +69,8 @@ class VTokenManager:
         self.mode = ReclaimMode(mode)
         self.requests: dict[str, RequestKV] = {}
         self.num_blocks_reclaimed = 0  # given back by reclaims while requests still ran
+        self.num_evicted_tokens = 0  # since start, every request's (finished ones too)
+        self.num_repack_moves = 0  # token copies the repacks planned, since start
 
     def add_request(
         self,
@@ -149,7 +151,9 @@ class VTokenManager:
         """Evict explicit logical ids (for engines or tests that decide elsewhere)."""
         request = self.requests[request_id]
         request.table.evict(logical_ids)
-        request.num_evicted += int(np.asarray(logical_ids).size)
+        count = int(np.asarray(logical_ids).size)
+        request.num_evicted += count
+        self.num_evicted_tokens += count
 
     def plan(self, request_id: str) -> RepackPlan:
         return plan_repack(self.requests[request_id].table)
@@ -174,6 +178,7 @@ class VTokenManager:
                 self.pool.free(released)
             self._resize_ballast(request, self._ballast_size(request.table))
             request.num_moves += plan.num_moves
+            self.num_repack_moves += plan.num_moves
             self.num_blocks_reclaimed += max(0, held_before - request.num_held_blocks)
             plans.append(plan)
         return plans

@@ -96,6 +96,8 @@ class EngineReport(BaseModel):
     num_preemptions: Count = 0
     num_evictions_under_pressure: Count = 0
     blocks_reclaimed: Count = 0
+    evicted_tokens_total: Count = 0
+    repack_moves_total: Count = 0
     recent_max_step_s: float = Field(default=0.0, ge=0)
     """The longest engine step (schedule to output) that ended in the last two seconds."""
     requests: tuple[RequestReport, ...] = ()

@@ -465,6 +465,8 @@ class VTokenScheduler:
             blocks_reclaimed=self.manager.num_blocks_reclaimed,
             num_evictions_under_pressure=self.num_evictions_under_pressure,
             recent_max_step_s=self.step_times.recent_max_s(),
+            evicted_tokens_total=self.manager.num_evicted_tokens,
+            repack_moves_total=self.manager.num_repack_moves,
             requests=self.manager.reports(
                 {  # a request in prefill has no budget yet: nothing of it can be evicted
                     request_id: self._budget(record)

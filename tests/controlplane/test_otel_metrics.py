@@ -51,6 +51,9 @@ def counters() -> EngineCounters:
             "preemptions": 3,
             "blocks_reclaimed": 40,
             "evictions_under_pressure": 5,
+            "evicted_tokens": 900,
+            "repack_moves": 410,
+            "max_step_s": 0.25,
         }
     )
 
@@ -94,6 +97,9 @@ def test_replica_kv_per_state_and_per_tenant(reader: InMemoryMetricReader):
     assert points[telemetry.METRIC_REPLICA_PREEMPTIONS] == [(replica, 3)]
     assert points[telemetry.METRIC_REPLICA_BLOCKS_RECLAIMED] == [(replica, 40)]
     assert points[telemetry.METRIC_REPLICA_EVICTIONS_UNDER_PRESSURE] == [(replica, 5)]
+    assert points[telemetry.METRIC_REPLICA_EVICTED_TOKENS] == [(replica, 900)]
+    assert points[telemetry.METRIC_REPLICA_REPACK_MOVES] == [(replica, 410)]
+    assert points[telemetry.METRIC_REPLICA_STEP_DURATION] == [(replica, 0.25)]
 
 
 def test_controller_active_kv_against_budget_and_plan_age(reader: InMemoryMetricReader):

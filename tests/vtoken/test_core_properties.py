@@ -101,8 +101,13 @@ def test_random_sequences_keep_every_invariant(ops, block_size, seed):
             expected = max(len(naive.table.block_ids), naive.table.num_naive_blocks())
             assert naive.num_held_blocks == expected
     for harness in harnesses.values():
+        request = harness.manager.requests["r"]
+        # The engine-wide counters (reported and exported) are the requests' sums.
+        assert harness.manager.num_evicted_tokens == request.num_evicted
+        assert harness.manager.num_repack_moves == request.num_moves
         harness.manager.free_request("r")
         assert harness.pool.num_free_blocks == NUM_BLOCKS
+        assert harness.manager.num_evicted_tokens == request.num_evicted  # kept after the end
 
 
 def test_worked_example_from_the_planner_docstring():

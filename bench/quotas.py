@@ -18,12 +18,15 @@ half of them streamed; all drawn from ``--seed`` and identical in both modes. A 
 throttled with 429 waits its Retry-After (at most 5 s) and retries until the arrival
 window closes; then the request counts as throttled. Admitted requests run to the end.
 
-While the load runs, the replicas' reports in Redis are read every 0.1 s (what
-``/admin/status`` shows, without queueing behind the load at the ingress): per tenant its
-active KV (blocks its running requests hold, summed over fresh replica reports), from which
-``peak_active_blocks``, ``seconds_over_budget`` and ``longest_over_budget_s`` (the longest
-stretch above budget) are taken. ``completed_per_min`` is requests_ok over the minutes
-from the first arrival to the last completion.
+While the load runs, the replicas' reports in Redis are read every 0.1 s (not through the
+ingress, which queues behind the load): per tenant its active KV, the blocks its running
+requests hold, summed over every replica's last report (a replica inside a long engine
+step publishes nothing until it ends: its KV keeps counting as last reported). From that:
+``peak_active_blocks``, ``seconds_over_budget``, ``longest_over_budget_s``, and each
+stretch above budget judged against one report period plus the longest engine step that
+ran during it on a replica holding the tenant's KV (the reports carry their engines'
+recent steps). ``completed_per_min`` is requests_ok over the minutes from the first
+arrival to the last completion.
 """
 
 from __future__ import annotations
@@ -89,21 +92,36 @@ REPORT_PERIOD_S = 0.1  # the replicas' default report period (serving.engine_hos
 
 def judge_stretches(
     stretches: list[tuple[float, float]],
-    steps: list[tuple[float, float]],
+    hosts: list[tuple[float, frozenset[str]]],
+    steps: dict[str, list[tuple[float, float]]],
     report_period_s: float,
-    slack_s: float = 0.25,
 ) -> list[dict[str, Any]]:
-    """Each stretch above budget with its bound: one report period plus the longest step
-    the replicas reported from its start to ``slack_s`` after its end (a report carries the
-    longest step of the last two seconds, and comes a sample or two after the step)."""
+    """Each stretch above budget with its bound: one report period plus the longest engine
+    step that ran during it (overlapping ``[start, end]``) on a replica holding the
+    tenant's KV then. ``hosts``: per sample, the replicas holding the tenant's KV;
+    ``steps``: per replica, its steps as ``(start, end)`` on the samples' clock. A stretch
+    with no step in it is bounded by the report period alone."""
     judged = []
     for start, end in stretches:
-        step_s = max((s for at_s, s in steps if start <= at_s <= end + slack_s), default=0.0)
+        holding: set[str] = set()
+        for at_s, replicas in hosts:
+            if start <= at_s <= end:
+                holding |= replicas
+        step_s = max(
+            (
+                step_end - step_start
+                for replica in holding
+                for step_start, step_end in steps.get(replica, ())
+                if step_start <= end and step_end >= start
+            ),
+            default=0.0,
+        )
         bound_s = report_period_s + step_s
         judged.append(
             {
                 "start_s": round(start, 2),
                 "length_s": round(end - start, 2),
+                "replicas": sorted(holding),
                 "step_s": round(step_s, 3),
                 "bound_s": round(bound_s, 3),
                 "within_bound": end - start <= bound_s,
@@ -202,8 +220,9 @@ async def drive(
     import httpx
 
     from controlplane.keys import KeySpace
+    from controlplane.models import ReplicaReport
     from controlplane.redis_conn import RedisConfig, connect
-    from controlplane.status import cluster_status
+    from controlplane.status import REPORT_MAX_AGE_S, cluster_status
     from controlplane.store import RedisStore
     from serving.demo import ADMIN_TOKEN
 
@@ -212,7 +231,12 @@ async def drive(
     admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
     tallies = {t.tenant_id: TenantTally() for t in tenants}
     samples: dict[str, list[tuple[float, int]]] = {t.tenant_id: [] for t in tenants}
-    steps: list[tuple[float, float]] = []  # (time, longest recent step of any replica)
+    hosts: dict[str, list[tuple[float, frozenset[str]]]] = {t.tenant_id: [] for t in tenants}
+    # Each replica's last report read: a replica busy in a long step (its event loop runs
+    # the engine) publishes nothing until the step ends, and its report expires; its KV
+    # still counts, as last reported, rather than dropping out of the tenant's total.
+    last_report: dict[str, ReplicaReport] = {}
+    steps: dict[str, set[tuple[float, float]]] = {}  # replica -> (start, end), bench clock
     async with httpx.AsyncClient(base_url=cluster.url, timeout=900) as client:
         keys = {}
         for tenant in tenants:
@@ -232,13 +256,24 @@ async def drive(
         )
         status: dict[str, Any] = {}
         while not work.done():
-            status = await cluster_status(store)
+            wall = time.time()
             now_s = time.monotonic() - started
-            for tenant in status["tenants"]:
-                if tenant["id"] in samples:
-                    samples[tenant["id"]].append((now_s, tenant["kv_blocks"]))
-            fresh = [r for r in status["replicas"] if r.get("fresh")]
-            steps.append((now_s, max((r.get("max_step_s", 0.0) for r in fresh), default=0.0)))
+            snapshot = await store.read_reports(wall, REPORT_MAX_AGE_S, forget_after_s=3600.0)
+            last_report.update(snapshot.fresh)
+            for replica_id, report in snapshot.fresh.items():
+                steps.setdefault(replica_id, set()).update(
+                    (end - (wall - now_s) - seconds, end - (wall - now_s))
+                    for end, seconds in report.recent_steps
+                )
+            for tenant in tenants:
+                held = {
+                    replica_id: report.tenants[tenant.tenant_id].blocks
+                    for replica_id, report in last_report.items()
+                    if tenant.tenant_id in report.tenants
+                }
+                samples[tenant.tenant_id].append((now_s, sum(held.values())))
+                holding = frozenset(r for r, blocks in held.items() if blocks)
+                hosts[tenant.tenant_id].append((now_s, holding))
             await asyncio.wait([work], timeout=SAMPLE_PERIOD_S)
         finishes = await work
         await asyncio.sleep(0.5)  # one more report after the last request
@@ -251,7 +286,10 @@ async def drive(
         tally, series = tallies[tenant.tenant_id], samples[tenant.tenant_id]
         seconds_over, longest_over = over_budget(series, tenant.budget_blocks)
         stretches = judge_stretches(
-            over_budget_stretches(series, tenant.budget_blocks), steps, REPORT_PERIOD_S
+            over_budget_stretches(series, tenant.budget_blocks),
+            hosts[tenant.tenant_id],
+            {replica: sorted(spans) for replica, spans in steps.items()},
+            REPORT_PERIOD_S,
         )
         rows.append(
             {
@@ -287,7 +325,9 @@ async def drive(
         else 0.0,
         "elapsed_s": round(elapsed_min * 60, 1),
         "stretches_over_bound": sum(row["stretches_over_bound"] for row in rows),
-        "max_step_s": max((s for _, s in steps), default=0.0),
+        "max_step_s": round(
+            max((end - start for spans in steps.values() for start, end in spans), default=0.0), 3
+        ),
         "preemptions": sum(r.get("preemptions", 0) for r in replicas),
         "evictions_under_pressure": sum(r.get("evictions_under_pressure", 0) for r in replicas),
     }

@@ -98,6 +98,8 @@ class EngineCounters(_Frozen):
     repack_moves: NonNegativeInt = 0
     """Token copies (K and V, every layer) repacks made since the engine started."""
     max_step_s: float = Field(default=0.0, ge=0)
+    recent_steps: tuple[tuple[float, float], ...] = Field(default=(), max_length=64)
+    """The engine's longest recent steps, ``(ended at, wall clock; seconds)``."""
     """The engine's longest recent step (see ``workers.scheduler_side.StepTimes``): how
     long its reports can lag what it holds."""
     preemptions: NonNegativeInt = 0

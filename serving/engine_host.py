@@ -103,6 +103,7 @@ def counters_from_snapshot(report: EngineReport, running: int) -> EngineCounters
         preemptions=report.num_preemptions,
         evictions_under_pressure=report.num_evictions_under_pressure,
         max_step_s=report.recent_max_step_s,
+        recent_steps=report.recent_steps,
         evicted_tokens=report.evicted_tokens_total,
         repack_moves=report.repack_moves_total,
         tenants={

@@ -99,7 +99,10 @@ class EngineReport(BaseModel):
     evicted_tokens_total: Count = 0
     repack_moves_total: Count = 0
     recent_max_step_s: float = Field(default=0.0, ge=0)
-    """The longest engine step (schedule to output) that ended in the last two seconds."""
+    """The longest engine step (``schedule`` through ``update_from_output``) that ended in
+    the last two seconds."""
+    recent_steps: tuple[tuple[float, float], ...] = ()
+    """The longest steps of those two seconds: ``(ended at, wall clock; seconds)``."""
     requests: tuple[RequestReport, ...] = ()
 
     @property

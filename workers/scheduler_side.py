@@ -53,7 +53,8 @@ from workers.messages import StepOps, StepScores
 from workers.vllm_block_pool import VLLMBlockPool
 
 MAX_FINISHED_RECORDS = 4096
-STEP_WINDOW_S = 2.0  # reports carry the longest step that ended this recently
+STEP_WINDOW_S = 2.0  # reports carry the longest steps that ended this recently
+RECENT_STEPS = 16  # how many of them
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 
@@ -82,20 +83,26 @@ class FinishedRequest:
 
 
 class StepTimes:
-    """How long the engine's recent steps took, from ``schedule`` to its output.
+    """How long the engine's recent steps took: from vLLM's ``schedule`` to the end of its
+    ``update_from_output`` (the policies, the repack plan and vLLM's own update included).
 
-    Reports carry the longest step that ended in the last ``window_s``: a tenant's KV can
-    run over its budget for a report period plus one step before anything acts, so a reader
-    of the reports needs the step to judge an excursion.
+    Reports carry the longest steps that ended in the last ``window_s``, each with its end
+    on the wall clock: a replica's counters are read between steps, so a tenant's KV can
+    run over its budget for a report period plus one step before anything acts, and a
+    reader of the reports needs the steps to judge an excursion.
     """
 
     def __init__(
-        self, clock: Callable[[], float] = time.monotonic, window_s: float = STEP_WINDOW_S
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+        window_s: float = STEP_WINDOW_S,
     ) -> None:
         self._clock = clock
+        self._wall = wall
         self._window_s = window_s
         self._started: float | None = None
-        self._recent: deque[tuple[float, float]] = deque()  # (ended at, duration)
+        self._recent: deque[tuple[float, float, float]] = deque()  # (ended, wall, duration)
 
     def begin(self) -> None:
         self._started = self._clock()
@@ -104,13 +111,20 @@ class StepTimes:
         if self._started is None:
             return
         now = self._clock()
-        self._recent.append((now, now - self._started))
+        self._recent.append((now, self._wall(), now - self._started))
         self._started = None
         self._forget(now)
 
     def recent_max_s(self) -> float:
         self._forget(self._clock())
-        return max((duration for _, duration in self._recent), default=0.0)
+        return max((duration for _, _, duration in self._recent), default=0.0)
+
+    def recent_longest(self, count: int = RECENT_STEPS) -> tuple[tuple[float, float], ...]:
+        """The ``count`` longest recent steps as ``(ended at, wall clock; seconds)``, in
+        time order."""
+        self._forget(self._clock())
+        longest = sorted(self._recent, key=lambda step: step[2], reverse=True)[:count]
+        return tuple((wall, duration) for _, wall, duration in sorted(longest))
 
     def _forget(self, now: float) -> None:
         while self._recent and self._recent[0][0] < now - self._window_s:
@@ -208,7 +222,6 @@ class VTokenScheduler:
         pressure (``set_pressure``), requests under a tenant's per-request cap (admission
         counted on it), and policies that decide at one step only.
         """
-        self.step_times.end()  # the forward's output is here: the step is over
         attention_of = scores.attention if scores is not None else {}
         running = [r for r in num_scheduled_tokens if r in self.requests and r in requests]
         decoding = [r for r in running if requests[r].num_computed_tokens >= requests[r].num_tokens]
@@ -387,7 +400,6 @@ class VTokenScheduler:
 
     def take_ops(self, num_scheduled_tokens: dict[str, int], requests: dict[str, Any]) -> StepOps:
         """The ops the workers apply before this step's forward (see ``StepOps``)."""
-        self.step_times.begin()
         num_evicted, score_needs = {}, {}
         for request_id in num_scheduled_tokens:
             record = self.requests.get(request_id)
@@ -465,6 +477,7 @@ class VTokenScheduler:
             blocks_reclaimed=self.manager.num_blocks_reclaimed,
             num_evictions_under_pressure=self.num_evictions_under_pressure,
             recent_max_step_s=self.step_times.recent_max_s(),
+            recent_steps=self.step_times.recent_longest(),
             evicted_tokens_total=self.manager.num_evicted_tokens,
             repack_moves_total=self.manager.num_repack_moves,
             requests=self.manager.reports(

@@ -287,8 +287,10 @@ def _scheduler_init(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _schedule(original: Callable[..., Any]) -> Callable[..., Any]:
     def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
-        output = original(self, *args, **kwargs)
         state = scheduler_state(self)
+        if state is not None:
+            state.step_times.begin()  # the engine step: scheduling, forward, update
+        output = original(self, *args, **kwargs)
         if state is not None:
             ops = state.take_ops(output.num_scheduled_tokens, self.requests)
             setattr(output, OPS_ATTRIBUTE, ops)
@@ -308,7 +310,11 @@ def _update_from_output(original: Callable[..., Any]) -> Callable[..., Any]:
                 scores,
                 num_waiting_blocks=_waiting_head_blocks(self, state),
             )
-        return original(self, scheduler_output, model_runner_output)
+        try:
+            return original(self, scheduler_output, model_runner_output)
+        finally:
+            if state is not None:
+                state.step_times.end()
 
     return update_from_output
 

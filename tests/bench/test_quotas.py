@@ -79,11 +79,19 @@ def test_stretches_are_judged_against_a_report_period_plus_the_step() -> None:
     samples = [(0.0, 5), (0.1, 12), (0.3, 11), (0.4, 9), (1.0, 15), (1.5, 10), (2.0, 30)]
     stretches = over_budget_stretches(samples, budget=10)
     assert stretches == [(0.1, 0.4), (1.0, 1.5)]  # the last sample has no duration
-    # Steps reported: 0.25 s around the first stretch, 0.3 s up to the second's end.
-    steps = [(0.0, 0.05), (0.2, 0.25), (0.5, 0.1), (1.2, 0.3), (1.7, 0.3), (3.0, 2.0)]
-    first, second = judge_stretches(stretches, steps, report_period_s=0.1)
+    hosts = [(t, frozenset({"r1"})) for t, _ in samples]
+    steps = {
+        "r1": [(-1.0, 0.05), (0.15, 0.4)],  # a 0.25 s step inside the first stretch
+        "r2": [(0.9, 1.6)],  # a long step on a replica that does not hold the tenant
+    }
+    first, second = judge_stretches(stretches, hosts, steps, report_period_s=0.1)
     assert first["step_s"] == 0.25 and first["bound_s"] == pytest.approx(0.35)
-    assert first["within_bound"]  # 0.3 s <= 0.1 + 0.25
-    assert second["step_s"] == 0.3 and not second["within_bound"]  # 0.5 s > 0.4 s
-    # A step reported long after a stretch does not excuse it.
-    assert not judge_stretches([(1.0, 1.5)], [(3.0, 2.0)], 0.1)[0]["within_bound"]
+    assert first["within_bound"] and first["replicas"] == ["r1"]
+    assert second["step_s"] == 0.0 and not second["within_bound"]  # 0.5 s > 0.1 s
+    # A long step that ended before the stretch began does not excuse it...
+    early = judge_stretches([(1.0, 1.5)], hosts, {"r1": [(0.0, 0.99)]}, 0.1)[0]
+    assert not early["within_bound"]
+    # ...one that ran during it does, on a replica holding the tenant's KV.
+    hosts_both = [(1.2, frozenset({"r1", "r2"}))]
+    during = judge_stretches([(1.0, 1.5)], hosts_both, steps, 0.1)[0]
+    assert during["within_bound"] and during["step_s"] == pytest.approx(0.7)

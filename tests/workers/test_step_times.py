@@ -17,7 +17,7 @@ class Clock:
 
 def test_reports_the_longest_step_of_the_window() -> None:
     clock = Clock()
-    steps = StepTimes(clock, window_s=2.0)
+    steps = StepTimes(clock, wall=lambda: clock.now + 1000, window_s=2.0)
     assert steps.recent_max_s() == 0.0
     for duration, gap in ((0.2, 0.0), (0.7, 0.1), (0.3, 0.1)):
         clock.now += gap
@@ -25,6 +25,10 @@ def test_reports_the_longest_step_of_the_window() -> None:
         clock.now += duration
         steps.end()
     assert steps.recent_max_s() == pytest.approx(0.7)
+    # The longest two, in time order, stamped with the wall clock at their end.
+    (first, second) = steps.recent_longest(2)
+    assert first == (pytest.approx(1101.0), pytest.approx(0.7))
+    assert second == (pytest.approx(1101.4), pytest.approx(0.3))
     clock.now += 1.5  # the 0.7 s step ended 1.9 s ago: still in the window
     assert steps.recent_max_s() == pytest.approx(0.7)
     clock.now += 0.2  # now 2.1 s ago: forgotten; the 0.3 s step ended 1.7 s ago

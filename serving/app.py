@@ -148,9 +148,16 @@ def build_app(args: dict[str, Any], *, admin_token: str | None = None) -> Applic
             "key_prefix": config.key_prefix,
         }
     )
+    # The router's kwargs are part of the engine deployment's config (Serve shows it):
+    # a URL read from the environment (it may carry a password) is named, not copied.
+    where = (
+        {"redis_url": config.redis_url}
+        if config.redis_url is not None
+        else {"redis_url_env": config.redis_url_env}
+    )
     router = RequestRouterConfig(
         request_router_class=VTokenRequestRouter,  # type: ignore[arg-type]
-        request_router_kwargs={"redis_url": redis_url, "key_prefix": config.key_prefix},
+        request_router_kwargs={**where, "key_prefix": config.key_prefix},
     )
     engine = EngineReplica.options(  # type: ignore[attr-defined]
         num_replicas=config.num_replicas,

@@ -286,8 +286,11 @@ def local_cluster(
         if folder is None:
             folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="vtoken-")))
         redis = stack.enter_context(LocalRedis(folder / "redis", password=redis_password))
-        if redis_password:
+        if redis_password:  # in the driver (build_app) and, below, in every actor
             stack.enter_context(mock.patch.dict(os.environ, {"VTOKEN_REDIS_URL": redis.url}))
+            runtime_env = dict((ray_init or {}).get("runtime_env", {}))
+            env_vars = {**runtime_env.get("env_vars", {}), "VTOKEN_REDIS_URL": redis.url}
+            ray_init = {**(ray_init or {}), "runtime_env": {**runtime_env, "env_vars": env_vars}}
         ray.init(
             **{
                 "include_dashboard": False,

@@ -9,6 +9,7 @@ falls back to load-only ranking, so requests keep flowing.
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 from opentelemetry import trace
@@ -34,10 +35,21 @@ def request_fields(pending_request: PendingRequest | None) -> dict[str, Any]:
 
 class VTokenRequestRouter(FIFOMixin, RequestRouter):
     def initialize_state(  # type: ignore[override]
-        self, redis_url: str, key_prefix: str = "vtoken", max_plan_age_s: float = 5.0
+        self,
+        redis_url: str | None = None,
+        key_prefix: str = "vtoken",
+        max_plan_age_s: float = 5.0,
+        redis_url_env: str | None = None,
     ) -> None:
+        """``redis_url``, or the name of the variable holding it in this process's
+        environment (``redis_url_env``): the router's arguments are part of the
+        deployment's config, which Serve shows, so a URL with a password never goes there."""
         configure_tracing("vtoken-router")
         self._tracer = trace.get_tracer(telemetry.TRACER_ROUTER)
+        if redis_url is None:
+            redis_url = os.environ.get(redis_url_env or "")
+            if not redis_url:
+                raise ValueError(f"no Redis URL for the router: set ${redis_url_env}")
         store = RedisStore(connect(RedisConfig(url=redis_url)), KeySpace(key_prefix))
         self._core = RouterCore(store, SystemClock(), RouterConfig(max_plan_age_s=max_plan_age_s))
         self._stop = asyncio.Event()

@@ -19,6 +19,15 @@ ENGINE_NODE = "engine_node"
 PASSWORD = "multi-node-test-password"
 
 
+def _paths_holding(node: object, secret: str, path: str = "") -> list[str]:
+    """Where in a nested dict/list ``secret`` appears, as dotted paths."""
+    if isinstance(node, dict):
+        return [p for k, v in node.items() for p in _paths_holding(v, secret, f"{path}.{k}")]
+    if isinstance(node, list | tuple):
+        return [p for i, v in enumerate(node) for p in _paths_holding(v, secret, f"{path}[{i}]")]
+    return [path] if secret in str(node) else []
+
+
 def _status(client: httpx.Client) -> dict:
     response = client.get("/admin/status", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
     response.raise_for_status()
@@ -39,22 +48,32 @@ def test_engines_on_worker_nodes_serve_report_and_a_lost_node_shows(tmp_path, sm
     from ray.cluster_utils import Cluster
 
     model = make_tiny_llama(tmp_path / "tiny", smollm2_path)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    workers = [cluster.add_node(num_cpus=1, resources={ENGINE_NODE: 1}) for _ in range(2)]
-    cluster.wait_for_nodes()
     env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    cluster = Cluster()
     try:
+        cluster.add_node(num_cpus=2)  # the head: Serve, the ingress, the controller
+        # Worker nodes offer no CPU, only the engines' resource: nothing else lands there.
+        workers = [cluster.add_node(num_cpus=0, resources={ENGINE_NODE: 1}) for _ in range(2)]
+        cluster.wait_for_nodes()
         with local_cluster(
             2,
             {"policy": "h2o", "keep_ratio": 0.5},
             engine={"model": str(model), "served_name": "tiny", "max_model_len": 512,
                     "num_blocks": 64},
-            app_args={"replica_num_cpus": 1, "replica_resources": {ENGINE_NODE: 1}},
+            app_args={"replica_num_cpus": 0, "replica_resources": {ENGINE_NODE: 1}},
             ray_init={"address": cluster.address, "runtime_env": {"env_vars": env}},
             folder=tmp_path,
             redis_password=PASSWORD,
         ) as stack:  # fmt: skip
-            assert PASSWORD in stack.redis_url  # every process got the password in its URL
+            # The password reaches every process through $VTOKEN_REDIS_URL: Serve shows it
+            # only as that environment variable, never in a deployment's arguments or the
+            # router's (which a config would otherwise carry in plain text).
+            from ray.serve.context import _get_global_client
+
+            details = ray.get(_get_global_client()._controller.get_serve_instance_details.remote())
+            leaks = _paths_holding(details, PASSWORD)
+            assert leaks, "the password should reach the actors through their environment"
+            assert all(p.endswith("runtime_env.env_vars.VTOKEN_REDIS_URL") for p in leaks), leaks
             # Both engine replicas hold the resource only the worker nodes offer.
             assert ray.cluster_resources().get(ENGINE_NODE) == 2
             assert ray.available_resources().get(ENGINE_NODE, 0) == 0

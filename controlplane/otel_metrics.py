@@ -200,12 +200,17 @@ class RequestMetrics:
         outcome_attribute = telemetry.ATTR_ADMISSION_OUTCOME
         self._admissions.add(1, {telemetry.ATTR_TENANT_ID: tenant_id, outcome_attribute: outcome})
 
+    def first_token(self, tenant_id: str, seconds: float) -> None:
+        """A request's first token, ``seconds`` after its arrival (recorded when it comes,
+        so answers abandoned or failed later still count)."""
+        self._ttft.record(seconds, {telemetry.ATTR_TENANT_ID: tenant_id})
+
     def request_done(
         self, tenant_id: str, first_token_s: float, last_token_s: float, output_tokens: int
     ) -> None:
-        """One finished request: seconds from arrival to its first and last token."""
+        """One finished request's time per output token: seconds from arrival to its first
+        and last token over its tokens (per sequence: for ``n`` > 1 the mean length)."""
         attributes = {telemetry.ATTR_TENANT_ID: tenant_id}
-        self._ttft.record(first_token_s, attributes)
         if output_tokens > 1:
             tpot = (last_token_s - first_token_s) / (output_tokens - 1)
             self._tpot.record(tpot, attributes)

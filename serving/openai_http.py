@@ -294,6 +294,7 @@ class IngressState:
                     tokens_seen, seen_at = chunk.completion_tokens, now
                     if first_token_at is None:
                         first_token_at = now
+                        self.request_metrics.first_token(request.tenant_id, now - started)
                 if chunk.completion_tokens:  # a piece of this choice: its prefill is over
                     decoding.add(chunk.index)
                 if len(decoding) >= request.n and reservation.blocks > reservation.steady:

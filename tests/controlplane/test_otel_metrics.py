@@ -137,8 +137,11 @@ def test_admissions_and_latency_per_tenant(reader: InMemoryMetricReader):
     metrics.admission("acme", "admitted")
     metrics.admission("acme", "throttled")
     metrics.admission("acme", "throttled")
+    metrics.first_token("acme", 0.2)
     metrics.request_done("acme", first_token_s=0.2, last_token_s=1.2, output_tokens=11)
+    metrics.first_token("acme", 0.4)
     metrics.request_done("acme", first_token_s=0.4, last_token_s=0.4, output_tokens=1)
+    metrics.first_token("acme", 0.3)  # an answer abandoned after its first token
     points = collect(reader)
     outcomes = {
         attributes[telemetry.ATTR_ADMISSION_OUTCOME]: value
@@ -146,7 +149,7 @@ def test_admissions_and_latency_per_tenant(reader: InMemoryMetricReader):
     }
     assert outcomes == {"admitted": 1, "throttled": 2}
     [(_, (count, total))] = points[telemetry.METRIC_TIME_TO_FIRST_TOKEN]
-    assert count == 2 and total == pytest.approx(0.6)
+    assert count == 3 and total == pytest.approx(0.9)
     [(_, (count, total))] = points[telemetry.METRIC_TIME_PER_OUTPUT_TOKEN]
     assert count == 1 and total == pytest.approx(0.1)  # one token has no gap
 
@@ -166,6 +169,7 @@ def test_prometheus_names_are_the_exporters():
     controller.record_cycle(0.01)
     requests = RequestMetrics(meter)
     requests.admission("acme", "admitted")
+    requests.first_token("acme", 0.1)
     requests.request_done("acme", 0.1, 0.3, 3)
 
     rendered = generate_latest(registry).decode()

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from controlplane import telemetry
-
 
 class IngressMetrics:
     """One registry per ingress process, so repeated construction in tests never clashes."""
@@ -13,7 +11,9 @@ class IngressMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self._admissions = Counter(
-            telemetry.METRIC_ADMISSIONS.replace(".", "_"),
+            # Not OpenTelemetry's `vtoken_admissions` (``RequestMetrics``, with other label
+            # names): one scrape of both must not add the two up.
+            "vtoken_ingress_admissions",
             "Admission decisions by tenant and outcome.",
             ["tenant", "outcome"],
             registry=self.registry,

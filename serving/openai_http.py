@@ -223,6 +223,7 @@ class IngressState:
                 n=body.n,
                 logprobs=body.num_logprobs,
                 eviction_budget_tokens=quota.eviction_budget_tokens,
+                hold_to_bound=reservation.steady < reservation.blocks,
                 trace_context=inject_context(),
             )
             chunks = self._generate(generate, reservation, started)

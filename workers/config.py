@@ -18,6 +18,9 @@ from vtoken.repack_planner import ReclaimMode
 
 CONFIG_KEY = "vtoken"
 REQUEST_KEY = "vtoken_policy"
+HOLD_TO_BOUND_KEY = "vtoken_hold_to_bound"
+"""``extra_args`` flag: evict the request to its budget in the step that ends its prefill
+(admission counts it at that bound from then on)."""
 
 
 class PolicySpec(BaseModel):

@@ -48,7 +48,7 @@ from vtoken.manager import RequestKV, VTokenManager
 from vtoken.policy import ScoreNeeds, StepAttention
 from vtoken.repack_planner import ReclaimMode
 from vtoken.reports import DEFAULT_TENANT, EngineReport, RequestReport
-from workers.config import PolicySpec, VTokenConfig, request_policy_spec
+from workers.config import HOLD_TO_BOUND_KEY, PolicySpec, VTokenConfig, request_policy_spec
 from workers.messages import StepOps, StepScores
 from workers.vllm_block_pool import VLLMBlockPool
 
@@ -67,6 +67,7 @@ class ScheduledRequest:
     kv: RequestKV
     spec: PolicySpec
     capped: bool = False  # its spec is a per-request override (the tenant's cap)
+    hold_to_bound: bool = False  # admission counts it at its bound once its prefill ends
     pressure_anchor: int | None = None  # live tokens when its tenant's pressure reached it
     pending_src: np.ndarray = field(default_factory=lambda: _EMPTY)
     pending_dst: np.ndarray = field(default_factory=lambda: _EMPTY)
@@ -199,7 +200,10 @@ class VTokenScheduler:
             request.request_id, request.num_prompt_tokens, tenant, spec.make_policy()
         )
         self.requests[request.request_id] = ScheduledRequest(
-            kv, spec, capped=spec is not self.config
+            kv,
+            spec,
+            capped=spec is not self.config,
+            hold_to_bound=bool(extra.get(HOLD_TO_BOUND_KEY)),
         )
         self.stm.req_to_blocks[request.request_id]  # defaultdict: create the empty list
 
@@ -311,7 +315,10 @@ class VTokenScheduler:
             record = self.requests[request_id]
             policy = record.kv.policy
             own_timing = policy is not None and not policy.holds_budget_every_step
-            if own_timing or record.capped or record.kv.tenant in self.pressure:
+            # The step that ends its prefill (no decode step has run its policy yet): a
+            # request admission now counts at its bound gives back what lies above it.
+            ends_prefill = record.hold_to_bound and record.kv.num_steps == 0
+            if own_timing or record.capped or ends_prefill or record.kv.tenant in self.pressure:
                 always.add(request_id)
         need = (
             num_waiting_blocks

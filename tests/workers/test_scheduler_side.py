@@ -9,9 +9,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from vtoken.policy import StepAttention
 from vtoken.repack_planner import ReclaimMode
 from vtoken.reports import DEFAULT_TENANT
 from workers.config import VTokenConfig
+from workers.messages import StepScores
 from workers.scheduler_side import VTokenScheduler
 
 BLOCK_SIZE = 4
@@ -195,3 +197,30 @@ def test_blocks_above_budget_count_only_what_eviction_gives_back(mode):
     state.manager.evict_ids("r", np.arange(40, 60))  # at its sinks now
     state._reclaim(state.requests["r"])
     assert state.blocks_above_budget("r") == 0
+
+
+@pytest.mark.parametrize("hold", [False, True])
+def test_a_request_held_to_its_bound_evicts_in_the_step_that_ends_its_prefill(hold):
+    """``on_demand`` with memory to spare keeps a prompt whole after its prefill, unless
+    admission counts the request at its bound from then on (``vtoken_hold_to_bound``):
+    then the step that ends the prefill evicts it to budget, and later steps are on demand
+    again."""
+    pool, manager = FakeBlockPool(64), FakeBlockManager()
+    config = VTokenConfig(policy="h2o", keep_ratio=0.2, eviction="on_demand")
+    state = VTokenScheduler(config, pool, manager)
+    extra = {"tenant": "acme", "vtoken_hold_to_bound": True} if hold else {"tenant": "acme"}
+    request = FakeRequest("r", 40, sampling_params=SimpleNamespace(extra_args=extra))
+    run_prefill(state, request)
+
+    def scores() -> StepScores:  # H2O reads the step's attention over the request's slots
+        slots = state.requests["r"].kv.table.num_slots
+        return StepScores({"r": StepAttention(step_scores=np.linspace(1, 2, slots))})
+
+    state.after_step({"r": 40}, {"r": request}, scores())
+    held = state.requests["r"].kv.num_held_blocks
+    assert held == (2 if hold else 10)  # 0.2 x 40 = 8 tokens: 2 blocks of 4
+    # The next step decodes one token: on demand again, nothing is evicted.
+    assert state.allocate(request, 1) is not None
+    request.num_computed_tokens = 41
+    state.after_step({"r": 1}, {"r": request}, scores())
+    assert state.requests["r"].kv.table.num_live == (9 if hold else 41)

@@ -179,10 +179,10 @@ class GenerateRequest(BaseModel):
     n: int = Field(default=1, ge=1)  # choices: vLLM runs each as its own sequence
     logprobs: int | None = Field(default=None, ge=0)  # alternatives per token; None: none
     eviction_budget_tokens: int | None = None  # the tenant's per-request KV cap (admission)
-    hold_to_bound: bool = False
-    """Admission counts this request at its policy's bound once its prefill ends (active-KV
-    admission): the engine evicts it to that bound in the step that ends its prefill,
-    whatever its eviction mode, so what it holds matches what admission counted."""
+    hold_to_blocks: int | None = Field(default=None, ge=1)
+    """The blocks admission counts each sequence at once its prefill ends (active-KV
+    admission's steady bound), when that is less than its prompt + ``max_tokens``: the
+    engine evicts a sequence that holds more, at any step and in any eviction mode."""
     trace_context: dict[str, str] = Field(default_factory=dict)
 
 

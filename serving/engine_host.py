@@ -40,7 +40,7 @@ from controlplane.tracing import (
 )
 from policies import CAP_POLICY
 from vtoken.reports import EngineReport
-from workers.config import HOLD_TO_BOUND_KEY, REQUEST_KEY, VTokenConfig, request_policy_spec
+from workers.config import HOLD_TO_BLOCKS_KEY, REQUEST_KEY, VTokenConfig, request_policy_spec
 
 logger = logging.getLogger(__name__)
 PLAN_POLL_S = 0.1  # one GET of the plan version: pressure lands within a report period
@@ -355,8 +355,8 @@ class EngineHost:
     def extra_args(self, request: GenerateRequest) -> dict[str, Any]:
         """The request's tenant, and its own eviction budget: the tenant's cap."""
         extra: dict[str, Any] = {"tenant": request.tenant_id}
-        if request.hold_to_bound:
-            extra[HOLD_TO_BOUND_KEY] = True
+        if request.hold_to_blocks is not None:
+            extra[HOLD_TO_BLOCKS_KEY] = request.hold_to_blocks
         override = request_spec(self.settings.vtoken, request.eviction_budget_tokens)
         if override is not None:
             extra[REQUEST_KEY] = override

@@ -223,7 +223,7 @@ class IngressState:
                 n=body.n,
                 logprobs=body.num_logprobs,
                 eviction_budget_tokens=quota.eviction_budget_tokens,
-                hold_to_bound=reservation.steady < reservation.blocks,
+                hold_to_blocks=self.hold_to_blocks(reservation, len(ids), body.max_tokens, body.n),
                 trace_context=inject_context(),
             )
             chunks = self._generate(generate, reservation, started)
@@ -269,6 +269,14 @@ class IngressState:
                 400, f"request cannot be admitted: {decision.reason}", "invalid_request"
             )
         return decision.reservation
+
+    def hold_to_blocks(
+        self, reservation: Reservation, prompt_tokens: int, max_tokens: int, n: int
+    ) -> int | None:
+        """Each sequence's steady bound in blocks when admission counts it below its
+        worst case (then the engine holds it there), else ``None``."""
+        worst = n * -(-(prompt_tokens + max_tokens) // self.settings.block_size)
+        return reservation.steady // n if reservation.steady < worst else None
 
     async def _generate(
         self, request: GenerateRequest, reservation: Reservation, started: float

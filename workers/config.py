@@ -18,9 +18,9 @@ from vtoken.repack_planner import ReclaimMode
 
 CONFIG_KEY = "vtoken"
 REQUEST_KEY = "vtoken_policy"
-HOLD_TO_BOUND_KEY = "vtoken_hold_to_bound"
-"""``extra_args`` flag: evict the request to its budget in the step that ends its prefill
-(admission counts it at that bound from then on)."""
+HOLD_TO_BLOCKS_KEY = "vtoken_hold_to_blocks"
+"""``extra_args``: the most blocks the request may hold once its prefill ended (what
+admission counts it at); above it, it evicts at that step whatever the eviction mode."""
 
 
 class PolicySpec(BaseModel):

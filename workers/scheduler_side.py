@@ -48,7 +48,7 @@ from vtoken.manager import RequestKV, VTokenManager
 from vtoken.policy import ScoreNeeds, StepAttention
 from vtoken.repack_planner import ReclaimMode
 from vtoken.reports import DEFAULT_TENANT, EngineReport, RequestReport
-from workers.config import HOLD_TO_BOUND_KEY, PolicySpec, VTokenConfig, request_policy_spec
+from workers.config import HOLD_TO_BLOCKS_KEY, PolicySpec, VTokenConfig, request_policy_spec
 from workers.messages import StepOps, StepScores
 from workers.vllm_block_pool import VLLMBlockPool
 
@@ -67,7 +67,7 @@ class ScheduledRequest:
     kv: RequestKV
     spec: PolicySpec
     capped: bool = False  # its spec is a per-request override (the tenant's cap)
-    hold_to_bound: bool = False  # admission counts it at its bound once its prefill ends
+    hold_blocks: int | None = None  # what admission counts it at once its prefill ended
     pressure_anchor: int | None = None  # live tokens when its tenant's pressure reached it
     pending_src: np.ndarray = field(default_factory=lambda: _EMPTY)
     pending_dst: np.ndarray = field(default_factory=lambda: _EMPTY)
@@ -81,6 +81,12 @@ class FinishedRequest:
 
     report: RequestReport
     evictions: list[np.ndarray]
+
+
+def _hold_blocks(extra: Mapping[str, Any]) -> int | None:
+    """The request's ``HOLD_TO_BLOCKS_KEY`` (a positive int), else ``None``."""
+    value = extra.get(HOLD_TO_BLOCKS_KEY)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
 
 
 class StepTimes:
@@ -203,7 +209,7 @@ class VTokenScheduler:
             kv,
             spec,
             capped=spec is not self.config,
-            hold_to_bound=bool(extra.get(HOLD_TO_BOUND_KEY)),
+            hold_blocks=_hold_blocks(extra),
         )
         self.stm.req_to_blocks[request.request_id]  # defaultdict: create the empty list
 
@@ -293,6 +299,8 @@ class VTokenScheduler:
         by its tenant's pressure to ``fraction x anchor`` (the policy still keeps what it
         protects at that budget: :meth:`blocks_above_budget` counts it)."""
         budget = record.spec.budget(record.kv.table.num_logical)
+        if record.hold_blocks is not None:  # fits what admission counts: a block for the step
+            budget = min(budget, max(1, (record.hold_blocks - 1) * self.block_size))
         fraction = self.pressure.get(record.kv.tenant)
         if fraction is not None and record.pressure_anchor is not None:
             budget = min(budget, max(1, int(record.pressure_anchor * fraction)))
@@ -315,10 +323,10 @@ class VTokenScheduler:
             record = self.requests[request_id]
             policy = record.kv.policy
             own_timing = policy is not None and not policy.holds_budget_every_step
-            # The step that ends its prefill (no decode step has run its policy yet): a
-            # request admission now counts at its bound gives back what lies above it.
-            ends_prefill = record.hold_to_bound and record.kv.num_steps == 0
-            if own_timing or record.capped or ends_prefill or record.kv.tenant in self.pressure:
+            # Admission counts it at ``hold_blocks`` from the end of its prefill: it gives
+            # back what lies above that at once, not when memory or its tenant runs short.
+            held = record.hold_blocks is not None and record.kv.num_held_blocks > record.hold_blocks
+            if own_timing or record.capped or held or record.kv.tenant in self.pressure:
                 always.add(request_id)
         need = (
             num_waiting_blocks

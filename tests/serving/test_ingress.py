@@ -34,7 +34,7 @@ async def test_a_completion_answers_with_usage_and_gives_its_reservation_back(
     }
     (sent,) = ingress.replicas.requests
     assert sent["prompt_token_ids"] == prompt_ids
-    assert sent["hold_to_bound"] is False  # counted at prompt + max_tokens throughout
+    assert sent["hold_to_blocks"] is None  # its cap is above its prompt + max_tokens
     assert sent["tenant_id"] == "acme" and sent["request_id"] == body["id"]
     assert sent["eviction_budget_tokens"] == 64
     # Held while the engine answered (worst case: prompt + max_tokens), released after.
@@ -198,8 +198,8 @@ async def test_the_reservation_shrinks_to_the_steady_bound_once_a_token_is_out(
     answer = asyncio.create_task(ingress.complete(api_key, prompt=prompt, max_tokens=8))
     await asyncio.wait_for(ingress.replicas.arrived.wait(), 10)
     assert ingress.replicas.reserved_while_answering == [prompt_blocks]  # the prefill peak
-    # It will be counted at its bound: the engine must hold it there once its prefill ends.
-    assert ingress.replicas.requests[-1]["hold_to_bound"] is True
+    # Counted at its steady bound once its prefill ends: the engine holds it there.
+    assert ingress.replicas.requests[-1]["hold_to_blocks"] == steady
     for _ in range(200):
         if await ingress.state.admission.reserved_blocks("acme") == steady:
             break

@@ -199,16 +199,16 @@ def test_blocks_above_budget_count_only_what_eviction_gives_back(mode):
     assert state.blocks_above_budget("r") == 0
 
 
-@pytest.mark.parametrize("hold", [False, True])
-def test_a_request_held_to_its_bound_evicts_in_the_step_that_ends_its_prefill(hold):
+@pytest.mark.parametrize("hold", [None, 3])
+def test_a_request_never_holds_more_than_admission_counts(hold):
     """``on_demand`` with memory to spare keeps a prompt whole after its prefill, unless
-    admission counts the request at its bound from then on (``vtoken_hold_to_bound``):
-    then the step that ends the prefill evicts it to budget, and later steps are on demand
-    again."""
+    admission counts the request at ``vtoken_hold_to_blocks``: then it evicts (within that
+    bound, a block left for the next step) as soon as it holds more, at the step that ends
+    its prefill and whenever decoding grows it past the bound again."""
     pool, manager = FakeBlockPool(64), FakeBlockManager()
     config = VTokenConfig(policy="h2o", keep_ratio=0.2, eviction="on_demand")
     state = VTokenScheduler(config, pool, manager)
-    extra = {"tenant": "acme", "vtoken_hold_to_bound": True} if hold else {"tenant": "acme"}
+    extra = {"tenant": "acme"} | ({"vtoken_hold_to_blocks": hold} if hold else {})
     request = FakeRequest("r", 40, sampling_params=SimpleNamespace(extra_args=extra))
     run_prefill(state, request)
 
@@ -217,10 +217,25 @@ def test_a_request_held_to_its_bound_evicts_in_the_step_that_ends_its_prefill(ho
         return StepScores({"r": StepAttention(step_scores=np.linspace(1, 2, slots))})
 
     state.after_step({"r": 40}, {"r": request}, scores())
-    held = state.requests["r"].kv.num_held_blocks
-    assert held == (2 if hold else 10)  # 0.2 x 40 = 8 tokens: 2 blocks of 4
-    # The next step decodes one token: on demand again, nothing is evicted.
-    assert state.allocate(request, 1) is not None
-    request.num_computed_tokens = 41
-    state.after_step({"r": 1}, {"r": request}, scores())
-    assert state.requests["r"].kv.table.num_live == (9 if hold else 41)
+    record = state.requests["r"]
+    # 0.2 x 40 = 8 tokens: 2 blocks of 4 (within the 3 admission counts); else all 10.
+    assert record.kv.num_held_blocks == (2 if hold else 10)
+    grown = []
+    for step in range(8):  # decode: one token a step
+        assert state.allocate(request, 1) is not None
+        request.num_computed_tokens += 1
+        state.after_step({"r": 1}, {"r": request}, scores())
+        grown.append(record.kv.num_held_blocks)
+        if hold:
+            assert record.kv.num_held_blocks <= hold, (step, grown)
+    assert max(grown) == (3 if hold else 12)
+
+
+def test_a_bad_hold_value_is_ignored() -> None:
+    pool, manager = FakeBlockPool(64), FakeBlockManager()
+    state = VTokenScheduler(VTokenConfig(policy="h2o", keep_ratio=0.2), pool, manager)
+    for value in (0, -3, "7", True, 2.5):
+        params = SimpleNamespace(extra_args={"vtoken_hold_to_blocks": value})
+        request = FakeRequest(f"r{value}", 8, sampling_params=params)
+        assert state.allocate(request, 8) is not None
+        assert state.requests[request.request_id].hold_blocks is None

@@ -47,6 +47,49 @@ def _dot(q, k, NATIVE_DOT: tl.constexpr):
 
 
 @triton.jit
+def _key_tile(
+    cache_ptr, table_ptr, block_size, keys, key_mask, dims, dim_mask, kv_head, key_base,
+    key_block_stride, key_offset_stride, key_head_stride, key_dim_stride,
+    ALIGN: tl.constexpr,
+):  # fmt: skip
+    """Keys ``keys`` of one request (its block-table row at ``table_ptr``) and KV head:
+    ``[BLOCK_N, BLOCK_D]``, each key's channels contiguous. Token rows are data-dependent
+    addresses: ``ALIGN`` promises their alignment so they load as 16-byte vectors."""
+    blocks = tl.load(table_ptr + keys // block_size, mask=key_mask, other=0).to(tl.int64)
+    key_rows = key_base + blocks * key_block_stride + (keys % block_size) * key_offset_stride
+    key_rows += kv_head * key_head_stride
+    key_rows = tl.multiple_of(key_rows, ALIGN)
+    return tl.load(
+        cache_ptr + key_rows[:, None] + (dims * key_dim_stride)[None, :],
+        mask=key_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
+
+
+@triton.jit
+def _row_logits(
+    query_ptr, q_start, q_len, causal, rows, row_mask, dims, dim_mask, kv_head, k, keys,
+    key_mask, scale, query_token_stride, query_head_stride,
+    GROUP: tl.constexpr, NATIVE_DOT: tl.constexpr,
+):  # fmt: skip
+    """Scaled logits ``[BLOCK_R, BLOCK_N]`` of query rows ``rows`` (row ``g * q_len + i``:
+    q head ``kv_head * GROUP + g``, query ``i``) against the key tile ``k``; ``-inf`` where
+    query ``i`` may not see the key (``key > causal + i``) or outside the rows and keys."""
+    query_index = rows % q_len
+    q_head = kv_head * GROUP + rows // q_len
+    q_offsets = (q_start + query_index) * query_token_stride + q_head * query_head_stride
+    q = tl.load(
+        query_ptr + q_offsets[:, None] + dims[None, :],
+        mask=row_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
+    logits = _dot(q, k, NATIVE_DOT) * scale
+    visible = keys[None, :] <= (causal + query_index)[:, None]
+    visible = visible & key_mask[None, :] & row_mask[:, None]
+    return tl.where(visible, logits, float("-inf"))
+
+
+@triton.jit
 def _logits_kernel(
     query_ptr,  # [num_tokens, num_q_heads, head_dim], any float dtype
     cache_ptr,  # one layer's cache (float view)
@@ -95,28 +138,15 @@ def _logits_kernel(
     key_mask = keys < seq_len
     dim_mask = dims < HEAD_DIM
 
-    query_index = rows % q_len
-    q_head = kv_head * GROUP + rows // q_len
-    q_offsets = (q_start + query_index) * query_token_stride + q_head * query_head_stride
-    q = tl.load(
-        query_ptr + q_offsets[:, None] + dims[None, :],
-        mask=row_mask[:, None] & dim_mask[None, :],
-        other=0.0,
-    )
-
-    table = block_tables_ptr + request * block_table_stride
-    blocks = tl.load(table + keys // block_size, mask=key_mask, other=0).to(tl.int64)
-    key_rows = key_base + blocks * key_block_stride + (keys % block_size) * key_offset_stride
-    key_rows += kv_head * key_head_stride
-    key_rows = tl.multiple_of(key_rows, ALIGN)  # data-dependent: promise 16-byte rows
-    k = tl.load(
-        cache_ptr + key_rows[:, None] + (dims * key_dim_stride)[None, :],
-        mask=key_mask[:, None] & dim_mask[None, :],
-        other=0.0,
-    )  # [BLOCK_N, BLOCK_D], each key's channels contiguous
-    logits = _dot(q, k, NATIVE_DOT) * scale
-    visible = (keys[None, :] <= (causal + query_index)[:, None]) & key_mask[None, :]
-    logits = tl.where(visible, logits, float("-inf"))
+    k = _key_tile(
+        cache_ptr, block_tables_ptr + request * block_table_stride, block_size, keys,
+        key_mask, dims, dim_mask, kv_head, key_base, key_block_stride, key_offset_stride,
+        key_head_stride, key_dim_stride, ALIGN,
+    )  # fmt: skip
+    logits = _row_logits(
+        query_ptr, q_start, q_len, causal, rows, row_mask, dims, dim_mask, kv_head, k, keys,
+        key_mask, scale, query_token_stride, query_head_stride, GROUP, NATIVE_DOT,
+    )  # fmt: skip
     if STORE_LOGITS:
         out = logits_ptr + logits_start + (kv_head * num_rows + rows[:, None]) * seq_len
         tl.store(out + keys[None, :], logits, mask=row_mask[:, None] & key_mask[None, :])
@@ -213,16 +243,11 @@ def _mass_kernel(
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < HEAD_DIM
     if not STORED_LOGITS:  # the key tile is read once for every row tile below
-        table = block_tables_ptr + request * block_table_stride
-        blocks = tl.load(table + keys // block_size, mask=key_mask, other=0).to(tl.int64)
-        key_rows = key_base + blocks * key_block_stride + (keys % block_size) * key_offset_stride
-        key_rows += kv_head * key_head_stride
-        key_rows = tl.multiple_of(key_rows, ALIGN)
-        k = tl.load(
-            cache_ptr + key_rows[:, None] + (dims * key_dim_stride)[None, :],
-            mask=key_mask[:, None] & dim_mask[None, :],
-            other=0.0,
-        )
+        k = _key_tile(
+            cache_ptr, block_tables_ptr + request * block_table_stride, block_size, keys,
+            key_mask, dims, dim_mask, kv_head, key_base, key_block_stride, key_offset_stride,
+            key_head_stride, key_dim_stride, ALIGN,
+        )  # fmt: skip
     mass = tl.zeros([BLOCK_N], dtype=tl.float32)
     for row_start in range(0, num_rows, BLOCK_R):
         rows = row_start + tl.arange(0, BLOCK_R)
@@ -234,17 +259,10 @@ def _mass_kernel(
                 at + keys[None, :], mask=row_mask[:, None] & key_mask[None, :], other=float("-inf")
             )
         else:
-            query_index = rows % q_len
-            q_head = kv_head * GROUP + rows // q_len
-            q_offsets = (q_start + query_index) * query_token_stride + q_head * query_head_stride
-            q = tl.load(
-                query_ptr + q_offsets[:, None] + dims[None, :],
-                mask=row_mask[:, None] & dim_mask[None, :],
-                other=0.0,
-            )
-            logits = _dot(q, k, NATIVE_DOT) * scale
-            visible = (keys[None, :] <= (causal + query_index)[:, None]) & key_mask[None, :]
-            logits = tl.where(visible & row_mask[:, None], logits, float("-inf"))
+            logits = _row_logits(
+                query_ptr, q_start, q_len, causal, rows, row_mask, dims, dim_mask, kv_head, k,
+                keys, key_mask, scale, query_token_stride, query_head_stride, GROUP, NATIVE_DOT,
+            )  # fmt: skip
         # Every row sees key 0, so its log-sum-exp is finite.
         mass += tl.sum(tl.exp(logits - lse[:, None]), axis=0)
     out = out_ptr + kv_head * out_stride + tl.load(info + 6) + keys

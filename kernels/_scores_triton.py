@@ -94,8 +94,8 @@ def _logits_kernel(
     query_ptr,  # [num_tokens, num_q_heads, head_dim], any float dtype
     cache_ptr,  # one layer's cache (float view)
     block_tables_ptr,  # [num_requests, max_blocks] int32/int64
-    requests_ptr,  # [num_requests, 7] int64: q_start, q_len, seq_len, causal, logits, rows,
-    #                 key offset
+    requests_ptr,  # [num_requests, 8] int64: q_start, q_len, seq_len, causal, logits
+    #                 offset, first row, output key offset, tile log-sum-exp offset
     logits_ptr,  # flat float32: request r's [kv_heads, rows_r, seq_r] at its logits offset
     lse_ptr,  # per request [num_kv_heads, rows, tiles] float32, at its lse offset
     block_size,

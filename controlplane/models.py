@@ -93,6 +93,8 @@ class EngineCounters(_Frozen):
     were still running (since the engine started)."""
     naive_equivalent_blocks: NonNegativeInt = 0
     """Blocks the running requests would hold under Naive-Evict (same decisions)."""
+    evictions_to_bound: NonNegativeInt = 0
+    """Request-steps evicted to stay within what admission counts them at."""
     evicted_tokens: NonNegativeInt = 0
     """Tokens evicted since the engine started (finished requests' too)."""
     repack_moves: NonNegativeInt = 0

@@ -37,6 +37,7 @@ async def cluster_status(store: RedisStore, now_s: float | None = None) -> dict[
             "queue_depth": report.queue_depth,
             "preemptions": report.preemptions,
             "evictions_under_pressure": report.evictions_under_pressure,
+            "evictions_to_bound": report.evictions_to_bound,
             "max_step_s": round(report.max_step_s, 3),
             "report_age_s": _report_age(snapshot, replica_id),
         }

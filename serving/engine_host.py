@@ -105,6 +105,7 @@ def counters_from_snapshot(report: EngineReport, running: int) -> EngineCounters
         max_step_s=report.recent_max_step_s,
         recent_steps=report.recent_steps,
         evicted_tokens=report.evicted_tokens_total,
+        evictions_to_bound=report.num_evictions_to_bound,
         repack_moves=report.repack_moves_total,
         tenants={
             tenant: TenantUsage(

@@ -95,6 +95,8 @@ class EngineReport(BaseModel):
     free_blocks: Count
     num_preemptions: Count = 0
     num_evictions_under_pressure: Count = 0
+    num_evictions_to_bound: Count = 0
+    """Request-steps evicted to stay within what admission counts them at."""
     blocks_reclaimed: Count = 0
     evicted_tokens_total: Count = 0
     repack_moves_total: Count = 0

@@ -163,6 +163,8 @@ class VTokenScheduler:
         self.num_preemptions = 0
         # request-steps evicted for room (on_demand) or under controller pressure
         self.num_evictions_under_pressure = 0
+        # request-steps evicted to stay within what admission counts (``hold_blocks``)
+        self.num_evictions_to_bound = 0
         self.pressure: dict[str, float] = {}  # tenant -> keep fraction (the controller's)
         self.allowance: dict[str, int] = {}  # tenant -> most blocks it may hold here
         self.step_times = StepTimes()
@@ -253,6 +255,8 @@ class VTokenScheduler:
             evicted = self.manager.evict(request_id, budget, attention)
             if len(evicted) and (request_id in for_room or record.kv.tenant in self.pressure):
                 self.num_evictions_under_pressure += 1
+            elif len(evicted) and request_id in always and self._above_hold(record):
+                self.num_evictions_to_bound += 1
             if self.config.record_evictions:
                 record.evictions.append(evicted)
             self._reclaim(record)
@@ -294,6 +298,12 @@ class VTokenScheduler:
             elif tenant in changed or record.pressure_anchor is None:
                 record.pressure_anchor = table.num_live
 
+    @staticmethod
+    def _above_hold(record: ScheduledRequest) -> bool:
+        """Whether the request holds more than ``hold_blocks`` (after an eviction, until
+        the repack that follows gives its blocks back)."""
+        return record.hold_blocks is not None and record.kv.num_held_blocks > record.hold_blocks
+
     def _budget(self, record: ScheduledRequest) -> int:
         """Live tokens the request may keep after this step: its policy's budget, lowered
         by its tenant's pressure to ``fraction x anchor`` (the policy still keeps what it
@@ -325,7 +335,7 @@ class VTokenScheduler:
             own_timing = policy is not None and not policy.holds_budget_every_step
             # Admission counts it at ``hold_blocks`` from the end of its prefill: it gives
             # back what lies above that at once, not when memory or its tenant runs short.
-            held = record.hold_blocks is not None and record.kv.num_held_blocks > record.hold_blocks
+            held = self._above_hold(record)
             if own_timing or record.capped or held or record.kv.tenant in self.pressure:
                 always.add(request_id)
         need = (
@@ -491,6 +501,7 @@ class VTokenScheduler:
             num_preemptions=self.num_preemptions,
             blocks_reclaimed=self.manager.num_blocks_reclaimed,
             num_evictions_under_pressure=self.num_evictions_under_pressure,
+            num_evictions_to_bound=self.num_evictions_to_bound,
             recent_max_step_s=self.step_times.recent_max_s(),
             recent_steps=self.step_times.recent_longest(),
             evicted_tokens_total=self.manager.num_evicted_tokens,

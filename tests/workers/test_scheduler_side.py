@@ -229,6 +229,10 @@ def test_a_request_never_holds_more_than_admission_counts(hold):
         if hold:
             assert record.kv.num_held_blocks <= hold, (step, grown)
     assert max(grown) == (3 if hold else 12)
+    # Counted apart from evictions for room or under pressure (there was neither).
+    assert state.num_evictions_under_pressure == 0
+    assert (state.num_evictions_to_bound > 1) == bool(hold)
+    assert state.snapshot().num_evictions_to_bound == state.num_evictions_to_bound
 
 
 def test_a_bad_hold_value_is_ignored() -> None:

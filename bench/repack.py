@@ -333,6 +333,13 @@ def cli(
     """Time the repack dispatcher on planner move patterns; JSON as in issue 3."""
     import torch
 
+    from kernels.layout import resolve_kv_cache_layout
+
+    try:
+        resolve_kv_cache_layout(kv_cache_layout)
+    except ValueError as error:
+        raise typer.BadParameter(str(error), param_hint="--kv-cache-layout") from None
+
     from kernels.repack_cpu import uses_openmp
 
     # The same thread count for the copy, the baseline (torch) and the dispatcher's C loop.

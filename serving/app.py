@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import ConfigDict, Field, model_validator
@@ -38,7 +38,7 @@ class AppArgs(AdminTokenSource):
     num_replicas: int = Field(default=1, ge=1)
     replica_num_cpus: float = Field(default=1.0, ge=0)
     replica_num_gpus: float = Field(default=0.0, ge=0)
-    replica_resources: dict[str, float] = Field(default_factory=dict)
+    replica_resources: dict[str, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
     """Ray custom resources each engine replica needs (e.g. ``{"engine_node": 1}`` to keep
     engines off the head node, whose start command then does not offer it)."""
     max_ongoing_requests: int = Field(default=16, ge=1)

@@ -81,3 +81,13 @@ def test_memory_floor_touches_exactly_the_repacks_lines() -> None:
             zeroed[start : start + 64] = True
         assert torch.all(raw[zeroed] == 0)
         assert torch.equal(raw[~zeroed], old_raw[~zeroed])
+
+
+def test_an_unknown_kv_cache_layout_is_a_clear_cli_error() -> None:
+    from typer.testing import CliRunner
+
+    from serving.cli import app
+
+    result = CliRunner().invoke(app, ["bench", "repack", "--kv-cache-layout", "LNBHC"])
+    assert result.exit_code == 2
+    assert "unknown KV cache layout 'LNBHC'" in result.output

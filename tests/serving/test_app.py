@@ -125,3 +125,12 @@ def test_the_ingress_holds_many_streams_at_once(monkeypatch: pytest.MonkeyPatch)
         admin_token=token,
     )
     assert small._bound_deployment._deployment_config.max_ongoing_requests == 64
+
+
+def test_engine_replicas_ask_for_the_custom_resources_configured():
+    args = {"redis_url": "redis://127.0.0.1:1/0", "replica_resources": {"engine_node": 1}}
+    assert AppArgs.model_validate(args).replica_resources == {"engine_node": 1.0}
+    with pytest.raises(ValueError, match="greater than or equal to 0"):
+        AppArgs.model_validate({**args, "replica_resources": {"engine_node": -1}})
+    with pytest.raises(ValueError, match="valid number"):
+        AppArgs.model_validate({**args, "replica_resources": {"engine_node": "lots"}})

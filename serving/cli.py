@@ -15,6 +15,7 @@ from bench import preemption as bench_preemption
 from bench import quotas as bench_quotas
 from bench import repack as bench_repack
 from bench import scores as bench_scores
+from bench import serve as bench_serve
 from serving import admin_cli
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
@@ -32,6 +33,7 @@ bench_app.command("scores")(bench_scores.cli)
 bench_app.command("concurrency")(bench_concurrency.cli)
 bench_app.command("preemption")(bench_preemption.cli)
 bench_app.command("quotas")(bench_quotas.cli)
+bench_app.command("serve")(bench_serve.cli)
 bench_app.command("faults")(bench_faults.cli)
 admin_cli.register(app)
 

@@ -34,8 +34,9 @@ the first.
 
 **SLOs and goodput.** At the start of a run the vanilla engine serves
 ``UNLOADED_REQUESTS`` prompts of the workload one at a time; the SLOs are
-``TTFT_FACTOR`` x its p50 TTFT and ``TPOT_FACTOR`` x its p50 TPOT. A request meets the SLO
-when both hold. Goodput (DistServe's definition) is the highest rate at which at least
+``TTFT_FACTOR`` x its TTFT at the request's prompt length (a line fitted through the
+measurements, see ``unloaded_slo``) and ``TPOT_FACTOR`` x its p50 TPOT. A request meets
+the SLO when both hold. Goodput (DistServe's definition) is the highest rate at which at least
 ``ATTAINMENT`` of the requests meet it: every rate of the sweep is run (the attainment
 curve), then the rate is bisected (geometrically) between the highest passing rate and the
 first failing one. A trial stops as soon as more than ``1 - ATTAINMENT`` of its requests
@@ -246,8 +247,15 @@ class ServeEngine:
 
 @dataclass(frozen=True, slots=True)
 class Slo:
-    ttft_s: float
+    """TTFT allowed a prompt of ``n`` tokens: ``ttft_base_s + ttft_per_token_s * n``;
+    TPOT allowed every request: ``tpot_s``."""
+
+    ttft_base_s: float
+    ttft_per_token_s: float
     tpot_s: float
+
+    def ttft_s(self, prompt_len: int) -> float:
+        return self.ttft_base_s + self.ttft_per_token_s * prompt_len
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,10 +263,11 @@ class Outcome:
     ttft_s: float
     tpot_s: float
     e2e_s: float
+    prompt_len: int
     preempted: bool
 
     def meets(self, slo: Slo) -> bool:
-        return self.ttft_s <= slo.ttft_s and self.tpot_s <= slo.tpot_s
+        return self.ttft_s <= slo.ttft_s(self.prompt_len) and self.tpot_s <= slo.tpot_s
 
 
 @dataclass(slots=True)
@@ -379,6 +388,7 @@ def run_trial(
                 ttft_s=record.first - record.arrival,
                 tpot_s=(now - record.first) / max(1, len(tokens) - 1),
                 e2e_s=now - record.arrival,
+                prompt_len=len(record.context),
                 preempted=record.internal_id in engine.preempted,
             )
             trial.outcomes.append(outcome)
@@ -393,7 +403,7 @@ def run_trial(
                 )
         if slo is not None:  # a request still without its first token past the TTFT SLO
             for request_id, record in in_flight.items():
-                if record.first is None and now - record.arrival > slo.ttft_s:
+                if record.first is None and now - record.arrival > slo.ttft_s(len(record.context)):
                     waiting_missed.add(request_id)
             if trial.missed + len(waiting_missed) > allowed:
                 trial.missed += len(waiting_missed)
@@ -407,19 +417,42 @@ def run_trial(
 # ---------------------------------------------------------------- SLOs and goodput
 
 
-def unloaded_slo(engine: ServeEngine, workload: Workload, count: int) -> dict[str, float]:
-    """The vanilla engine's p50 TTFT and TPOT on ``count`` requests served one at a time,
-    and the SLOs derived from them."""
-    trial = run_trial(engine, workload.head(count), 1e-6, None, None, "unloaded")
-    ttft = sorted(o.ttft_s for o in trial.outcomes)[len(trial.outcomes) // 2]
+def unloaded_slo(engine: ServeEngine, workload: Workload, count: int) -> dict[str, Any]:
+    """SLOs from the vanilla engine serving ``count`` requests one at a time, their prompt
+    lengths spread over the workload's (evenly spaced in its sorted lengths).
+
+    TPOT: ``TPOT_FACTOR`` x the p50. TTFT: ``TTFT_FACTOR`` x the unloaded TTFT *of the
+    request's prompt length*, from a least-squares line through the measurements: prefill
+    time grows with the prompt, and an absolute bound of ``TTFT_FACTOR`` x the p50 would be
+    missed by every long prompt of a long-tailed workload on an idle engine.
+    """
+    import numpy as np
+
+    by_length = sorted(workload.sessions, key=lambda s: len(s.turns[0].user))
+    picks = [by_length[round(i * (len(by_length) - 1) / (count - 1))] for i in range(count)]
+    probe = Workload(
+        workload.name,
+        tuple(Session(float(i), (s.turns[0],)) for i, s in enumerate(picks)),
+        workload.params,
+    )
+    trial = run_trial(engine, probe, 1e-6, None, None, "unloaded")
+    lengths = np.array([o.prompt_len for o in trial.outcomes], dtype=np.float64)
+    ttfts = np.array([o.ttft_s for o in trial.outcomes])
+    per_token, base = np.polyfit(lengths, ttfts, 1)
+    per_token = max(0.0, float(per_token))
+    base = max(float(base), float(ttfts.min()) - per_token * float(lengths.min()), 1e-3)
     tpot = sorted(o.tpot_s for o in trial.outcomes)[len(trial.outcomes) // 2]
     return {
         "unloaded_requests": count,
-        "unloaded_ttft_p50_s": round(ttft, 4),
+        "unloaded_prompt_tokens": [int(n) for n in lengths],
+        "unloaded_ttft_s": [round(float(t), 4) for t in ttfts],
+        "unloaded_ttft_p50_s": round(float(np.median(ttfts)), 4),
+        "unloaded_ttft_fit": {"base_s": round(base, 5), "per_token_s": round(per_token, 7)},
         "unloaded_tpot_p50_s": round(tpot, 4),
         "ttft_factor": TTFT_FACTOR,
         "tpot_factor": TPOT_FACTOR,
-        "ttft_slo_s": round(TTFT_FACTOR * ttft, 4),
+        "ttft_slo_base_s": round(TTFT_FACTOR * base, 5),
+        "ttft_slo_per_token_s": round(TTFT_FACTOR * per_token, 7),
         "tpot_slo_s": round(TPOT_FACTOR * tpot, 4),
         "attainment": ATTAINMENT,
     }
@@ -526,7 +559,11 @@ def run(
     )
     vanilla = ServeEngine(path, "vanilla", num_blocks, max_len, **engine_args)
     slo_values = unloaded_slo(vanilla, workloads[0], UNLOADED_REQUESTS)
-    slo = Slo(slo_values["ttft_slo_s"], slo_values["tpot_slo_s"])
+    slo = Slo(
+        slo_values["ttft_slo_base_s"],
+        slo_values["ttft_slo_per_token_s"],
+        slo_values["tpot_slo_s"],
+    )
     if "vanilla" not in engines:
         vanilla.close()
     results = []

@@ -36,12 +36,13 @@ class PAGE(Gate):
     threshold: float = 0.1
     top_fraction: float = 0.1
     enabled: bool | None = field(default=None, init=False)  # decided at the end of prefill
+    drop: float | None = field(default=None, init=False)  # the agreement drop it was decided on
 
     def gate(self, view: PolicyView) -> bool:
         if self.enabled is None and view.prefill_done_now:
             scores = view.require("head_scores")
             agreement = head_agreement(scores, max(1, int(self.top_fraction * view.num_live)))
             third = max(1, len(agreement) // 3)
-            drop = agreement[:third].mean() - agreement[-third:].mean()
-            self.enabled = bool(drop > self.threshold)
+            self.drop = float(agreement[:third].mean() - agreement[-third:].mean())
+            self.enabled = self.drop > self.threshold
         return bool(self.enabled)

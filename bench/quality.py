@@ -1,0 +1,439 @@
+"""`vtoken bench quality`: what eviction costs in answers, and the PAGE gate calibrated.
+
+On SmolLM2 through real vLLM engines (the CPU build here):
+
+- **Passkey retrieval** (the task of the Landmark Attention and LongLoRA papers): a 5-digit
+  key stated once at a depth of 10%-90% of a prompt of CPython documentation filler, then
+  asked for; ``multi``: ``MULTI_KEYS`` named keys, one asked for (the others are
+  distractors; copying a random one of them scores ``1 / MULTI_KEYS``). The answer is the
+  first 5-digit number the engine generates (greedy, at most ``ANSWER_TOKENS`` tokens,
+  stopping at EOS). Every cell runs the same seeded cases.
+- **Cells**: the full cache (vanilla vLLM), then each policy x keep ratio on a vToken
+  engine evicting ``eager``ly (decisions and attention equal Naive-Evict's, so answers
+  are the same), and ``on_demand`` cells on a pool too small for the batch (the serving
+  pool: eviction happens only under pressure, so only some requests are squeezed).
+- **Output length**: mean generated tokens per cell against the full cache on the same
+  prompts (greedy, EOS on).
+- **Perplexity**: held-out documentation text continued under each policy, teacher-forced
+  through the reference engine (``workers/hf_sim.py``: the same vToken manager and policy,
+  the evicted tokens really removed), relative to the full cache.
+- **PAGE**: its gate decides at the end of prefill from the drop in head agreement between
+  early and late layers. Every PAGE request records its drop. Harm (the PAGE paper's
+  definition): eviction turns a correct full-cache answer into a wrong one; harm rate =
+  harmed / correct with the full cache. The threshold is chosen on a calibration half of
+  the cases: the lowest threshold (the most requests gated open) whose harm rate there,
+  predicted from plain SnapKV's answers on the requests it would open, is at most
+  ``HARM_TARGET``. PAGE then runs at that threshold and is judged on the other half.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import random
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+BLOCK_SIZE = 32
+POLICIES = ("h2o", "snapkv", "page", "streaming_llm", "tova")
+KEEPS = (0.2, 0.5)
+ON_DEMAND_POLICIES = ("h2o", "snapkv")
+MULTI_KEYS = 4
+NAMES = ("Alice", "Bruno", "Chen", "Dara", "Emil", "Farah", "Goran", "Hana")
+ANSWER_TOKENS = 16
+HARM_TARGET = 0.05
+INTRO = (
+    "There is an important pass key hidden inside a lot of irrelevant text. "
+    "Find it and memorize it. I will quiz you about the pass key.\n\n"
+)
+KEY = re.compile(r"\d{5}")
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    task: str  # "single" or "multi"
+    prompt: tuple[int, ...]
+    key: str
+    depth: float  # where the asked key sits, as a fraction of the filler
+
+
+def passkey_cases(
+    tokenizer: Any,
+    corpus: Sequence[int],
+    count: int,
+    lengths: tuple[int, int],
+    task: str,
+    seed: int,
+) -> list[Case]:
+    """``count`` seeded prompts of ``lengths`` tokens (uniform) with the key(s) inside."""
+
+    def ids(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    rng = random.Random(f"{task}-{seed}")
+    intro = ids(INTRO)
+    cases = []
+    for _ in range(count):
+        length = rng.randint(*lengths)
+        if task == "single":
+            keys = {"": str(rng.randint(10000, 99999))}
+            asked = ""
+            question = ids("\n\nWhat is the pass key? The pass key is")
+        else:
+            names = rng.sample(NAMES, MULTI_KEYS)
+            keys = {name: str(rng.randint(10000, 99999)) for name in names}
+            asked = rng.choice(names)
+            question = ids(f"\n\nWhat is the pass key of {asked}? The pass key of {asked} is")
+        needles = {
+            name: ids(
+                f"\nThe pass key{f' of {name}' if name else ''} is {key}. Remember it. "
+                f"{key} is the pass key{f' of {name}' if name else ''}.\n"
+            )
+            for name, key in keys.items()
+        }
+        filler_len = length - len(intro) - len(question) - sum(map(len, needles.values()))
+        start = rng.randrange(len(corpus) - filler_len)
+        filler = list(corpus[start : start + filler_len])
+        depths = {name: rng.uniform(0.1, 0.9) for name in keys}
+        prompt, cut = list(intro), 0
+        for name in sorted(keys, key=depths.__getitem__):
+            at = int(depths[name] * filler_len)
+            prompt += filler[cut:at] + needles[name]
+            cut = at
+        prompt += filler[cut:] + question
+        cases.append(Case(task, tuple(prompt), keys[asked], round(depths[asked], 3)))
+    return cases
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    correct: bool
+    generated_tokens: int
+    held_blocks: int  # at the end (vanilla: what a full cache holds)
+    page_drop: float | None = None
+    gate_open: bool | None = None
+
+
+def is_correct(text: str, key: str) -> bool:
+    found = KEY.search(text)
+    return found is not None and found.group() == key
+
+
+class QualityEngine:
+    """One in-process engine; records each finished request's held blocks and PAGE gate."""
+
+    def __init__(self, path: str, kind: str, num_blocks: int | None, max_len: int) -> None:
+        from workers.engine import engine_state, make_llm
+
+        vtoken = None if kind == "vanilla" else {"policy": "none", "eviction": kind}
+        self.llm = make_llm(
+            path,
+            vtoken,
+            block_size=BLOCK_SIZE,
+            num_blocks=num_blocks,
+            max_model_len=max_len + BLOCK_SIZE,
+            max_num_seqs=32,
+        )
+        self.finished: dict[str, tuple[int, float | None, bool | None]] = {}
+        state = engine_state(self.llm)
+        if state is not None:
+            original = state.free
+
+            def free(request_id: str, preempted: bool = False) -> None:
+                if not preempted:
+                    record = state.requests[request_id].kv
+                    policy = record.policy
+                    self.finished[request_id] = (
+                        record.num_held_blocks,
+                        getattr(policy, "drop", None),
+                        getattr(policy, "enabled", None),
+                    )
+                original(request_id, preempted)
+
+            state.free = free  # type: ignore[method-assign]
+
+    def answer(self, cases: Sequence[Case], spec: dict[str, Any] | None) -> list[Answer]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from kernels.intmath import cdiv
+
+        params = SamplingParams(
+            max_tokens=ANSWER_TOKENS,
+            temperature=0,
+            extra_args={"vtoken_policy": spec} if spec is not None else None,
+        )
+        self.finished.clear()
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(c.prompt)) for c in cases], params, use_tqdm=False
+        )
+        by_prefix = {internal.split("-")[0]: v for internal, v in self.finished.items()}
+        answers = []
+        for case, output in zip(cases, outputs, strict=True):
+            generated = output.outputs[0]
+            held, drop, gate = by_prefix.get(
+                output.request_id,
+                (cdiv(len(case.prompt) + len(generated.token_ids), BLOCK_SIZE), None, None),
+            )
+            answers.append(
+                Answer(
+                    is_correct(generated.text, case.key),
+                    len(generated.token_ids),
+                    held,
+                    drop,
+                    gate,
+                )
+            )
+        return answers
+
+    def close(self) -> None:
+        del self.llm
+        gc.collect()  # the engine's shutdown must finish before the next one starts
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    task: str
+    engine: str  # vanilla (the full cache), eager, on_demand
+    policy: str
+    keep: float | None
+    threshold: float | None = None  # PAGE's
+
+    @property
+    def spec(self) -> dict[str, Any] | None:
+        if self.keep is None:
+            return None
+        args = {} if self.threshold is None else {"threshold": self.threshold}
+        return {"policy": self.policy, "keep_ratio": self.keep, "policy_args": args}
+
+
+def summarize(cell: Cell, answers: Sequence[Answer], full: Sequence[Answer]) -> dict[str, Any]:
+    correct_full = [f.correct for f in full]
+    harmed = sum(f and not a.correct for f, a in zip(correct_full, answers, strict=True))
+    return {
+        **asdict(cell),
+        "cases": len(answers),
+        "accuracy": round(sum(a.correct for a in answers) / len(answers), 4),
+        "harm_rate": round(harmed / max(1, sum(correct_full)), 4),
+        "mean_generated_tokens": round(sum(a.generated_tokens for a in answers) / len(answers), 2),
+        "output_length_change": round(
+            sum(a.generated_tokens for a in answers) / max(1, sum(f.generated_tokens for f in full))
+            - 1.0,
+            4,
+        ),
+        "mean_held_blocks": round(sum(a.held_blocks for a in answers) / len(answers), 2),
+    }
+
+
+# ---------------------------------------------------------------- PAGE
+
+
+def quantile(ordered: Sequence[float], q: float) -> float | None:
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 4) if ordered else None
+
+
+def page_harm(
+    drops: Sequence[float], full: Sequence[bool], evicted: Sequence[bool], threshold: float
+) -> tuple[float, float]:
+    """``(harm_rate, open_rate)`` of a gate opening when ``drop > threshold``, the gated
+    answers being ``evicted``'s and the closed ones ``full``'s."""
+    opened = [d > threshold for d in drops]
+    harmed = sum(o and f and not e for o, f, e in zip(opened, full, evicted, strict=True))
+    return harmed / max(1, sum(full)), sum(opened) / max(1, len(opened))
+
+
+def calibrate(drops: Sequence[float], full: Sequence[bool], evicted: Sequence[bool]) -> float:
+    """The lowest threshold among the observed drops whose predicted harm rate is at most
+    ``HARM_TARGET`` (the gate open as often as that allows); the highest drop (never
+    open) when none is."""
+    candidates = sorted({*drops, -math.inf})
+    for threshold in candidates:
+        harm, _ = page_harm(drops, full, evicted, threshold)
+        if harm <= HARM_TARGET:
+            return threshold
+    return max(drops)
+
+
+# ---------------------------------------------------------------- perplexity
+
+
+def perplexities(
+    path: str,
+    corpus: Sequence[int],
+    policies: Sequence[str],
+    keeps: Sequence[float],
+    docs: int,
+    context: int,
+    target: int,
+    seed: int,
+) -> list[dict[str, Any]]:
+    """Teacher-forced perplexity of ``target`` tokens after ``context`` tokens of held-out
+    documentation, per policy and keep, relative to the full cache (reference engine)."""
+    from policies import make_policy
+    from vtoken import StandaloneBlockPool, VTokenManager
+    from workers.hf_sim import HFSimEngine
+
+    engine = HFSimEngine(path)
+    rng = random.Random(f"ppl-{seed}")
+    starts = [rng.randrange(len(corpus) - context - target) for _ in range(docs)]
+
+    def nll(policy: str, keep: float) -> float:
+        total = 0.0
+        for start in starts:
+            window = corpus[start : start + context + target]
+            pool = StandaloneBlockPool(math.ceil((context + target) / BLOCK_SIZE) + 2)
+            manager = VTokenManager(pool, BLOCK_SIZE)
+            total += engine.teacher_forced_nll(
+                window[:context],
+                window[context:],
+                make_policy(policy),
+                partial(lambda k, n: math.ceil(k * n), keep),
+                manager,
+            )
+        return total / len(starts)
+
+    full = math.exp(nll("none", 1.0))
+    rows = [{"policy": "none", "keep": None, "perplexity": round(full, 3), "relative": 1.0}]
+    for policy in policies:
+        for keep in keeps:
+            value = math.exp(nll(policy, keep))
+            rows.append(
+                {
+                    "policy": policy,
+                    "keep": keep,
+                    "perplexity": round(value, 3),
+                    "relative": round(value / full, 4),
+                }
+            )
+    return rows
+
+
+# ---------------------------------------------------------------- the run
+
+
+def run(
+    path: str,
+    tokenizer: Any,
+    cases_per_task: int,
+    lengths: tuple[int, int],
+    policies: Sequence[str],
+    keeps: Sequence[float],
+    on_demand_blocks: int,
+    seed: int,
+    progress: bool = True,
+) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    from bench.serve import doc_tokens
+
+    corpus = doc_tokens(tokenizer)
+    tasks = {
+        task: passkey_cases(tokenizer, corpus, cases_per_task, lengths, task, seed)
+        for task in ("single", "multi")
+    }
+    max_len = lengths[1] + ANSWER_TOKENS
+    grid: list[Cell] = []
+    for task in tasks:
+        grid.append(Cell(task, "vanilla", "none", None))
+        grid += [Cell(task, "eager", p, k) for p in policies for k in keeps]
+        grid += [
+            Cell(task, "on_demand", p, min(keeps)) for p in ON_DEMAND_POLICIES if p in policies
+        ]
+    with_page = "page" in policies and "snapkv" in policies
+    bar = tqdm(
+        total=len(grid) + with_page * len(tasks), desc="quality", unit="cell", disable=not progress
+    )
+    answers: dict[Cell, list[Answer]] = {}
+    page = None
+    for kind in ("vanilla", "eager", "on_demand"):
+        blocks = on_demand_blocks if kind == "on_demand" else None
+        engine = QualityEngine(path, kind, blocks, max_len)
+        for cell in (c for c in grid if c.engine == kind):
+            answers[cell] = engine.answer(tasks[cell.task], cell.spec)
+            bar.set_postfix_str(f"{cell.task} {cell.engine} {cell.policy} {cell.keep}")
+            bar.update()
+        if kind == "eager" and with_page:
+            page = page_section(engine, tasks, answers, min(keeps))
+            bar.update(len(tasks))
+        engine.close()
+    bar.close()
+    rows = [
+        summarize(cell, result, answers[Cell(cell.task, "vanilla", "none", None)])
+        for cell, result in answers.items()
+    ]
+    for row in rows:
+        row["random_guess"] = 1 / MULTI_KEYS if row["task"] == "multi" else 1 / 90000
+    return {
+        "cases_per_task": cases_per_task,
+        "prompt_tokens": list(lengths),
+        "multi_keys": MULTI_KEYS,
+        "on_demand_blocks": on_demand_blocks,
+        "seed": seed,
+        "passkey": rows,
+        "page": page,
+    }
+
+
+def page_section(
+    engine: QualityEngine,
+    tasks: dict[str, list[Case]],
+    answers: dict[Cell, list[Answer]],
+    keep: float,
+) -> dict[str, Any]:
+    """Calibrate PAGE's threshold on the first half of every task's cases (from the drops
+    the default-threshold cell recorded and plain SnapKV's answers), run PAGE at it, and
+    judge it on the second half against SnapKV alone at the same budget."""
+    drops, full, snap, halves = [], [], [], []
+    for task in tasks:
+        recorded = answers[Cell(task, "eager", "page", keep)]
+        drops += [a.page_drop if a.page_drop is not None else -math.inf for a in recorded]
+        full += [a.correct for a in answers[Cell(task, "vanilla", "none", None)]]
+        snap += [a.correct for a in answers[Cell(task, "eager", "snapkv", keep)]]
+        halves += [i < len(recorded) // 2 for i in range(len(recorded))]
+
+    def part(values: list[Any], calibration: bool) -> list[Any]:
+        return [v for v, h in zip(values, halves, strict=True) if h == calibration]
+
+    recorded_drops = sorted(d for d in drops if d > -math.inf)
+    threshold = calibrate(part(drops, True), part(full, True), part(snap, True))
+    gated: list[Answer] = []
+    for task in tasks:
+        cell = Cell(task, "eager", "page", keep, threshold=threshold)
+        answers[cell] = engine.answer(tasks[task], cell.spec)
+        gated += answers[cell]
+    held_out_full, held_out_gated = part(full, False), part(gated, False)
+    harmed = sum(f and not g.correct for f, g in zip(held_out_full, held_out_gated, strict=True))
+    snap_harmed = sum(f and not s for f, s in zip(held_out_full, part(snap, False), strict=True))
+    full_blocks = [a.held_blocks for t in tasks for a in answers[Cell(t, "vanilla", "none", None)]]
+    blocks_full = part(full_blocks, False)
+    correct_full = max(1, sum(held_out_full))
+    return {
+        "keep": keep,
+        "threshold": threshold,
+        "calibration_cases": halves.count(True),
+        "evaluation_cases": halves.count(False),
+        "harm_rate": round(harmed / correct_full, 4),
+        "snapkv_harm_rate": round(snap_harmed / correct_full, 4),
+        "gate_open_rate": round(
+            sum(bool(g.gate_open) for g in held_out_gated) / len(held_out_gated), 4
+        ),
+        "blocks_saved": round(
+            sum(f - g.held_blocks for f, g in zip(blocks_full, held_out_gated, strict=True))
+            / len(held_out_gated),
+            2,
+        ),
+        "drops": {
+            "recorded": len(recorded_drops),
+            "p10": quantile(recorded_drops, 0.1),
+            "p50": quantile(recorded_drops, 0.5),
+            "p90": quantile(recorded_drops, 0.9),
+        },
+        "default_threshold_open_rate": round(sum(d > 0.1 for d in drops) / len(drops), 4),
+    }

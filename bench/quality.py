@@ -250,15 +250,17 @@ def page_harm(
 
 
 def calibrate(drops: Sequence[float], full: Sequence[bool], evicted: Sequence[bool]) -> float:
-    """The lowest threshold among the observed drops whose predicted harm rate is at most
-    ``HARM_TARGET`` (the gate open as often as that allows); the highest drop (never
-    open) when none is."""
-    candidates = sorted({*drops, -math.inf})
-    for threshold in candidates:
+    """The lowest threshold whose predicted harm rate is at most ``HARM_TARGET`` (the gate
+    open as often as that allows): candidates are just below the smallest drop (always
+    open) and each observed drop; the highest drop (never open) when none qualifies."""
+    observed = sorted(d for d in drops if math.isfinite(d))
+    if not observed:
+        return math.inf
+    for threshold in [observed[0] - 1e-6, *observed]:
         harm, _ = page_harm(drops, full, evicted, threshold)
         if harm <= HARM_TARGET:
             return threshold
-    return max(drops)
+    return observed[-1]
 
 
 # ---------------------------------------------------------------- perplexity
@@ -402,6 +404,8 @@ def page_section(
         return [v for v, h in zip(values, halves, strict=True) if h == calibration]
 
     recorded_drops = sorted(d for d in drops if d > -math.inf)
+    if not recorded_drops:
+        raise RuntimeError("no PAGE request recorded its agreement drop")
     threshold = calibrate(part(drops, True), part(full, True), part(snap, True))
     gated: list[Answer] = []
     for task in tasks:
@@ -437,3 +441,102 @@ def page_section(
         },
         "default_threshold_open_rate": round(sum(d > 0.1 for d in drops) / len(drops), 4),
     }
+
+
+def plot(document: dict[str, Any], path: Path) -> None:
+    """Passkey accuracy per policy and keep (eager), one panel per task; the full cache as
+    a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = document["passkey"]
+    tasks = sorted({r["task"] for r in rows})
+    figure, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4), squeeze=False)
+    for axis, task in zip(axes[0], tasks, strict=True):
+        cells = [r for r in rows if r["task"] == task and r["engine"] == "eager"]
+        cells = [r for r in cells if r["threshold"] is None]
+        labels = [f"{r['policy']}\n{r['keep']}" for r in cells]
+        axis.bar(labels, [r["accuracy"] for r in cells], color="tab:blue")
+        (full,) = [r for r in rows if r["task"] == task and r["engine"] == "vanilla"]
+        axis.axhline(full["accuracy"], color="black", linestyle="--", label="full cache")
+        axis.set_ylim(0, 1)
+        axis.set_title(f"passkey ({task})")
+        axis.set_ylabel("accuracy")
+        axis.tick_params(axis="x", labelsize=7)
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def cli(
+    model: Annotated[str, typer.Option(help="Shipped model name or model folder.")] = "smollm2",
+    cases: Annotated[int, typer.Option(min=2, help="Passkey cases per task and cell.")] = 100,
+    min_tokens: Annotated[int, typer.Option(min=256)] = 512,
+    max_tokens: Annotated[int, typer.Option(min=256, max=8192)] = 2048,
+    policies: Annotated[str, typer.Option(help="Comma-separated.")] = ",".join(POLICIES),
+    keeps: Annotated[str, typer.Option(help="Keep ratios, comma-separated.")] = "0.2,0.5",
+    on_demand_blocks: Annotated[
+        int | None,
+        typer.Option(help="Pool of the on_demand engine (default: twice the longest prompt)."),
+    ] = None,
+    ppl_docs: Annotated[int, typer.Option(min=0, help="Documents for perplexity (0: skip).")] = 8,
+    ppl_context: Annotated[int, typer.Option(min=32)] = 512,
+    ppl_target: Annotated[int, typer.Option(min=2)] = 64,
+    seed: Annotated[int, typer.Option()] = 0,
+    quick: Annotated[bool, typer.Option(help="A small run for tests.")] = False,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
+    plot_path: Annotated[Path | None, typer.Option("--plot", help="Write a PNG here.")] = None,
+) -> None:
+    """Passkey accuracy, output length and perplexity under eviction; PAGE calibrated."""
+    from transformers import AutoTokenizer
+
+    from kernels.intmath import cdiv
+    from policies import REGISTRY
+    from workers.models import resolve_model
+
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    unknown = [n for n in names if n not in REGISTRY or n == "none"]
+    if unknown or not names:
+        raise typer.BadParameter(f"unknown policies {unknown}; known: {sorted(REGISTRY)}")
+    try:
+        ratios = sorted({float(k) for k in keeps.split(",") if k.strip()})
+    except ValueError:
+        raise typer.BadParameter(f"keeps must be numbers, got {keeps!r}") from None
+    if not ratios or not all(0.0 < k <= 1.0 for k in ratios):
+        raise typer.BadParameter("keeps must lie in (0, 1]")
+    if min_tokens > max_tokens:
+        raise typer.BadParameter("min-tokens must not exceed max-tokens")
+    if quick:
+        cases, min_tokens, max_tokens, ppl_docs, ppl_context, ppl_target = 8, 256, 512, 1, 128, 8
+    path = str(resolve_model(model))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    longest = cdiv(max_tokens + ANSWER_TOKENS, BLOCK_SIZE) + 1
+    blocks = on_demand_blocks if on_demand_blocks is not None else 2 * longest
+    if blocks <= longest:
+        raise typer.BadParameter(f"on-demand-blocks must exceed the longest request's {longest}")
+    document = run(path, tokenizer, cases, (min_tokens, max_tokens), names, ratios, blocks, seed)
+    if ppl_docs:
+        from bench.serve import doc_tokens
+
+        # held out: the documentation topics after the ones the passkey filler comes from
+        held_out = doc_tokens(tokenizer, held_out=True)
+        document["perplexity"] = perplexities(
+            path, held_out, names, ratios, ppl_docs, ppl_context, ppl_target, seed
+        )
+    document = {"model": model, "quick": quick, **document}
+    for row in document["passkey"]:
+        gate = "" if row["threshold"] is None else f" threshold={row['threshold']:.3f}"
+        typer.echo(
+            f"{row['task']:>6} {row['engine']:>9} {row['policy']:>13} keep={row['keep']}{gate}: "
+            f"accuracy {row['accuracy']}, harm {row['harm_rate']}, "
+            f"length {row['output_length_change']:+.1%}"
+        )
+    if document["page"] is not None:
+        typer.echo("page: " + json.dumps(document["page"]))
+    if json_path is not None:
+        json_path.write_text(json.dumps(document, indent=2) + "\n")
+    if plot_path is not None:
+        plot(document, plot_path)

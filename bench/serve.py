@@ -120,11 +120,13 @@ class Workload:
         return Workload(self.name, self.sessions[:count], self.params)
 
 
-def doc_tokens(tokenizer: Any) -> list[int]:
-    """CPython's documentation topics (sorted, the first ``DOC_TOPICS``), tokenized."""
+def doc_tokens(tokenizer: Any, held_out: bool = False) -> list[int]:
+    """CPython's documentation topics (sorted, the first ``DOC_TOPICS``; ``held_out``: the
+    next ``DOC_TOPICS``), tokenized."""
     from pydoc_data.topics import topics
 
-    text = "\n\n".join(topics[name] for name in sorted(topics)[:DOC_TOPICS])
+    names = sorted(topics)[DOC_TOPICS : 2 * DOC_TOPICS] if held_out else sorted(topics)[:DOC_TOPICS]
+    text = "\n\n".join(topics[name] for name in names)
     return list(tokenizer(text)["input_ids"])
 
 

@@ -93,10 +93,22 @@ def test_a_stopped_trial_reports_an_upper_bound_on_attainment():
 
 def test_ratios_pair_each_vtoken_row_with_naive_and_vanilla():
     rows = [
-        {"engine": "vanilla", "policy": "none", "keep": None, "workload": "single", "goodput_rps": 1.0},
+        {
+            "engine": "vanilla",
+            "policy": "none",
+            "keep": None,
+            "workload": "single",
+            "goodput_rps": 1.0,
+        },
         {"engine": "naive", "policy": "h2o", "keep": 0.2, "workload": "single", "goodput_rps": 0.8},
         {"engine": "eager", "policy": "h2o", "keep": 0.2, "workload": "single", "goodput_rps": 1.6},
-        {"engine": "on_demand", "policy": "h2o", "keep": 0.2, "workload": "chat", "goodput_rps": 2.0},
+        {
+            "engine": "on_demand",
+            "policy": "h2o",
+            "keep": 0.2,
+            "workload": "chat",
+            "goodput_rps": 2.0,
+        },
     ]
     by_engine = {(r["engine"], r["workload"]): r for r in ratios(rows)}
     assert by_engine[("eager", "single")]["vtoken_over_naive"] == 2.0

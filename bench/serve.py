@@ -51,6 +51,7 @@ import heapq
 import json
 import math
 import random
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -75,6 +76,14 @@ UNLOADED_REQUESTS = 8
 PARETO_SHAPE = 1.2
 MAX_NUM_SEQS = 64
 DOC_TOPICS = 60  # the documentation topics prompts are cut from
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank ``q``-quantile (``0 < q <= 1``) of ``values``; ``None`` when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(float(ordered[max(0, math.ceil(q * len(ordered)) - 1)]), 4)
 
 
 # ---------------------------------------------------------------- workloads
@@ -115,9 +124,6 @@ class Workload:
     def max_len(self) -> int:
         """The longest sequence (prompt and output) of any request."""
         return max(s.context_len(len(s.turns) - 1) + s.turns[-1].max_tokens for s in self.sessions)
-
-    def head(self, count: int) -> Workload:
-        return Workload(self.name, self.sessions[:count], self.params)
 
 
 def doc_tokens(tokenizer: Any, held_out: bool = False) -> list[int]:
@@ -187,7 +193,8 @@ def chat_workload(
             start = rng.randrange(len(corpus) - length)
             chosen.append(Turn(tuple(corpus[start : start + length]), answer))
             context += length + answer
-        sessions.append(Session(clock, tuple(chosen), think_s))
+        if chosen:  # a conversation whose first turn would not fit is left out
+            sessions.append(Session(clock, tuple(chosen), think_s))
     params = {
         "conversations": count,
         "turns": list(turns),
@@ -233,6 +240,26 @@ class ServeEngine:
             return original(request, *args, **kwargs)
 
         scheduler._preempt_request = counting
+        self.peak_blocks = 0
+        schedule = scheduler.schedule
+
+        def scheduling(*args: Any, **kwargs: Any) -> Any:
+            output = schedule(*args, **kwargs)  # blocks are allocated here, freed on update
+            self.peak_blocks = max(self.peak_blocks, self.used_blocks)
+            return output
+
+        scheduler.schedule = scheduling
+
+    def warm_up(self, workload: Workload) -> None:
+        """Serve the workload's first request once, unmeasured (first-call costs)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        turn = workload.sessions[0].turns[0]
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        self.engine.add_request("warm-up", TokensPrompt(prompt_token_ids=list(turn.user)), params)
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
 
     @property
     def used_blocks(self) -> int:
@@ -305,18 +332,18 @@ class Trial:
         return self.attainment >= ATTAINMENT
 
     def summary(self) -> dict[str, Any]:
+        """The trial's figures. A stopped trial's are ``None``: its attainment is only known
+        to be below ``ATTAINMENT`` and its latencies would cover the fast requests only."""
+
         def percentiles(values: list[float]) -> dict[str, float | None]:
-            ordered = sorted(values)
-            return {
-                f"p{q}": round(ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))], 4)
-                if ordered
-                else None
-                for q in (50, 90, 99)
-            }
+            if self.stopped_early:
+                return {"p50": None, "p90": None, "p99": None}
+            return {f"p{q}": percentile(values, q / 100) for q in (50, 90, 99)}
 
         return {
-            "rate": round(self.rate, 4),
-            "slo_attainment": round(self.attainment, 4),
+            "rate": round(self.rate, 6),
+            "passed": self.passed,
+            "slo_attainment": None if self.stopped_early else round(self.attainment, 4),
             "requests": self.total,
             "finished": len(self.outcomes),
             "stopped_early": self.stopped_early,
@@ -336,9 +363,11 @@ def run_trial(
     slo: Slo | None,
     policy: dict[str, Any] | None,
     tag: str,
+    stop_early: bool = False,
 ) -> Trial:
     """Serve ``workload`` at ``rate`` conversations per second on ``engine`` (see the
-    module's docstring for the clock); ``slo=None`` never stops early."""
+    module's docstring for the clock). ``stop_early``: abort the trial once more than
+    ``1 - ATTAINMENT`` of its requests have missed the SLO (its pass/fail is then known)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -346,6 +375,7 @@ def run_trial(
     trial = Trial(rate=rate, total=workload.num_requests)
     allowed = math.floor((1.0 - ATTAINMENT) * trial.total + 1e-9)
     preemptions_before = engine.num_preemptions
+    engine.peak_blocks = 0
     arrivals: list[tuple[float, int, int, list[int]]] = [
         (s.start / rate, i, 0, []) for i, s in enumerate(workload.sessions)
     ]
@@ -373,7 +403,6 @@ def run_trial(
         started = time.perf_counter()
         outputs = engine.engine.step()
         now += time.perf_counter() - started
-        trial.peak_blocks = max(trial.peak_blocks, engine.used_blocks)
         for output in outputs:
             record = in_flight.get(output.request_id)
             if record is None:
@@ -403,7 +432,7 @@ def run_trial(
                 heapq.heappush(
                     arrivals, (now + session.think_s, record.session, record.turn + 1, history)
                 )
-        if slo is not None:  # a request still without its first token past the TTFT SLO
+        if slo is not None and stop_early:  # waiting past the TTFT SLO: already missed
             for request_id, record in in_flight.items():
                 if record.first is None and now - record.arrival > slo.ttft_s(len(record.context)):
                     waiting_missed.add(request_id)
@@ -413,13 +442,14 @@ def run_trial(
                 engine.engine.abort_request(list(in_flight))  # external ids
                 break
     trial.preemptions = engine.num_preemptions - preemptions_before
+    trial.peak_blocks = engine.peak_blocks
     return trial
 
 
 # ---------------------------------------------------------------- SLOs and goodput
 
 
-def unloaded_slo(engine: ServeEngine, workload: Workload, count: int) -> dict[str, Any]:
+def unloaded_slo(engine: ServeEngine, workload: Workload, count: int) -> tuple[dict[str, Any], Slo]:
     """SLOs from the vanilla engine serving ``count`` requests one at a time, their prompt
     lengths spread over the workload's (evenly spaced in its sorted lengths).
 
@@ -437,14 +467,16 @@ def unloaded_slo(engine: ServeEngine, workload: Workload, count: int) -> dict[st
         tuple(Session(float(i), (s.turns[0],)) for i, s in enumerate(picks)),
         workload.params,
     )
+    engine.warm_up(workload)
     trial = run_trial(engine, probe, 1e-6, None, None, "unloaded")
     lengths = np.array([o.prompt_len for o in trial.outcomes], dtype=np.float64)
     ttfts = np.array([o.ttft_s for o in trial.outcomes])
     per_token, base = np.polyfit(lengths, ttfts, 1)
     per_token = max(0.0, float(per_token))
     base = max(float(base), float(ttfts.min()) - per_token * float(lengths.min()), 1e-3)
-    tpot = sorted(o.tpot_s for o in trial.outcomes)[len(trial.outcomes) // 2]
-    return {
+    tpot = float(np.median([o.tpot_s for o in trial.outcomes]))
+    slo = Slo(TTFT_FACTOR * base, TTFT_FACTOR * per_token, TPOT_FACTOR * tpot)
+    values = {
         "unloaded_requests": count,
         "unloaded_prompt_tokens": [int(n) for n in lengths],
         "unloaded_ttft_s": [round(float(t), 4) for t in ttfts],
@@ -458,30 +490,33 @@ def unloaded_slo(engine: ServeEngine, workload: Workload, count: int) -> dict[st
         "tpot_slo_s": round(TPOT_FACTOR * tpot, 4),
         "attainment": ATTAINMENT,
     }
+    return values, slo
 
 
 def search_goodput(
-    trial_at: Callable[[float], Trial], rates: Sequence[float], bisect_steps: int
+    trial_at: Callable[[float, bool], Trial], rates: Sequence[float], bisect_steps: int
 ) -> tuple[float, str, list[Trial]]:
-    """Goodput from the sweep ``rates`` and ``bisect_steps`` geometric bisections:
-    ``(rate, bound, trials)``; ``bound`` is ``bisected`` (between a passing and a failing
-    rate), ``at_least`` (every rate passed) or ``below_lowest`` (none did: goodput 0)."""
-    trials = [trial_at(rate) for rate in sorted(rates)]
-    passing = [t.rate for t in trials if t.passed]
-    failing = [t.rate for t in trials if not t.passed]
+    """Goodput from the sweep ``rates`` (run to the end: the attainment curve) and
+    ``bisect_steps`` geometric bisections (stopped as soon as they fail):
+    ``(rate, bound, trials)``. ``bound``: ``bisected`` (between a passing rate and a failing
+    one), ``bracketed`` (the same without bisection steps), ``at_least`` (every rate
+    passed) or ``below_lowest`` (the lowest failed: goodput 0). The curve is taken as
+    monotone: the search starts below the first failing rate of the sweep."""
+    trials = [trial_at(rate, False) for rate in sorted(rates)]
+    first_fail = next((t.rate for t in trials if not t.passed), None)
+    passing = [t.rate for t in trials if t.passed and (first_fail is None or t.rate < first_fail)]
     if not passing:
         return 0.0, "below_lowest", trials
     low = max(passing)
-    above = [rate for rate in failing if rate > low]
-    if not above:
+    if first_fail is None:
         return low, "at_least", trials
-    high = min(above)
+    high = first_fail
     for _ in range(bisect_steps):
         middle = math.sqrt(low * high)
-        trial = trial_at(middle)
+        trial = trial_at(middle, True)
         trials.append(trial)
         low, high = (middle, high) if trial.passed else (low, middle)
-    return low, "bisected", trials
+    return low, "bisected" if bisect_steps else "bracketed", trials
 
 
 # ---------------------------------------------------------------- the run
@@ -515,31 +550,34 @@ def serve_case(
     """One row of the results: ``case`` on ``engine``, its goodput and attainment curve."""
     policy = None if case.keep is None else {"policy": case.policy, "keep_ratio": case.keep}
 
-    def trial_at(rate: float) -> Trial:
-        tag = f"{case.policy}{case.keep}{workload.name}{rate:.4f}-"
-        trial = run_trial(engine, workload, rate, slo, policy, tag)
+    def trial_at(rate: float, stop_early: bool) -> Trial:
+        tag = f"{case.policy}{case.keep}{workload.name}{rate:.6f}-"
+        trial = run_trial(engine, workload, rate, slo, policy, tag, stop_early)
         bar.set_postfix_str(
-            f"{case.engine} {case.policy} {workload.name} {rate:.3g}/s: {trial.attainment:.2f}"
+            f"{case.engine} {case.policy} {workload.name} {rate:.3g}/s: "
+            f"{'pass' if trial.passed else 'fail'}"
         )
         bar.update()
         return trial
 
     goodput, bound, trials = search_goodput(trial_at, rates, bisect_steps)
-    per_rate = [t.summary() for t in sorted(trials, key=lambda t: t.rate)]
+    sweep = trials[: len(rates)]  # the same rates for every engine, each run to the end
     return {
         **asdict(case),
         "workload": workload.name,
         "goodput_rps": round(goodput, 4),
         "goodput_bound": bound,
-        "slo_attainment": {str(r["rate"]): r["slo_attainment"] for r in per_rate},
-        "preemptions": sum(t.preemptions for t in trials),
-        "peak_blocks": max(t.peak_blocks for t in trials),
-        "per_rate": per_rate,
+        "slo_attainment": {f"{t.rate:g}": round(t.attainment, 4) for t in sweep},
+        "preemptions": sum(t.preemptions for t in sweep),
+        "preempted_requests": sum(o.preempted for t in sweep for o in t.outcomes),
+        "peak_blocks": max(t.peak_blocks for t in sweep),
+        "per_rate": [t.summary() for t in sorted(trials, key=lambda t: t.rate)],
     }
 
 
 def run(
     path: str,
+    probe: Workload,
     workloads: Sequence[Workload],
     engines: Sequence[str],
     policies: Sequence[tuple[str, float]],
@@ -551,7 +589,7 @@ def run(
 ) -> dict[str, Any]:
     from tqdm import tqdm
 
-    max_len = max(w.max_len for w in workloads)
+    max_len = max(w.max_len for w in (probe, *workloads))
     todo = list(cases(engines, policies))
     bar = tqdm(
         total=len(todo) * len(workloads) * (len(rates) + bisect_steps),
@@ -560,12 +598,7 @@ def run(
         disable=not progress,
     )
     vanilla = ServeEngine(path, "vanilla", num_blocks, max_len, **engine_args)
-    slo_values = unloaded_slo(vanilla, workloads[0], UNLOADED_REQUESTS)
-    slo = Slo(
-        slo_values["ttft_slo_base_s"],
-        slo_values["ttft_slo_per_token_s"],
-        slo_values["tpot_slo_s"],
-    )
+    slo_values, slo = unloaded_slo(vanilla, probe, UNLOADED_REQUESTS)
     if "vanilla" not in engines:
         vanilla.close()
     results = []
@@ -575,12 +608,14 @@ def run(
             if kind == "vanilla"
             else ServeEngine(path, kind, num_blocks, max_len, **engine_args)
         )
+        engine.warm_up(probe)
         for case in (c for c in todo if c.engine == kind):
             for workload in workloads:
                 results.append(serve_case(engine, case, workload, slo, rates, bisect_steps, bar))
         engine.close()
     bar.close()
     return {
+        "python": sys.version.split()[0],  # pydoc_data.topics changes between versions
         "block_size": BLOCK_SIZE,
         "num_blocks": num_blocks,
         "max_num_seqs": MAX_NUM_SEQS,
@@ -593,6 +628,15 @@ def run(
     }
 
 
+def _ratio(row: dict[str, Any], other: dict[str, Any] | None) -> tuple[float | None, bool]:
+    """``row``'s goodput over ``other``'s, and whether both were bisected (otherwise the
+    ratio is only a bound)."""
+    if other is None or other["goodput_rps"] == 0:
+        return None, False
+    exact = row["goodput_bound"] == other["goodput_bound"] == "bisected"
+    return round(row["goodput_rps"] / other["goodput_rps"], 3), exact
+
+
 def ratios(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Goodput of each vToken engine over Naive-Evict (same policy) and over vanilla."""
     by_key = {(r["engine"], r["policy"], r["keep"], r["workload"]): r for r in results}
@@ -600,22 +644,22 @@ def ratios(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in results:
         if r["engine"] not in ("eager", "on_demand"):
             continue
-        naive = by_key.get(("naive", r["policy"], r["keep"], r["workload"]))
-        vanilla = by_key.get(("vanilla", "none", None, r["workload"]))
-
-        def over(row: dict[str, Any], other: dict[str, Any] | None) -> float | None:
-            if other is None or other["goodput_rps"] == 0:
-                return None
-            return round(row["goodput_rps"] / other["goodput_rps"], 3)
-
+        over_naive, naive_exact = _ratio(
+            r, by_key.get(("naive", r["policy"], r["keep"], r["workload"]))
+        )
+        over_vanilla, vanilla_exact = _ratio(
+            r, by_key.get(("vanilla", "none", None, r["workload"]))
+        )
         rows.append(
             {
                 "engine": r["engine"],
                 "policy": r["policy"],
                 "keep": r["keep"],
                 "workload": r["workload"],
-                "vtoken_over_naive": over(r, naive),
-                "vtoken_over_vanilla": over(r, vanilla),
+                "vtoken_over_naive": over_naive,
+                "vtoken_over_naive_exact": naive_exact,
+                "vtoken_over_vanilla": over_vanilla,
+                "vtoken_over_vanilla_exact": vanilla_exact,
             }
         )
     return rows
@@ -638,7 +682,11 @@ def plot(document: dict[str, Any], path: Path) -> None:
             if r["workload"] == workload and (
                 r["keep"] is None or (r["policy"], r["keep"]) == (policy, keep)
             ):
-                points = [(p["rate"], p["slo_attainment"]) for p in r["per_rate"]]
+                points = [
+                    (p["rate"], p["slo_attainment"])
+                    for p in r["per_rate"]
+                    if p["slo_attainment"] is not None  # a stopped trial: only "below"
+                ]
                 axis.plot(*zip(*points, strict=True), marker="o", label=r["engine"])
         axis.axhline(ATTAINMENT, color="grey", linestyle=":", linewidth=1)
         axis.set_xscale("log")
@@ -704,19 +752,19 @@ def cli(
 
     from workers.models import resolve_model
 
-    chosen_engines = _csv(engines)
+    chosen_engines = list(dict.fromkeys(_csv(engines)))
     if not chosen_engines or set(chosen_engines) - set(ENGINES):
         raise typer.BadParameter(f"engines must be among {ENGINES}, got {engines!r}")
-    chosen_workloads = _csv(workloads)
+    chosen_workloads = list(dict.fromkeys(_csv(workloads)))
     if not chosen_workloads or set(chosen_workloads) - set(WORKLOADS):
         raise typer.BadParameter(f"workloads must be among {WORKLOADS}, got {workloads!r}")
     try:
         sweep = sorted({float(r) for r in _csv(rates)})
     except ValueError:
         raise typer.BadParameter(f"rates must be numbers, got {rates!r}") from None
-    if not sweep or sweep[0] <= 0:
-        raise typer.BadParameter("rates must be positive")
-    chosen_policies = parse_policies(policies)
+    if not sweep or not all(math.isfinite(r) and r > 0 for r in sweep):
+        raise typer.BadParameter(f"rates must be positive finite numbers, got {rates!r}")
+    chosen_policies = list(dict.fromkeys(parse_policies(policies)))
     path = str(resolve_model(model))
     corpus = doc_tokens(AutoTokenizer.from_pretrained(path))
     if quick:
@@ -735,10 +783,12 @@ def cli(
             (2, 6),
             2048 + 256,
         )
+    # the SLO probe always comes from the single-turn prompts: they span the whole range
+    single = single_workload(corpus, requests, prompt_range, output_range, seed)
     built = []
     for name in chosen_workloads:
         if name == "single":
-            built.append(single_workload(corpus, requests, prompt_range, output_range, seed))
+            built.append(single)
         else:
             built.append(
                 chat_workload(
@@ -754,11 +804,13 @@ def cli(
             )
     from kernels.intmath import cdiv
 
-    longest = cdiv(max(w.max_len for w in built) + BLOCK_SIZE, BLOCK_SIZE)
+    longest = cdiv(max(w.max_len for w in (single, *built)) + BLOCK_SIZE, BLOCK_SIZE)
     blocks = num_blocks if num_blocks is not None else 2 * longest
     if blocks <= longest:
         raise typer.BadParameter(f"num_blocks must exceed the longest request's {longest}")
-    document = run(path, built, chosen_engines, chosen_policies, blocks, sweep, bisect_steps)
+    document = run(
+        path, single, built, chosen_engines, chosen_policies, blocks, sweep, bisect_steps
+    )
     document = {"model": model, "quick": quick, **document}
     for row in document["results"]:
         typer.echo(

@@ -62,8 +62,8 @@ def _threshold_trials(capacity: float):
     """Trials that pass below ``capacity`` requests per second (a monotone engine)."""
     seen = []
 
-    def trial_at(rate: float) -> Trial:
-        seen.append(rate)
+    def trial_at(rate: float, stop_early: bool) -> Trial:
+        seen.append((rate, stop_early))
         met = 10 if rate <= capacity else 5
         return Trial(rate=rate, met=met, missed=10 - met, total=10)
 
@@ -74,8 +74,20 @@ def test_goodput_is_bisected_between_the_last_pass_and_the_first_failure():
     trial_at, seen = _threshold_trials(1.3)
     goodput, bound, trials = search_goodput(trial_at, [0.5, 1.0, 2.0, 4.0], bisect_steps=3)
     assert bound == "bisected" and 1.0 <= goodput <= 1.3
-    assert seen[:4] == [0.5, 1.0, 2.0, 4.0] and all(1.0 < r < 2.0 for r in seen[4:])
+    # the sweep runs to the end (the curve), bisection trials may stop once they fail
+    assert seen[:4] == [(0.5, False), (1.0, False), (2.0, False), (4.0, False)]
+    assert all(1.0 < r < 2.0 and stop for r, stop in seen[4:])
     assert len(trials) == 7
+    assert search_goodput(trial_at, [0.5, 1.0, 2.0], bisect_steps=0)[:2] == (1.0, "bracketed")
+
+
+def test_goodput_search_starts_below_the_first_failure():
+    def trial_at(rate: float, stop_early: bool) -> Trial:  # a lucky pass above a failure
+        met = 10 if rate in (0.5, 4.0) else 5
+        return Trial(rate=rate, met=met, missed=10 - met, total=10)
+
+    goodput, bound, _ = search_goodput(trial_at, [0.5, 1.0, 2.0, 4.0], bisect_steps=1)
+    assert bound == "bisected" and 0.5 <= goodput < 1.0
 
 
 def test_goodput_bounds_when_every_rate_passes_or_none_does():
@@ -91,28 +103,29 @@ def test_a_stopped_trial_reports_an_upper_bound_on_attainment():
     assert Trial(rate=1.0, met=9, missed=1, total=10).attainment == pytest.approx(ATTAINMENT)
 
 
+def _row(engine, policy, keep, workload, goodput, bound="bisected"):
+    return {
+        "engine": engine,
+        "policy": policy,
+        "keep": keep,
+        "workload": workload,
+        "goodput_rps": goodput,
+        "goodput_bound": bound,
+    }
+
+
 def test_ratios_pair_each_vtoken_row_with_naive_and_vanilla():
     rows = [
-        {
-            "engine": "vanilla",
-            "policy": "none",
-            "keep": None,
-            "workload": "single",
-            "goodput_rps": 1.0,
-        },
-        {"engine": "naive", "policy": "h2o", "keep": 0.2, "workload": "single", "goodput_rps": 0.8},
-        {"engine": "eager", "policy": "h2o", "keep": 0.2, "workload": "single", "goodput_rps": 1.6},
-        {
-            "engine": "on_demand",
-            "policy": "h2o",
-            "keep": 0.2,
-            "workload": "chat",
-            "goodput_rps": 2.0,
-        },
+        _row("vanilla", "none", None, "single", 1.0, "at_least"),
+        _row("naive", "h2o", 0.2, "single", 0.8),
+        _row("eager", "h2o", 0.2, "single", 1.6),
+        _row("on_demand", "h2o", 0.2, "chat", 2.0),
     ]
     by_engine = {(r["engine"], r["workload"]): r for r in ratios(rows)}
-    assert by_engine[("eager", "single")]["vtoken_over_naive"] == 2.0
-    assert by_engine[("eager", "single")]["vtoken_over_vanilla"] == 1.6
+    eager = by_engine[("eager", "single")]
+    assert eager["vtoken_over_naive"] == 2.0 and eager["vtoken_over_naive_exact"]
+    # vanilla passed every rate: the ratio is only a bound
+    assert eager["vtoken_over_vanilla"] == 1.6 and not eager["vtoken_over_vanilla_exact"]
     assert by_engine[("on_demand", "chat")]["vtoken_over_naive"] is None  # no chat rows
 
 
@@ -143,16 +156,115 @@ def test_quick_run_writes_the_documented_json(tmp_path):
     rows = {(r["engine"], r["workload"]): r for r in document["results"]}
     assert set(rows) == {(e, w) for e in ENGINES for w in ("single", "chat")}
     for row in rows.values():
-        assert set(row["slo_attainment"]) == {"0.02", "4.0"}
-        assert row["goodput_bound"] in ("bisected", "at_least", "below_lowest")
+        assert set(row["slo_attainment"]) == {"0.02", "4"}
+        assert row["goodput_bound"] in ("bracketed", "at_least", "below_lowest")
         assert 0 < row["peak_blocks"] < document["num_blocks"]
         for point in row["per_rate"]:
-            if not point["stopped_early"]:
-                assert point["finished"] == point["requests"]
-                assert point["ttft_s"]["p50"] <= point["e2e_s"]["p50"]
+            assert not point["stopped_early"]  # sweep rates run to the end
+            assert point["finished"] == point["requests"]
+            assert point["ttft_s"]["p99"] <= point["e2e_s"]["p99"]
     for workload in ("single", "chat"):  # an idle engine meets its own SLOs
         assert rows[("vanilla", workload)]["slo_attainment"]["0.02"] == 1.0
         assert rows[("vanilla", workload)]["goodput_rps"] >= 0.02
     assert {(r["engine"], r["workload"]) for r in document["ratios"]} == {
         (e, w) for e in ("eager", "on_demand") for w in ("single", "chat")
     }
+
+
+class FakeEngine:
+    """A pure-logic stand-in for ``ServeEngine`` (run_trial's bookkeeping only): each step
+    prefills every new request (``prefill_s``) or decodes one token for every running one
+    (``decode_s``), advancing a fake clock."""
+
+    kind = "eager"
+
+    def __init__(self, clock, prefill_s: float, decode_s: float) -> None:
+        self.clock, self.prefill_s, self.decode_s = clock, prefill_s, decode_s
+        self.engine = self
+        self.num_preemptions, self.preempted, self.peak_blocks = 0, set(), 0
+        self.running: dict[str, dict] = {}
+        self.prompts: dict[str, list[int]] = {}
+        self.aborted: list[str] = []
+
+    def add_request(self, request_id, prompt, params):
+        self.prompts[request_id] = list(prompt["prompt_token_ids"])
+        self.running[request_id] = {"max": params.max_tokens, "tokens": [], "new": True}
+        return f"{request_id}-internal"
+
+    def has_unfinished_requests(self):
+        return bool(self.running)
+
+    def abort_request(self, request_ids):
+        self.aborted += request_ids
+        for request_id in request_ids:
+            self.running.pop(request_id)
+
+    def step(self):
+        from types import SimpleNamespace
+
+        new = [r for r in self.running.values() if r["new"]]
+        self.clock.now += self.prefill_s if new else self.decode_s
+        outputs = []
+        for request_id, request in list(self.running.items()):
+            if new and not request["new"]:
+                continue  # decodes wait for the prefill step
+            request["new"] = False
+            request["tokens"].append(7000 + len(request["tokens"]))
+            finished = len(request["tokens"]) == request["max"]
+            if finished:
+                del self.running[request_id]
+            completion = SimpleNamespace(token_ids=list(request["tokens"]))
+            outputs.append(
+                SimpleNamespace(request_id=request_id, finished=finished, outputs=[completion])
+            )
+        return outputs
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    from types import SimpleNamespace
+
+    import bench.serve
+
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(bench.serve, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    return clock
+
+
+def test_an_idle_engine_gives_each_request_its_own_step_times(fake_clock):
+    from bench.serve import Slo, Workload, run_trial
+
+    engine = FakeEngine(fake_clock, prefill_s=0.2, decode_s=0.01)
+    sessions = tuple(Session(10.0 * i, (Turn((1, 2, 3), 5),)) for i in range(1, 4))
+    trial = run_trial(engine, Workload("single", sessions, {}), 1.0, Slo(1.0, 0.0, 0.05), None, "t")
+    assert trial.total == trial.met == 3 and not trial.stopped_early
+    for outcome in trial.outcomes:
+        assert outcome.ttft_s == pytest.approx(0.2)
+        assert outcome.tpot_s == pytest.approx(0.01)
+        assert outcome.e2e_s == pytest.approx(0.2 + 4 * 0.01)
+        assert outcome.prompt_len == 3
+
+
+def test_a_chat_turn_carries_the_conversation_and_its_answers(fake_clock):
+    from bench.serve import Workload, run_trial
+
+    engine = FakeEngine(fake_clock, prefill_s=0.1, decode_s=0.01)
+    session = Session(0.0, (Turn((1, 2), 3), Turn((5,), 2)), think_s=0.5)
+    trial = run_trial(engine, Workload("chat", (session,), {}), 1.0, None, None, "c")
+    assert len(trial.outcomes) == 2
+    assert engine.prompts["cs0t1"] == [1, 2, 7000, 7001, 7002, 5]
+
+
+def test_an_overloaded_trial_stops_once_it_cannot_pass(fake_clock):
+    from bench.serve import Slo, Workload, run_trial
+
+    engine = FakeEngine(fake_clock, prefill_s=1.0, decode_s=0.01)
+    sessions = tuple(Session(1.5 * i, (Turn((1,) * 8, 4),)) for i in range(20))
+    workload = Workload("single", sessions, {})
+    slo = Slo(0.5, 0.0, 1.0)  # every prefill step alone takes 1 s: all miss TTFT
+    stopped = run_trial(engine, workload, 1.0, slo, None, "o", stop_early=True)
+    assert stopped.stopped_early and not stopped.passed
+    assert stopped.missed == 3 and len(stopped.outcomes) == 3  # stopped at the 3rd miss of 20
+    assert stopped.summary()["slo_attainment"] is None
+    full = run_trial(FakeEngine(fake_clock, 1.0, 0.01), workload, 1.0, slo, None, "f")
+    assert not full.stopped_early and len(full.outcomes) == 20 and full.attainment == 0.0

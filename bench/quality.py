@@ -49,11 +49,12 @@ MULTI_KEYS = 4
 NAMES = ("Alice", "Bruno", "Chen", "Dara", "Emil", "Farah", "Goran", "Hana")
 ANSWER_TOKENS = 16
 HARM_TARGET = 0.05
+DEFAULT_THRESHOLD = 0.1  # PAGE's default (policies/page.py); a test keeps them equal
 INTRO = (
     "There is an important pass key hidden inside a lot of irrelevant text. "
     "Find it and memorize it. I will quiz you about the pass key.\n\n"
 )
-KEY = re.compile(r"\d{5}")
+KEY = re.compile(r"(?<!\d)\d{5}(?!\d)")  # a 5-digit number, not part of a longer one
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +133,7 @@ class QualityEngine:
     def __init__(self, path: str, kind: str, num_blocks: int | None, max_len: int) -> None:
         from workers.engine import engine_state, make_llm
 
+        self.kind = kind
         vtoken = None if kind == "vanilla" else {"policy": "none", "eviction": kind}
         self.llm = make_llm(
             path,
@@ -174,14 +176,18 @@ class QualityEngine:
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=list(c.prompt)) for c in cases], params, use_tqdm=False
         )
-        by_prefix = {internal.split("-")[0]: v for internal, v in self.finished.items()}
+        # the engine core's ids are the LLM's with "-<random>" appended
+        by_id = {internal.rsplit("-", 1)[0]: v for internal, v in self.finished.items()}
         answers = []
         for case, output in zip(cases, outputs, strict=True):
             generated = output.outputs[0]
-            held, drop, gate = by_prefix.get(
-                output.request_id,
-                (cdiv(len(case.prompt) + len(generated.token_ids), BLOCK_SIZE), None, None),
-            )
+            if self.kind == "vanilla":  # the full cache: every token but the last sampled
+                held = cdiv(len(case.prompt) + len(generated.token_ids) - 1, BLOCK_SIZE)
+                drop, gate = None, None
+            elif output.request_id in by_id:
+                held, drop, gate = by_id[output.request_id]
+            else:
+                raise RuntimeError(f"request {output.request_id}: no vToken record at its end")
             answers.append(
                 Answer(
                     is_correct(generated.text, case.key),
@@ -214,12 +220,16 @@ class Cell:
         return {"policy": self.policy, "keep_ratio": self.keep, "policy_args": args}
 
 
-def summarize(cell: Cell, answers: Sequence[Answer], full: Sequence[Answer]) -> dict[str, Any]:
+def summarize(
+    cell: Cell, answers: Sequence[Answer], full: Sequence[Answer], cases_from: str = "all"
+) -> dict[str, Any]:
+    """One cell's passkey figures against the full cache's answers to the same cases."""
     correct_full = [f.correct for f in full]
     harmed = sum(f and not a.correct for f, a in zip(correct_full, answers, strict=True))
     return {
         **asdict(cell),
         "cases": len(answers),
+        "cases_from": cases_from,
         "accuracy": round(sum(a.correct for a in answers) / len(answers), 4),
         "harm_rate": round(harmed / max(1, sum(correct_full)), 4),
         "mean_generated_tokens": round(sum(a.generated_tokens for a in answers) / len(answers), 2),
@@ -303,6 +313,7 @@ def perplexities(
 
     full = math.exp(nll("none", 1.0))
     rows = [{"policy": "none", "keep": None, "perplexity": round(full, 3), "relative": 1.0}]
+    # PAGE here runs at its default threshold (the calibrated one is chosen on passkey)
     for policy in policies:
         for keep in keeps:
             value = math.exp(nll(policy, keep))
@@ -366,10 +377,14 @@ def run(
             bar.update(len(tasks))
         engine.close()
     bar.close()
-    rows = [
-        summarize(cell, result, answers[Cell(cell.task, "vanilla", "none", None)])
-        for cell, result in answers.items()
-    ]
+    rows = []
+    for cell, result in answers.items():
+        full = answers[Cell(cell.task, "vanilla", "none", None)]
+        if cell.threshold is None:
+            rows.append(summarize(cell, result, full))
+        else:  # calibrated on the first half: judged on the second only
+            half = len(result) // 2
+            rows.append(summarize(cell, result[half:], full[half:], "evaluation_half"))
     for row in rows:
         row["random_guess"] = 1 / MULTI_KEYS if row["task"] == "multi" else 1 / 90000
     return {
@@ -404,9 +419,9 @@ def page_section(
         return [v for v, h in zip(values, halves, strict=True) if h == calibration]
 
     recorded_drops = sorted(d for d in drops if d > -math.inf)
-    if not recorded_drops:
-        raise RuntimeError("no PAGE request recorded its agreement drop")
     threshold = calibrate(part(drops, True), part(full, True), part(snap, True))
+    if not math.isfinite(threshold):
+        raise RuntimeError("no PAGE request of the calibration half recorded its agreement drop")
     gated: list[Answer] = []
     for task in tasks:
         cell = Cell(task, "eager", "page", keep, threshold=threshold)
@@ -439,7 +454,10 @@ def page_section(
             "p50": quantile(recorded_drops, 0.5),
             "p90": quantile(recorded_drops, 0.9),
         },
-        "default_threshold_open_rate": round(sum(d > 0.1 for d in drops) / len(drops), 4),
+        "default_threshold": DEFAULT_THRESHOLD,
+        "default_threshold_open_rate": round(
+            sum(d > DEFAULT_THRESHOLD for d in recorded_drops) / max(1, len(recorded_drops)), 4
+        ),
     }
 
 

@@ -10,11 +10,15 @@ import pytest
 from typer.testing import CliRunner
 
 from bench.quality import (
+    DEFAULT_THRESHOLD,
     HARM_TARGET,
     MULTI_KEYS,
+    Answer,
+    Cell,
     calibrate,
     is_correct,
     page_harm,
+    page_section,
     passkey_cases,
 )
 
@@ -57,6 +61,7 @@ def test_the_answer_is_the_first_five_digit_number():
     assert is_correct(" 71432. Remember", "71432")
     assert not is_correct(" 12345 or 71432", "71432")
     assert not is_correct(" a special function", "71432")
+    assert not is_correct(" 714321", "71432")  # a longer number is not the key
 
 
 def test_page_harm_counts_only_gated_requests_that_lose_a_correct_answer():
@@ -78,6 +83,50 @@ def test_calibration_opens_the_gate_as_often_as_the_harm_target_allows():
     assert page_harm(drops, full, evicted, threshold - 0.1)[0] > HARM_TARGET
     assert calibrate(drops, full, [True] * 40) < min(drops)  # harmless: always open
     assert calibrate([-math.inf] * 3, full[:3], evicted[:3]) == math.inf
+
+
+def test_the_default_threshold_is_pages():
+    from policies.page import PAGE
+
+    assert PAGE().threshold == DEFAULT_THRESHOLD
+
+
+class GatedAnswers:
+    """Stands in for the engine in ``page_section``: PAGE at a threshold answers as SnapKV
+    where the recorded drop is above it and as the full cache elsewhere."""
+
+    def __init__(self, drops, full, snap):
+        self.drops, self.full, self.snap = drops, full, snap
+        self.thresholds = []
+
+    def answer(self, cases, spec):
+        threshold = spec["policy_args"]["threshold"]
+        self.thresholds.append(threshold)
+        return [
+            Answer(s if d > threshold else f, 16, 3 if d > threshold else 10, d, d > threshold)
+            for d, f, s in zip(self.drops, self.full, self.snap, strict=True)
+        ]
+
+
+def test_page_is_calibrated_on_one_half_and_judged_on_the_other():
+    drops = [0.01, 0.2, 0.3, 0.02, 0.25, 0.01, 0.4, 0.015]
+    full = [True] * 8
+    snap = [False, True, True, False, True, False, False, False]  # wrong on low drops and #6
+    cases = {"single": [None] * 8}
+    answers = {
+        Cell("single", "vanilla", "none", None): [Answer(f, 16, 10) for f in full],
+        Cell("single", "eager", "snapkv", 0.2): [Answer(c, 16, 3) for c in snap],
+        Cell("single", "eager", "page", 0.2): [Answer(True, 16, 10, d, False) for d in drops],
+    }
+    engine = GatedAnswers(drops, full, snap)
+    page = page_section(engine, cases, answers, 0.2)
+    # calibration half (cases 0-3): opening above 0.02 loses nothing there
+    assert engine.thresholds == [page["threshold"]] and 0.02 <= page["threshold"] < 0.2
+    # evaluation half (cases 4-7): open on 4 (0.25, right) and 6 (0.4, wrong) -> 1 harmed of 4
+    assert page["harm_rate"] == 0.25 and page["gate_open_rate"] == 0.5
+    assert page["snapkv_harm_rate"] == 0.75  # SnapKV alone: 5, 6 and 7 wrong
+    assert page["blocks_saved"] == pytest.approx((7 + 7) / 4)
+    assert page["calibration_cases"] == page["evaluation_cases"] == 4
 
 
 @pytest.mark.slow

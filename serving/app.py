@@ -52,6 +52,10 @@ class AppArgs(AdminTokenSource):
     limits: InputLimits = Field(default_factory=InputLimits)
     max_n: int = Field(default=DEFAULT_MAX_N, ge=1, le=MAX_N)
     """Choices one request may ask for (``n``); each is its own sequence with its own KV."""
+    router: Literal["vtoken", "serve_default"] = "vtoken"
+    """``vtoken``: engine replicas are chosen by the control plane's routing plan
+    (``VTokenRequestRouter``); ``serve_default``: by Ray Serve's default router (power of
+    two choices on queue length), the baseline of ``vtoken bench router``."""
     admission: Literal["active_kv", "worst_case"] = "active_kv"
     """``active_kv``: a request counts its prompt until prefill ends, then its policy's
     bound; ``worst_case``: it counts prompt + max_tokens for its whole life, no credit for
@@ -155,10 +159,12 @@ def build_app(args: dict[str, Any], *, admin_token: str | None = None) -> Applic
         if config.redis_url is not None
         else {"redis_url_env": config.redis_url_env}
     )
-    router = RequestRouterConfig(
-        request_router_class=VTokenRequestRouter,  # type: ignore[arg-type]
-        request_router_kwargs={**where, "key_prefix": config.key_prefix},
-    )
+    routing = {}
+    if config.router == "vtoken":
+        routing["request_router_config"] = RequestRouterConfig(
+            request_router_class=VTokenRequestRouter,  # type: ignore[arg-type]
+            request_router_kwargs={**where, "key_prefix": config.key_prefix},
+        )
     engine = EngineReplica.options(  # type: ignore[attr-defined]
         num_replicas=config.num_replicas,
         max_ongoing_requests=config.max_ongoing_requests,
@@ -167,7 +173,7 @@ def build_app(args: dict[str, Any], *, admin_token: str | None = None) -> Applic
             "num_gpus": config.replica_num_gpus,
             "resources": config.replica_resources,
         },
-        request_router_config=router,
+        **routing,
     ).bind(engine_settings.model_dump())
     controller = ControllerDeployment.bind(  # type: ignore[attr-defined]
         redis_url, config.key_prefix, config.controller_period_s

@@ -15,6 +15,7 @@ from bench import preemption as bench_preemption
 from bench import quality as bench_quality
 from bench import quotas as bench_quotas
 from bench import repack as bench_repack
+from bench import router as bench_router
 from bench import scores as bench_scores
 from bench import serve as bench_serve
 from serving import admin_cli
@@ -36,6 +37,7 @@ bench_app.command("preemption")(bench_preemption.cli)
 bench_app.command("quotas")(bench_quotas.cli)
 bench_app.command("serve")(bench_serve.cli)
 bench_app.command("quality")(bench_quality.cli)
+bench_app.command("router")(bench_router.cli)
 bench_app.command("faults")(bench_faults.cli)
 admin_cli.register(app)
 

@@ -134,3 +134,22 @@ def test_engine_replicas_ask_for_the_custom_resources_configured():
         AppArgs.model_validate({**args, "replica_resources": {"engine_node": -1}})
     with pytest.raises(ValueError, match="valid number"):
         AppArgs.model_validate({**args, "replica_resources": {"engine_node": "lots"}})
+
+
+def test_engine_replicas_use_the_project_router_unless_serve_default_is_asked():
+    from serving.router import VTokenRequestRouter
+
+    token = secrets.token_urlsafe(32)
+
+    def engine_router(router: str | None) -> object:
+        args = {"redis_url": "redis://127.0.0.1:1/0", **({"router": router} if router else {})}
+        app = build_app(args, admin_token=token)
+        engine = app._bound_deployment.init_args[0]
+        assert engine._bound_deployment.name == "engine"
+        config = engine._bound_deployment._deployment_config.request_router_config
+        return config.get_request_router_class()
+
+    assert engine_router(None) is VTokenRequestRouter
+    assert engine_router("serve_default") is not VTokenRequestRouter
+    with pytest.raises(ValueError, match="router"):
+        AppArgs.model_validate({"redis_url": "redis://127.0.0.1:1/0", "router": "random"})

@@ -1,0 +1,129 @@
+"""`vtoken bench router`: the latency the project's router adds over Ray Serve's default.
+
+The command starts the whole stack itself (a ``redis-server``, local Ray, the Serve app:
+ingress with admission, ``--replicas`` vLLM CPU engines with SmolLM2 and vToken H2O at
+keep 0.5 on demand, the controller) once per router, one after the other:
+
+- ``serve_default``: Ray Serve's default request router (power of two choices on queue
+  length);
+- ``vtoken``: ``VTokenRequestRouter``, which asks the control plane's routing plan.
+
+Same replicas, same requests: ``--clients`` closed-loop clients send ``--requests``
+completions in all (prompts of ``PROMPT_TOKENS`` tokens of CPython's documentation,
+``--max-tokens`` tokens out, not streamed) after ``WARM_UP`` unmeasured ones. Per router:
+client-side end-to-end latency p50 / p90 / p99; the ratios vtoken / serve_default. The
+engines' own time is in both; what differs is the router (and noise, so ``--rounds``
+repeats the pair).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+ROUTERS = ("serve_default", "vtoken")
+PROMPT_TOKENS = 64
+WARM_UP = 4
+VTOKEN = {"policy": "h2o", "keep_ratio": 0.5, "eviction": "on_demand"}
+
+
+async def _drive(base_url: str, prompts: list[str], clients: int, max_tokens: int) -> list[float]:
+    """Latencies (s) of ``prompts`` sent by ``clients`` closed-loop clients."""
+    import httpx
+
+    from serving.demo import ADMIN_TOKEN
+
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
+        response = await client.put(
+            "/admin/tenants/bench", json={"kv_budget_blocks": 10_000}, headers=admin
+        )
+        response.raise_for_status()
+        headers = {"Authorization": f"Bearer {response.json()['api_key']}"}
+        queue: asyncio.Queue[str] = asyncio.Queue()
+        for prompt in prompts:
+            queue.put_nowait(prompt)
+        latencies: list[float] = []
+
+        async def one_client() -> None:
+            while not queue.empty():
+                body = {
+                    "model": "smollm2",
+                    "prompt": queue.get_nowait(),
+                    "max_tokens": max_tokens,
+                    "temperature": 0.0,
+                }
+                started = time.perf_counter()
+                response = await client.post("/v1/completions", json=body, headers=headers)
+                response.raise_for_status()
+                latencies.append(time.perf_counter() - started)
+
+        await asyncio.gather(*(one_client() for _ in range(clients)))
+        return latencies
+
+
+def measure(
+    router: str, prompts: list[str], replicas: int, clients: int, max_tokens: int
+) -> list[float]:
+    from serving.demo import local_cluster
+
+    with local_cluster(replicas, VTOKEN, app_args={"router": router}) as cluster:
+        asyncio.run(_drive(cluster.url, prompts[:WARM_UP], clients, max_tokens))
+        return asyncio.run(_drive(cluster.url, prompts[WARM_UP:], clients, max_tokens))
+
+
+def cli(
+    replicas: Annotated[int, typer.Option(min=1)] = 2,
+    requests: Annotated[int, typer.Option(min=2, help="Measured requests per router.")] = 60,
+    clients: Annotated[int, typer.Option(min=1)] = 4,
+    max_tokens: Annotated[int, typer.Option(min=1)] = 8,
+    rounds: Annotated[int, typer.Option(min=1, help="Times the pair of routers is run.")] = 1,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """End-to-end latency through the Serve stack: the project's router vs Serve's default."""
+    from transformers import AutoTokenizer
+
+    from bench.serve import doc_tokens, percentile
+    from workers.models import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model("smollm2")))
+    corpus = doc_tokens(tokenizer)
+    stride = len(corpus) // (requests + WARM_UP)
+    prompts = [
+        tokenizer.decode(corpus[i * stride : i * stride + PROMPT_TOKENS])
+        for i in range(requests + WARM_UP)
+    ]
+    latencies: dict[str, list[float]] = {router: [] for router in ROUTERS}
+    for round_index in range(rounds):
+        for router in ROUTERS:
+            latencies[router] += measure(router, prompts, replicas, clients, max_tokens)
+            typer.echo(f"round {round_index}: {router} done")
+    rows: dict[str, Any] = {
+        router: {
+            "requests": len(values),
+            **{f"p{q}_s": percentile(values, q / 100) for q in (50, 90, 99)},
+        }
+        for router, values in latencies.items()
+    }
+    ratios = {
+        f"p{q}": round(rows["vtoken"][f"p{q}_s"] / rows["serve_default"][f"p{q}_s"], 3)
+        for q in (50, 90, 99)
+    }
+    document = {
+        "replicas": replicas,
+        "clients": clients,
+        "prompt_tokens": PROMPT_TOKENS,
+        "max_tokens": max_tokens,
+        "rounds": rounds,
+        "vtoken": VTOKEN,
+        "routers": rows,
+        "vtoken_over_serve_default": ratios,
+    }
+    typer.echo(json.dumps(document, indent=2))
+    if json_path is not None:
+        json_path.write_text(json.dumps(document, indent=2) + "\n")

@@ -41,6 +41,8 @@ from typing import Annotated, Any
 
 import typer
 
+from bench.serve import doc_tokens, percentile
+
 BLOCK_SIZE = 32
 POLICIES = ("h2o", "snapkv", "page", "streaming_llm", "tova")
 KEEPS = (0.2, 0.5)
@@ -245,10 +247,6 @@ def summarize(
 # ---------------------------------------------------------------- PAGE
 
 
-def quantile(ordered: Sequence[float], q: float) -> float | None:
-    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 4) if ordered else None
-
-
 def page_harm(
     drops: Sequence[float], full: Sequence[bool], evicted: Sequence[bool], threshold: float
 ) -> tuple[float, float]:
@@ -262,15 +260,15 @@ def page_harm(
 def calibrate(drops: Sequence[float], full: Sequence[bool], evicted: Sequence[bool]) -> float:
     """The lowest threshold whose predicted harm rate is at most ``HARM_TARGET`` (the gate
     open as often as that allows): candidates are just below the smallest drop (always
-    open) and each observed drop; the highest drop (never open) when none qualifies."""
+    open) and each observed drop (the highest opens nothing, so one always qualifies)."""
     observed = sorted(d for d in drops if math.isfinite(d))
     if not observed:
         return math.inf
-    for threshold in [observed[0] - 1e-6, *observed]:
-        harm, _ = page_harm(drops, full, evicted, threshold)
-        if harm <= HARM_TARGET:
-            return threshold
-    return observed[-1]
+    return next(
+        t
+        for t in [observed[0] - 1e-6, *observed]
+        if page_harm(drops, full, evicted, t)[0] <= HARM_TARGET
+    )
 
 
 # ---------------------------------------------------------------- perplexity
@@ -343,8 +341,6 @@ def run(
     progress: bool = True,
 ) -> dict[str, Any]:
     from tqdm import tqdm
-
-    from bench.serve import doc_tokens
 
     corpus = doc_tokens(tokenizer)
     tasks = {
@@ -450,9 +446,9 @@ def page_section(
         ),
         "drops": {
             "recorded": len(recorded_drops),
-            "p10": quantile(recorded_drops, 0.1),
-            "p50": quantile(recorded_drops, 0.5),
-            "p90": quantile(recorded_drops, 0.9),
+            "p10": percentile(recorded_drops, 0.1),
+            "p50": percentile(recorded_drops, 0.5),
+            "p90": percentile(recorded_drops, 0.9),
         },
         "default_threshold": DEFAULT_THRESHOLD,
         "default_threshold_open_rate": round(
@@ -537,8 +533,6 @@ def cli(
         raise typer.BadParameter(f"on-demand-blocks must exceed the longest request's {longest}")
     document = run(path, tokenizer, cases, (min_tokens, max_tokens), names, ratios, blocks, seed)
     if ppl_docs:
-        from bench.serve import doc_tokens
-
         # held out: the documentation topics after the ones the passkey filler comes from
         held_out = doc_tokens(tokenizer, held_out=True)
         document["perplexity"] = perplexities(

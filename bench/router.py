@@ -106,7 +106,7 @@ def cli(
     corpus = doc_tokens(tokenizer)
     stride = len(corpus) // (requests + WARM_UP)
     prompts = [
-        tokenizer.decode(corpus[i * stride : i * stride + PROMPT_TOKENS])
+        str(tokenizer.decode(corpus[i * stride : i * stride + PROMPT_TOKENS]))
         for i in range(requests + WARM_UP)
     ]
     latencies: dict[str, list[float]] = {router: [] for router in ROUTERS}

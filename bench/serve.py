@@ -128,7 +128,7 @@ class Workload:
 
 def doc_tokens(tokenizer: Any, held_out: bool = False) -> list[int]:
     """CPython's documentation topics (sorted, the first ``DOC_TOPICS``; ``held_out``: the
-    next ``DOC_TOPICS``), tokenized."""
+    ones after them, 19 in CPython 3.11), tokenized."""
     from pydoc_data.topics import topics
 
     names = sorted(topics)[DOC_TOPICS : 2 * DOC_TOPICS] if held_out else sorted(topics)[:DOC_TOPICS]

@@ -13,6 +13,7 @@ from vtoken.policy import EvictionPolicy, PolicyView
 class NoEviction(EvictionPolicy):
     name = "none"
     holds_budget_every_step = False
+    evicts = False
 
     @property
     def needs_budget(self) -> bool:

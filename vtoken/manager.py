@@ -44,6 +44,7 @@ class RequestKV:
     table: TokenTable
     policy: EvictionPolicy | None
     ballast: list[int] = field(default_factory=list)
+    num_shared_blocks: int = 0  # leading blocks adopted from the prefix cache
     num_steps: int = 0
     num_evicted: int = 0
     num_moves: int = 0
@@ -56,9 +57,11 @@ class RequestKV:
 class VTokenManager:
     """Owns a ``TokenTable`` per request; allocates from and frees to ``pool``.
 
-    Invariants (``check_invariants``): no block is held twice; held + free == the pool's
-    blocks (the manager owns the whole pool); a request holds ballast only in naive mode,
-    at least what Naive-Evict needs (exactly that after ``allocate`` and ``reclaim``).
+    Invariants (``check_invariants``): no block is held twice, except blocks that several
+    requests share from the start of their tables (``adopt``: prefix-cache hits); distinct
+    held + free == the pool's blocks (the manager owns the whole pool); a request holds
+    ballast only in naive mode, at least what Naive-Evict needs (exactly that after
+    ``allocate`` and ``reclaim``).
     """
 
     def __init__(
@@ -102,6 +105,18 @@ class VTokenManager:
         table.append(num_new_tokens, block_ids)
         self._resize_ballast(request, len(request.ballast) + ballast_delta)
         return block_ids
+
+    def adopt(self, request_id: str, block_ids: list[int]) -> None:
+        """Start a request's empty table with full blocks another request computed (a
+        prefix-cache hit): their tokens are its first ``len(block_ids) * block_size``
+        logical ids, at the same slots. The caller took its reference on the blocks (they
+        are not allocated from the pool) and must keep those tokens where they are: it
+        never lets the request's policy evict them (``workers/scheduler_side.py``)."""
+        request = self.requests[request_id]
+        if request.table.num_logical or request.ballast:
+            raise ValueError(f"request {request_id!r}: only an empty table adopts blocks")
+        request.table.append(len(block_ids) * self.block_size, list(block_ids))
+        request.num_shared_blocks = len(block_ids)
 
     def view(self, request_id: str, attention: StepAttention | None = None) -> PolicyView:
         request = self.requests[request_id]
@@ -246,10 +261,16 @@ class VTokenManager:
 
     def check_invariants(self) -> None:
         held: list[int] = []
+        adopted: set[int] = set()
         for request in self.requests.values():
             request.table.check_invariants()
             assert len(request.ballast) >= self._ballast_size(request.table), "ballast short"
             assert self.mode is ReclaimMode.NAIVE or not request.ballast
-            held += request.table.block_ids + request.ballast
+            shared = request.table.block_ids[: request.num_shared_blocks]
+            adopted.update(shared)
+            held += request.table.block_ids[request.num_shared_blocks :] + request.ballast
+        # A block one request computed may be adopted by others (it is then held once
+        # in ``held`` and again in ``adopted``); any other block has one holder.
         assert len(set(held)) == len(held), "a block is held twice"
-        assert len(held) + self.pool.num_free_blocks == self.pool.num_blocks, "blocks leaked"
+        distinct = set(held) | adopted
+        assert len(distinct) + self.pool.num_free_blocks == self.pool.num_blocks, "blocks leaked"

@@ -108,12 +108,15 @@ class EvictionPolicy:
       policies that evict once, only when a gate opens, or never.
     - ``needs_budget``: this instance needs ``budget_tokens`` / ``keep_ratio``; ``False``
       when it never evicts or limits itself.
+    - ``evicts``: ``False`` for a policy that never evicts a token (``none``): every full
+      block of such a request can be published to a prefix cache.
     """
 
     name: ClassVar[str] = "base"
     needs: ClassVar[ScoreNeeds] = ScoreNeeds()
     stat_names: ClassVar[tuple[str, ...]] = ()
     holds_budget_every_step: ClassVar[bool] = True
+    evicts: ClassVar[bool] = True
 
     sinks: int = 0
     recent: int = 0

@@ -81,6 +81,10 @@ class VTokenConfig(PolicySpec):
       step and the head of the waiting queue fit, instead of vLLM preempting one. Policies
       that decide at one step only (``holds_budget_every_step`` false) keep their timing;
     - ``score_layers``: which layers feed the attention statistics of scored policies;
+    - ``prefix_pin_tokens``: the leading tokens of every request that eviction never takes
+      (added to its policy's sinks); with vLLM's prefix caching on, their full blocks are
+      what an evicting request publishes to the cache (a tenant's system prompt, few-shot
+      examples), see ``workers/scheduler_side.py``;
     - ``record_evictions``: keep every step's evicted logical ids per request (tests);
     - ``check_invariants``: run ``check_invariants()`` after every scheduler step (tests).
     """
@@ -88,6 +92,7 @@ class VTokenConfig(PolicySpec):
     mode: ReclaimMode = ReclaimMode.VTOKEN
     eviction: Literal["eager", "on_demand"] = "eager"
     score_layers: Literal["all"] | list[int] = "all"
+    prefix_pin_tokens: int = Field(default=0, ge=0)
     record_evictions: bool = False
     check_invariants: bool = False
 

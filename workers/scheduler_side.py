@@ -31,13 +31,33 @@ its heads only (not supported yet: this build is single-worker CPU).
 ``naive`` mode (Naive-Evict): the same decisions and the same physical compaction (so
 attention is identical); the manager also holds *ballast* blocks from the pool, so a
 request holds what a block-granular manager would (``vtoken/manager.py``).
+
+Prefix caching (vLLM's ``enable_prefix_caching``) works beside eviction by one rule: a
+block is published to the cache or shared only while its tokens can never change. vLLM
+hashes a block by the logical tokens it held when full; a repack moves tokens across
+blocks and eviction empties slots, so each request has a *pinned* prefix that neither
+touches:
+
+- a request whose policy never evicts (``none``) pins everything: every full block is
+  published, as in vanilla vLLM;
+- any other request pins its first ``prefix_pin_tokens`` (the engine's config) and the
+  blocks it adopted from a cache hit, whichever is longer. They join its policy's sinks,
+  so eviction never takes them; the repack fills holes below the live count from tokens
+  above it, and every pinned slot is live and below it, so no pinned slot is ever a
+  source or a destination. Only the pinned prefix's full blocks are published
+  (``num_cacheable_tokens``);
+- a hit's blocks are shared (vLLM's reference count > 1): the adopting request pins them,
+  so no request's eviction or repack writes a block another request reads; blocks a
+  repack empties are never published ones, so a block goes back to the pool with a hash
+  only when it is still what the hash says. (vLLM drops a cached block's hash when it
+  hands the block out again.)
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +87,7 @@ class ScheduledRequest:
     kv: RequestKV
     spec: PolicySpec
     capped: bool = False  # its spec is a per-request override (the tenant's cap)
+    pinned: int | None = 0  # leading tokens never evicted nor moved; None: every token
     hold_blocks: int | None = None  # what admission counts it at once its prefill ended
     pressure_anchor: int | None = None  # live tokens when its tenant's pressure reached it
     pending_src: np.ndarray = field(default_factory=lambda: _EMPTY)
@@ -173,25 +194,67 @@ class VTokenScheduler:
         return request_id in self.requests
 
     # ------------------------------------------------------------------ allocation
-    def allocate(self, request: Any, num_new_tokens: int, reserve: int = 0) -> list[Any] | None:
+    def allocate(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        reserve: int = 0,
+        hit_blocks: Sequence[Any] = (),
+    ) -> list[Any] | None:
         """Blocks for ``num_new_tokens`` more tokens of ``request`` (vLLM ``Request``), or
-        ``None`` when the pool cannot give them while keeping ``reserve`` blocks free."""
+        ``None`` when the pool cannot give them while keeping ``reserve`` blocks free.
+
+        ``hit_blocks``: vLLM's prefix-cache hit for a request not yet started (full
+        blocks whose tokens precede the new ones); the request takes a reference on them
+        and pins their tokens. On ``None`` nothing was taken."""
         request_id = request.request_id
         if request_id not in self.requests:
             self._add(request)
-        table = self.requests[request_id].kv.table
+        record = self.requests[request_id]
+        table = record.kv.table
         assert table.num_logical == request.num_computed_tokens, (
             f"{request_id}: table has {table.num_logical} tokens, vLLM computed "
             f"{request.num_computed_tokens}"
         )
+        if hit_blocks:
+            if table.num_logical:
+                raise RuntimeError(f"vToken: a prefix-cache hit for running {request_id}")
+            num_hit = len(hit_blocks) * self.block_size
+            # A hit block nobody holds sits in vLLM's free queue: taking it uses a free block.
+            taken = sum(1 for block in hit_blocks if block.ref_cnt == 0)
+            needed = cdiv(num_hit + num_new_tokens, self.block_size) - len(hit_blocks)
+            if needed + taken + reserve > self.pool.num_free_blocks:
+                return None
+            self.pool.share(hit_blocks)
+            self.manager.adopt(request_id, [block.block_id for block in hit_blocks])
+            self.stm.req_to_blocks[request_id].extend(hit_blocks)
+            self.stm.num_cached_block[request_id] = len(hit_blocks)  # published already
+            self._pin(record, num_hit)
         block_ids = self.manager.allocate(request_id, num_new_tokens, reserve)
         if block_ids is None:
+            assert not hit_blocks, "room was checked with the hit"
             return None
         blocks = self.pool.blocks(block_ids)
         self.stm.req_to_blocks[request_id].extend(blocks)
         if self.stm.records_new_block_ids:
             self.stm.new_block_ids.extend(block_ids)
         return blocks
+
+    def num_cacheable_tokens(self, request_id: str, num_tokens: int) -> int:
+        """How many of a request's first ``num_tokens`` tokens may be published to the
+        prefix cache (vLLM publishes the full blocks among them): its pinned prefix."""
+        pinned = self.requests[request_id].pinned
+        return num_tokens if pinned is None else min(num_tokens, pinned)
+
+    def _pin(self, record: ScheduledRequest, num_tokens: int) -> None:
+        """Pin the request's first ``num_tokens`` tokens: its policy never evicts them (they
+        join its sinks), so they stay at their slots for the request's life."""
+        policy = record.kv.policy
+        if record.pinned is None or num_tokens <= record.pinned:
+            return
+        record.pinned = num_tokens
+        assert policy is not None and policy.evicts
+        policy.sinks = max(policy.sinks, num_tokens)
 
     def blocks_needed_for(self, num_tokens: int) -> int:
         """Blocks a fresh request needs for ``num_tokens`` tokens (admission check)."""
@@ -207,12 +270,15 @@ class VTokenScheduler:
         kv = self.manager.add_request(
             request.request_id, request.num_prompt_tokens, tenant, spec.make_policy()
         )
-        self.requests[request.request_id] = ScheduledRequest(
+        record = ScheduledRequest(
             kv,
             spec,
             capped=spec is not self.config,
             hold_blocks=_hold_blocks(extra),
+            pinned=0 if kv.policy is not None and kv.policy.evicts else None,
         )
+        self._pin(record, self.config.prefix_pin_tokens)
+        self.requests[request.request_id] = record
         self.stm.req_to_blocks[request.request_id]  # defaultdict: create the empty list
 
     # ------------------------------------------------------------------ steps
@@ -528,3 +594,21 @@ class VTokenScheduler:
             ballast = kv.table.num_naive_blocks() - len(kv.table.block_ids) if naive else 0
             assert len(kv.ballast) == ballast, f"{request_id}: ballast is not Naive-Evict's"
             assert 0 not in kv.table.block_ids + kv.ballast, "the null block was handed out"
+            if record.pinned:  # the pinned prefix is live and in place
+                num_pinned = min(record.pinned, kv.table.num_logical)
+                in_place = np.arange(num_pinned)
+                assert (kv.table.live_slots()[:num_pinned] == in_place).all(), "pin moved"
+                assert (kv.table.live_logical_ids()[:num_pinned] == in_place).all(), "pin lost"
+            full_pinned = cdiv(kv.table.num_slots, self.block_size) if record.pinned is None \
+                else record.pinned // self.block_size
+            assert kv.num_shared_blocks <= full_pinned, f"{request_id}: shares unpinned blocks"
+            assert self.stm.num_cached_block.get(request_id, 0) <= full_pinned, (
+                f"{request_id}: published blocks it may change"
+            )
+        # vLLM's reference counts are the holders: several only for shared (pinned) blocks.
+        holders: dict[int, int] = {}
+        for record in self.requests.values():
+            for block_id in record.kv.table.block_ids + record.kv.ballast:
+                holders[block_id] = holders.get(block_id, 0) + 1
+        for block_id, count in holders.items():
+            assert self.pool.ref_count(block_id) == count, f"block {block_id}: ref count"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from vtoken.block_pool import NoFreeBlocksError
@@ -31,6 +32,13 @@ class VLLMBlockPool:
 
     def free(self, block_ids: list[int]) -> None:
         self.vllm_pool.free_blocks(self.vllm_pool.blocks[i] for i in reversed(block_ids))
+
+    def share(self, blocks: Sequence[Any]) -> None:
+        """Take a reference on blocks another request computed (a prefix-cache hit)."""
+        self.vllm_pool.touch(blocks)
+
+    def ref_count(self, block_id: int) -> int:
+        return int(self.vllm_pool.blocks[block_id].ref_cnt)
 
     def blocks(self, block_ids: list[int]) -> list[Any]:
         return [self.vllm_pool.blocks[i] for i in block_ids]

@@ -5,12 +5,13 @@ its engine was built with ``additional_config={"vtoken": {...}}``:
 
 scheduler side (engine-core process)
   ``Scheduler.__init__``              validate config, refuse unsupported engines
-                                      (``check_engine``: device, runner, scheduler class), turn
-                                      prefix caching off, attach ``VTokenScheduler``
+                                      (``check_engine``: device, runner, scheduler class),
+                                      attach ``VTokenScheduler``
   ``Scheduler.schedule``              attach ``StepOps`` to the ``SchedulerOutput``
   ``Scheduler.update_from_output``    policies evict and repacks commit (before vLLM's
                                       own update, which may finish requests)
-  ``KVCacheManager.allocate_slots``   physical counts drive block allocation
+  ``KVCacheManager.allocate_slots``   physical counts drive block allocation; prefix-cache
+                                      hits adopted and pinned, pinned blocks published
   ``KVCacheManager.free``             finish / abort / preemption free table + ballast
 worker side (every worker process; V1 runner, CPU)
   V2 ``GPUModelRunner.__init__``      refuse a vToken engine (V2 is not wired)
@@ -30,9 +31,9 @@ engine core
   ``EngineCore.vtoken_counters``      (added) utilities: the engine's report and one
   ``EngineCore.vtoken_request_counters`` request's, as plain data (``workers/api.py``)
 
-Prefix caching rule: an engine with vToken runs with prefix caching off (it is switched
-off, with a warning), because its blocks are hashed by logical index and repacks move
-tokens across them; nothing is ever published to or reused from the prefix cache.
+Prefix caching: vLLM's prefix caching runs beside vToken by the pinning rule of
+``workers/scheduler_side.py`` (only blocks whose tokens never move are published or
+shared), with whole-block hashes (``hash_block_size == block_size``).
 """
 
 from __future__ import annotations
@@ -265,9 +266,6 @@ def _scheduler_init(original: Callable[..., Any]) -> Callable[..., Any]:
         if config is not None:
             check_engine(vllm_config, type(self), kv_cache_config)
             config.layer_ids(vllm_config.model_config.get_num_layers(vllm_config.parallel_config))
-            if vllm_config.cache_config.enable_prefix_caching:
-                logger.warning("vToken: prefix caching is turned off for this engine")
-                vllm_config.cache_config.enable_prefix_caching = False
         original(self, vllm_config, kv_cache_config, *args, **kw)
         if config is None:
             return
@@ -277,6 +275,12 @@ def _scheduler_init(original: Callable[..., Any]) -> Callable[..., Any]:
 
         if type(single_type_manager) is not FullAttentionManager or self.defer_block_free:
             raise ValueError("vToken needs plain full attention without deferred block frees")
+        if manager.enable_caching and manager.block_pool.hash_block_size != single_type_manager.block_size:
+            raise ValueError(
+                "vToken shares prefix-cache blocks whole: the prefix-cache hash block size "
+                f"({manager.block_pool.hash_block_size}) must equal the block size "
+                f"({single_type_manager.block_size})"
+            )
         manager.vtoken = VTokenScheduler(
             config, manager.block_pool, single_type_manager, self.max_num_scheduled_tokens
         )
@@ -342,9 +346,13 @@ def _allocate_slots(original: Callable[..., Any]) -> Callable[..., Any]:
         bound.apply_defaults()
         a = bound.arguments
         request = a["request"]
-        unsupported = ("num_new_computed_tokens", "num_lookahead_tokens", "num_encoder_tokens")
-        if any(a[name] for name in (*unsupported, "num_external_computed_tokens")):
+        unsupported = ("num_lookahead_tokens", "num_encoder_tokens", "num_external_computed_tokens")
+        if any(a[name] for name in unsupported):
             raise RuntimeError(f"vToken: unsupported allocation {dict(a)}")
+        hit = a["new_computed_blocks"]
+        hit_blocks = list(hit.blocks[0]) if hit is not None and hit.blocks else []
+        if len(hit_blocks) * state.block_size != a["num_new_computed_tokens"]:
+            raise RuntimeError(f"vToken: a prefix-cache hit of partial blocks {dict(a)}")
         reserve = a["reserved_blocks"]
         if a["has_scheduled_reqs"] and request.status in (
             RequestStatus.WAITING,
@@ -353,11 +361,18 @@ def _allocate_slots(original: Callable[..., Any]) -> Callable[..., Any]:
             reserve += self.watermark_blocks
         if a["full_sequence_must_fit"] and not state.manages(request.request_id):
             needed = state.blocks_needed_for(min(request.num_tokens, self.max_model_len))
+            needed -= sum(1 for block in hit_blocks if block.ref_cnt > 0)  # held already
             if needed + reserve > self.block_pool.get_num_free_blocks():
                 return None
-        blocks = state.allocate(request, a["num_new_tokens"], reserve)
+        blocks = state.allocate(request, a["num_new_tokens"], reserve, hit_blocks)
         if blocks is None:
             return None
+        if self.enable_caching and not a["delay_cache_blocks"]:
+            computed = request.num_computed_tokens + a["num_new_computed_tokens"]
+            num_tokens = min(computed + a["num_new_tokens"], request.num_tokens)
+            self.coordinator.cache_blocks(
+                request, state.num_cacheable_tokens(request.request_id, num_tokens)
+            )
         return self.create_kv_cache_blocks((blocks,))
 
     return allocate_slots

@@ -22,10 +22,12 @@ BLOCK_SIZE = 4
 @dataclass
 class FakeBlock:
     block_id: int
+    ref_cnt: int = 0
 
 
 class FakeBlockPool:
-    """vLLM's BlockPool surface vToken uses; block 0 is the null block."""
+    """vLLM's BlockPool surface vToken uses, reference counts included (a block returns to
+    the free queue when its last holder frees it); block 0 is the null block."""
 
     def __init__(self, num_gpu_blocks: int) -> None:
         self.num_gpu_blocks = num_gpu_blocks
@@ -37,12 +39,23 @@ class FakeBlockPool:
 
     def get_new_blocks(self, num_blocks: int) -> list[FakeBlock]:
         assert num_blocks <= len(self.free)
-        return [self.blocks[self.free.popleft()] for _ in range(num_blocks)]
+        blocks = [self.blocks[self.free.popleft()] for _ in range(num_blocks)]
+        for block in blocks:
+            block.ref_cnt = 1
+        return blocks
+
+    def touch(self, blocks) -> None:
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free.remove(block.block_id)
+            block.ref_cnt += 1
 
     def free_blocks(self, blocks) -> None:
         for block in blocks:
-            assert block.block_id not in self.free
-            self.free.append(block.block_id)
+            assert block.block_id not in self.free and block.ref_cnt > 0
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free.append(block.block_id)
 
 
 class FakeBlockManager:
@@ -51,9 +64,11 @@ class FakeBlockManager:
 
     def __init__(self) -> None:
         self.req_to_blocks: defaultdict[str, list[FakeBlock]] = defaultdict(list)
+        self.num_cached_block: dict[str, int] = {}
         self.new_block_ids: list[int] = []
 
     def pop_blocks_for_free(self, request_id: str) -> list[FakeBlock]:
+        self.num_cached_block.pop(request_id, None)
         return self.req_to_blocks.pop(request_id, [])
 
 
@@ -243,3 +258,59 @@ def test_a_bad_hold_value_is_ignored() -> None:
         request = FakeRequest(f"r{value}", 8, sampling_params=params)
         assert state.allocate(request, 8) is not None
         assert state.requests[request.request_id].hold_blocks is None
+
+
+# ---------------------------------------------------------------------- prefix caching
+def _pinned_state(num_blocks: int = 16, pin: int = 0):
+    pool, manager = FakeBlockPool(num_blocks), FakeBlockManager()
+    config = VTokenConfig(
+        policy="streaming_llm",
+        policy_args={"sinks": 1, "recent": 2},
+        prefix_pin_tokens=pin,
+        check_invariants=True,
+    )
+    return VTokenScheduler(config, pool, manager), pool, manager
+
+
+def test_a_hit_is_shared_pinned_and_released_by_reference_count():
+    state, pool, manager = _pinned_state(pin=4)
+    first = FakeRequest("a", num_prompt_tokens=12)
+    run_prefill(state, first)
+    assert state.num_cacheable_tokens("a", 12) == 4  # its pinned block only
+    hit = manager.req_to_blocks["a"][:2]
+    free_before = pool.get_num_free_blocks()
+    second = FakeRequest("b", num_prompt_tokens=14)
+    assert state.allocate(second, 6, hit_blocks=hit) is not None  # 8 hit + 6 new tokens
+    assert pool.get_num_free_blocks() == free_before - 2  # only the new blocks
+    assert [b.ref_cnt for b in hit] == [2, 2]
+    assert manager.req_to_blocks["b"][:2] == hit and manager.num_cached_block["b"] == 2
+    record = state.requests["b"]
+    assert record.pinned == 8 and record.kv.policy.sinks == 8  # what it hit, kept for life
+    state.check_invariants()
+    state.free("a")
+    assert [b.ref_cnt for b in hit] == [1, 1]
+    state.free("b")
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+    state.check_invariants()
+
+
+def test_a_hit_on_free_blocks_counts_them_as_taken_and_a_refusal_takes_nothing():
+    state, pool, manager = _pinned_state(num_blocks=6, pin=8)  # 5 usable blocks
+    first = FakeRequest("a", num_prompt_tokens=12)
+    run_prefill(state, first)
+    hit = manager.req_to_blocks["a"][:2]
+    state.free("a")  # the hit blocks sit in the free queue now
+    assert pool.get_num_free_blocks() == 5
+    big = FakeRequest("b", num_prompt_tokens=28)
+    assert state.allocate(big, 20, hit_blocks=hit) is None  # 2 taken + 5 new > 5 free
+    assert [b.ref_cnt for b in hit] == [0, 0] and pool.get_num_free_blocks() == 5
+    small = FakeRequest("c", num_prompt_tokens=20)
+    assert state.allocate(small, 12, hit_blocks=hit) is not None  # 2 taken + 3 new
+    assert pool.get_num_free_blocks() == 0 and [b.ref_cnt for b in hit] == [1, 1]
+
+
+def test_a_policy_that_never_evicts_publishes_every_full_block():
+    state, _, _ = make_state(ReclaimMode.VTOKEN)
+    run_prefill(state, FakeRequest("r", num_prompt_tokens=10))
+    assert state.requests["r"].pinned is None
+    assert state.num_cacheable_tokens("r", 10) == 10

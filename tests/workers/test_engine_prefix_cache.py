@@ -1,0 +1,209 @@
+"""vLLM's prefix caching beside vToken (``workers/scheduler_side.py``, the pinning rule).
+
+- policy ``none`` with prefix caching on is bit-identical to vanilla vLLM with prefix
+  caching on (tokens, log-probabilities and cache hits), over batches with a repeated
+  prompt and prompts sharing a prefix, chunked prefill on;
+- an evicting request publishes only its pinned prefix (``prefix_pin_tokens``): a later
+  request with the same prefix hits exactly those blocks while eviction runs, and its
+  outputs equal the reference engine's with the same tokens evicted; without a pin an
+  evicting request publishes nothing;
+- a different ``cache_salt`` (another tenant) gets no hit;
+- the token tables, vLLM's block lists and reference counts are checked after every step
+  (``check_invariants``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.workers.conftest import token_prompts
+from tests.workers.test_engine_eviction import Replay
+from vtoken import StandaloneBlockPool, VTokenManager
+from workers.engine import engine_state, internal_request_id, make_llm
+
+pytestmark = pytest.mark.slow
+
+BLOCK_SIZE = 32
+CHUNKED = {"max_num_batched_tokens": 64, "enable_chunked_prefill": True}
+
+
+def _prompt(ids: list[int], salt: str | None = None):
+    from vllm.inputs import TokensPrompt
+
+    if salt is None:
+        return TokensPrompt(prompt_token_ids=ids)
+    return TokensPrompt(prompt_token_ids=ids, cache_salt=salt)
+
+
+def _batches() -> list[list[list[int]]]:
+    """Three batches run one after another on one engine: the second repeats a prompt of
+    the first and shares prefixes with it, the third shares prefixes inside itself."""
+    first = token_prompts([150, 70, 200], seed=1)
+    shared = first[0][:96]
+    second = [first[0], shared + [7, 8, 9], first[2][:140] + [11] * 30, [3] * 40]
+    other = token_prompts([130], seed=9)[0]
+    third = [other + [1, 2], other + [5] * 50, other[:64], shared + other[:33]]
+    return [first, second, third]
+
+
+@pytest.fixture(scope="module")
+def identity_runs(tiny_llama_path):
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=2)
+    results = {}
+    for name, vtoken in (("vanilla", None), ("none", {"policy": "none", "check_invariants": True})):
+        llm = make_llm(
+            tiny_llama_path,
+            vtoken,
+            skip_tokenizer_init=True,
+            enable_prefix_caching=True,
+            **CHUNKED,
+        )
+        assert (engine_state(llm) is None) == (vtoken is None)
+        results[name] = [llm.generate([_prompt(p) for p in batch], params) for batch in _batches()]
+        del llm
+    return results
+
+
+@pytest.mark.parametrize("batch", range(3))
+def test_policy_none_with_prefix_caching_is_bit_identical_to_vanilla(identity_runs, batch):
+    pairs = zip(identity_runs["vanilla"][batch], identity_runs["none"][batch], strict=True)
+    for vanilla, managed in pairs:
+        assert vanilla.num_cached_tokens == managed.num_cached_tokens
+        a, b = vanilla.outputs[0], managed.outputs[0]
+        assert a.token_ids == b.token_ids
+        for step_a, step_b in zip(a.logprobs, b.logprobs, strict=True):
+            assert {k: v.logprob for k, v in step_a.items()} == {
+                k: v.logprob for k, v in step_b.items()
+            }
+
+
+def test_identity_runs_hit_the_cache(identity_runs):
+    """Not vacuous: the repeated prompt and the shared prefixes were served from the cache."""
+    hits = [o.num_cached_tokens for o in identity_runs["none"][1]]
+    assert hits[0] >= 128 and hits[1] == 96 and hits[2] == 128, hits
+    assert sum(o.num_cached_tokens for o in identity_runs["none"][2]) > 0
+
+
+# ---------------------------------------------------------------------- with eviction
+PIN = 64
+H2O = {"policy": "h2o", "keep_ratio": 0.5, "record_evictions": True, "check_invariants": True}
+NUM_NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_path):
+    from workers.hf_sim import HFSimEngine
+
+    return HFSimEngine(str(smollm2_path))
+
+
+@pytest.fixture(scope="module")
+def shared_prompts(reference):
+    from bench.fragmentation import natural_prompts
+
+    first, second = natural_prompts(reference.tokenizer, 2, 160)
+    return [first, first[:80] + second[80:]]  # 80 shared tokens: 2 full blocks of 32
+
+
+def _run_while_evicting(llm, prompts, salts=(None, None)):
+    """Start the first request, step until it has evicted, then add the second (which
+    shares its prefix); returns ``{request id: RequestOutput}`` and the engine state."""
+    from vllm import SamplingParams
+
+    engine, state = llm.llm_engine, engine_state(llm)
+    params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0, ignore_eos=True)
+    engine.add_request("a", _prompt(prompts[0], salts[0]), params)
+    outputs = {}
+    while state.manager.num_evicted_tokens == 0:
+        for output in engine.step():
+            outputs[output.request_id] = output
+    assert "a" not in outputs or not outputs["a"].finished, "a finished before evicting"
+    engine.add_request("b", _prompt(prompts[1], salts[1]), params)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                outputs[output.request_id] = output
+    return outputs, state
+
+
+@pytest.fixture(scope="module")
+def pinned_run(smollm2_path, shared_prompts):
+    llm = make_llm(
+        str(smollm2_path),
+        dict(H2O, prefix_pin_tokens=PIN),
+        max_model_len=1024,
+        enable_prefix_caching=True,
+    )
+    outputs, state = _run_while_evicting(llm, shared_prompts)
+    evictions = {r: state.finished[internal_request_id(state, r)].evictions for r in outputs}
+    salted, _ = _run_while_evicting(llm, shared_prompts, salts=("tenant-x", "tenant-y"))
+    yield outputs, evictions, salted
+    del llm
+
+
+def test_a_second_request_hits_the_pinned_prefix_while_eviction_runs(pinned_run):
+    outputs, evictions, _ = pinned_run
+    assert outputs["a"].num_cached_tokens == 0
+    assert outputs["b"].num_cached_tokens == PIN  # the pinned blocks, not the 80 shared
+    for request_id in ("a", "b"):
+        assert sum(step.size for step in evictions[request_id]) > 0, "no eviction: vacuous"
+        for step in evictions[request_id]:
+            assert not (step < PIN).any(), "a pinned token was evicted"
+
+
+def test_outputs_equal_the_reference_engine_with_the_same_evictions(
+    pinned_run, reference, shared_prompts
+):
+    outputs, evictions, _ = pinned_run
+    for request_id, prompt in zip(("a", "b"), shared_prompts, strict=True):
+        manager = VTokenManager(StandaloneBlockPool(64), BLOCK_SIZE)
+        result = reference.generate(
+            prompt, NUM_NEW_TOKENS, Replay(steps=evictions[request_id]), lambda n: n, [manager]
+        )
+        assert result.token_ids == list(outputs[request_id].outputs[0].token_ids), request_id
+
+
+def test_another_salt_gets_no_hit(pinned_run):
+    _, _, salted = pinned_run
+    assert salted["a"].num_cached_tokens == 0  # the unsalted blocks are not its
+    assert salted["b"].num_cached_tokens == 0  # another tenant's blocks are not either
+
+
+def test_without_a_pin_an_evicting_request_publishes_nothing(smollm2_path, shared_prompts):
+    llm = make_llm(str(smollm2_path), H2O, max_model_len=1024, enable_prefix_caching=True)
+    outputs, state = _run_while_evicting(llm, [shared_prompts[0], shared_prompts[0]])
+    assert state.manager.num_evicted_tokens > 0
+    assert outputs["b"].num_cached_tokens == 0
+    del llm
+
+
+def test_an_evicting_request_pins_what_it_hit(smollm2_path, shared_prompts, reference):
+    """A request that never evicts publishes every full block; an evicting request that
+    hits more of them than its pin keeps all it hit (they are shared) and still evicts."""
+    from vllm import SamplingParams
+
+    llm = make_llm(str(smollm2_path), H2O, max_model_len=1024, enable_prefix_caching=True)
+    prompt = shared_prompts[0]
+    keep_all = {"vtoken_policy": {"policy": "none"}}
+    params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0, ignore_eos=True)
+    llm.generate(
+        [_prompt(prompt)],
+        SamplingParams(
+            max_tokens=NUM_NEW_TOKENS, temperature=0, ignore_eos=True, extra_args=keep_all
+        ),
+    )
+    longer = prompt + shared_prompts[1][:150]  # room to evict beyond what it hit
+    (second,) = llm.generate([_prompt(longer)], params)
+    state = engine_state(llm)
+    evictions = state.finished[internal_request_id(state, second.request_id)].evictions
+    del llm
+    assert second.num_cached_tokens == 160  # every full block of the first prompt
+    assert sum(step.size for step in evictions) > 0, "no eviction: vacuous"
+    assert all(not (step < 160).any() for step in evictions), "a shared token was evicted"
+    manager = VTokenManager(StandaloneBlockPool(64), BLOCK_SIZE)
+    result = reference.generate(
+        longer, NUM_NEW_TOKENS, Replay(steps=evictions), lambda n: n, [manager]
+    )
+    assert result.token_ids == list(second.outputs[0].token_ids)

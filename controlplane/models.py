@@ -7,9 +7,19 @@ all of them travel through Redis. Bad values raise `pydantic.ValidationError` (a
 
 from __future__ import annotations
 
+import re
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    model_validator,
+)
+
+from controlplane.prefix import MAX_REPORTED_KEYS
 
 TenantId = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
 """1-128 characters: letters, digits, '.', '_', '-'; starts with a letter or digit."""
@@ -18,6 +28,26 @@ ReplicaId = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:#-]{0,255}$"
 """1-256 characters; also allows ':' and '#' so Ray Serve replica ids fit."""
 
 NonNegativeInt = Annotated[int, Field(ge=0)]
+
+_PREFIX_GROUP = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def check_prefix_group(name: str) -> str:
+    """``name`` when it can name a prefix group (1-64 characters: letters, digits, '.',
+    '_', '-'); ``ValueError`` saying so otherwise."""
+    if not _PREFIX_GROUP.fullmatch(name):  # (re's `$` would let a final newline in)
+        raise ValueError(
+            f"a prefix group is 1-64 characters: letters, digits, '.', '_', '-' (got {name[:80]!r})"
+        )
+    return name
+
+
+PrefixGroup = Annotated[
+    str,
+    AfterValidator(check_prefix_group),  # its own message, naming what a group name is
+    WithJsonSchema({"type": "string", "pattern": f"^{_PREFIX_GROUP.pattern}$"}),
+]
+"""A prefix-cache sharing group's name (see ``TenantLimits.prefix_group``)."""
 
 
 class _Frozen(BaseModel):
@@ -45,6 +75,13 @@ class TenantLimits(_Frozen):
     plus a block) instead of their budgets: more requests are admitted, and the tenant's
     requests absorb the difference by eviction below their budgets under pressure. Off by
     default: it trades answer quality for admission."""
+    prefix_group: PrefixGroup | None = None
+    """Tenants naming the same group share prefix-cache blocks: their prompts are salted
+    with the group's salt instead of their own, so a prompt prefix one of them computed
+    (a shared system prompt, few-shot examples) is a cache hit for the others on the same
+    replica. Without a group a tenant's cached blocks are its own. Only tenants that may
+    see each other's prompts should share a group: a cache hit's timing tells one tenant
+    that another sent the same prefix."""
 
 
 class _Tenant(_Frozen):
@@ -107,6 +144,9 @@ class EngineCounters(_Frozen):
     preemptions: NonNegativeInt = 0
     evictions_under_pressure: NonNegativeInt = 0
     tenants: dict[TenantId, TenantUsage] = Field(default_factory=dict)
+    prefix_keys: tuple[str, ...] = Field(default=(), max_length=MAX_REPORTED_KEYS)
+    """Prefix keys (``controlplane/prefix.py``) of the blocks this replica's prefix cache
+    was given, most recent first: what the router's prefix affinity matches."""
 
     @model_validator(mode="after")
     def _check_block_accounting(self) -> EngineCounters:

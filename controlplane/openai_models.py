@@ -26,6 +26,9 @@ from pydantic import (
     model_validator,
 )
 
+from controlplane.models import PrefixGroup
+from controlplane.prefix import MAX_PREFIX_BLOCKS
+
 MaxTokens = Annotated[int, Field(ge=1, le=1_000_000)]
 MAX_STOP_SEQUENCES = 4  # OpenAI's own limit
 MAX_STOP_CHARS = 256  # each stop string is matched against the output at every step
@@ -183,6 +186,12 @@ class GenerateRequest(BaseModel):
     """The blocks admission counts each sequence at once its prefill ends (active-KV
     admission's steady bound), when that is less than its prompt + ``max_tokens``: the
     engine evicts a sequence that holds more, at any step and in any eviction mode."""
+    prefix_group: PrefixGroup | None = None
+    """The tenant's prefix-cache group (``TenantLimits.prefix_group``): the replica salts
+    the prompt with the group instead of the tenant (``controlplane.prefix.cache_salt``)."""
+    prefix_keys: list[str] = Field(default_factory=list, max_length=MAX_PREFIX_BLOCKS)
+    """The prompt's prefix keys (``controlplane.prefix.prefix_keys``, computed once at the
+    ingress): the router sends the request where they are cached."""
     trace_context: dict[str, str] = Field(default_factory=dict)
 
 

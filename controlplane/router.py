@@ -9,6 +9,13 @@ Fallback to least-loaded routing happens when there is no plan, when the plan ve
 has not advanced for `max_plan_age_s` (measured on this process's clock, so clock skew
 between hosts does not matter), when the last refresh could not reach Redis, or when
 none of the tenant's warm replicas is among the candidates.
+
+Prefix affinity (`controlplane/prefix.py`): a request that carries its prompt's prefix
+keys goes first to the replica whose reports hold the longest run of them (ties: the
+less loaded), unless that replica is over the bounded-load cap (consistent hashing with
+bounded loads, `prefix_load_factor` times the mean); the plan's ranking follows. Prefix
+caching pays only on the replica that holds the prefix, so this comes before the tenant's
+warm set; the load bound keeps one popular prefix from piling its tenants on one replica.
 """
 
 from __future__ import annotations
@@ -17,11 +24,12 @@ import asyncio
 import enum
 import heapq
 import logging
-from collections.abc import Mapping, Set
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
 from controlplane.clock import Clock
 from controlplane.models import ReplicaReport, RoutingPlan
+from controlplane.prefix import PrefixIndex, within_load_bound
 from controlplane.redis_conn import REDIS_ERRORS, Backoff
 from controlplane.store import RedisStore
 
@@ -33,6 +41,7 @@ class RouteSource(enum.Enum):
     NO_PLAN = "no_plan"  # no plan yet, or the plan went stale
     REDIS_UNREACHABLE = "redis_unreachable"
     NOT_IN_PLAN = "not_in_plan"  # tenant unknown, or none of its replicas is a candidate
+    PREFIX = "prefix"  # first rank is the replica holding the longest prefix
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,19 +56,26 @@ class RouteRanking:
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
-    """`fallback_width`: how many least-loaded replicas the fallback rank holds."""
+    """`fallback_width`: how many least-loaded replicas the fallback rank holds.
+    `prefix_load_factor`, `prefix_load_slack`: the bounded-load cap of prefix affinity
+    (a factor >= 1 of the mean load, 1.25 as in the bounded-load paper's experiments, plus
+    an absolute allowance in requests)."""
 
     max_plan_age_s: float = 5.0
     refresh_period_s: float = 0.1
     report_refresh_s: float = 1.0
     report_max_age_s: float = 1.0
     fallback_width: int = 4
+    prefix_load_factor: float = 1.25
+    prefix_load_slack: int = 2
 
     def __post_init__(self) -> None:
         if min(self.max_plan_age_s, self.refresh_period_s, self.report_refresh_s) <= 0:
             raise ValueError("router periods and ages must be positive")
         if self.fallback_width < 1:
             raise ValueError("fallback_width must be >= 1")
+        if self.prefix_load_factor < 1 or self.prefix_load_slack < 0:
+            raise ValueError("prefix_load_factor must be >= 1 and prefix_load_slack >= 0")
 
 
 class RouterCore:
@@ -72,6 +88,8 @@ class RouterCore:
         self._warm: dict[str, tuple[str, ...]] = {}
         self._drained: frozenset[str] = frozenset()
         self._load: dict[str, float] = {}
+        self._requests: dict[str, int] = {}  # queued + running, per replica (reports)
+        self._prefix = PrefixIndex()
         self._order_cache: tuple[Set[str], tuple[str, ...]] | None = None
         self._reports_read_s: float | None = None
         self._redis_ok = True
@@ -98,7 +116,8 @@ class RouterCore:
         self._order_cache = None
 
     def apply_reports(self, reports: Mapping[str, ReplicaReport]) -> None:
-        """Adopt fresh reports: load = queued + running requests + KV use (0-1)."""
+        """Adopt fresh reports: load = queued + running requests + KV use (0-1); the
+        prefix keys each replica holds."""
         self._load = {
             r: rep.queue_depth
             + rep.running_requests
@@ -106,6 +125,8 @@ class RouterCore:
             - rep.available_blocks / rep.total_blocks
             for r, rep in reports.items()
         }
+        self._requests = {r: rep.queue_depth + rep.running_requests for r, rep in reports.items()}
+        self._prefix = PrefixIndex({r: rep.prefix_keys for r, rep in reports.items()})
         self._order_cache = None
 
     async def refresh(self) -> bool:
@@ -162,16 +183,60 @@ class RouterCore:
         tenant_id: str,
         candidate_ids: Set[str],
         queue_lengths: Mapping[str, int] | None = None,
+        prefix_keys: Sequence[str] = (),
     ) -> RouteRanking:
         """Rank `candidate_ids` (the replicas the caller can reach now) for `tenant_id`.
 
-        With a usable plan the first rank is the tenant's warm set among the candidates,
+        With `prefix_keys` (the prompt's, `controlplane/prefix.py`) held by a candidate
+        within the load bound, the first rank is that replica alone (source `PREFIX`) and
+        the ranking below follows without it. With a usable plan the first rank is the
+        tenant's warm set among the candidates,
         least queued first (`queue_lengths` from the caller, else the latest reports),
         and the second rank the `fallback_width` least-loaded others by the latest
         reports. Otherwise one least-loaded rank (by `queue_lengths` when given).
         Pass the same `candidate_ids` object while the replica set is unchanged: its
         load order is cached by identity (sorting 1000 ids costs ~300 us, a lookup ~1).
         """
+        ranking = self._rank(tenant_id, candidate_ids, queue_lengths)
+        holder = self._prefix_holder(prefix_keys, candidate_ids, queue_lengths)
+        if holder is None:
+            return ranking
+        rest = tuple(
+            kept
+            for kept in (tuple(r for r in rank if r != holder) for rank in ranking.ranks)
+            if kept
+        )
+        return RouteRanking(((holder,), *rest), RouteSource.PREFIX, self._plan_version)
+
+    def _prefix_holder(
+        self,
+        prefix_keys: Sequence[str],
+        candidate_ids: Set[str],
+        queue_lengths: Mapping[str, int] | None,
+    ) -> str | None:
+        """The candidate holding the longest run of `prefix_keys` (the less loaded on a
+        tie) if it is within the load bound; `None` otherwise."""
+        if not prefix_keys or not self._prefix:
+            return None
+        usable = [r for r in candidate_ids if r not in self._drained]
+        matched = self._prefix.longest_match(prefix_keys, usable)
+        if not matched:
+            return None
+        loads = queue_lengths if queue_lengths is not None else self._requests
+        holder = max(matched, key=lambda r: (matched[r], -loads.get(r, 0), r))
+        all_loads = [loads.get(r, 0) for r in usable]
+        config = self.config
+        bound = (config.prefix_load_factor, config.prefix_load_slack)
+        if not within_load_bound(loads.get(holder, 0), all_loads, *bound):
+            return None
+        return holder
+
+    def _rank(
+        self,
+        tenant_id: str,
+        candidate_ids: Set[str],
+        queue_lengths: Mapping[str, int] | None,
+    ) -> RouteRanking:
         source = self._fallback_source()
         warm: tuple[str, ...] = ()
         if source is RouteSource.PLAN:

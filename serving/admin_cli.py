@@ -74,6 +74,10 @@ def tenant_set(
         bool | None,
         typer.Option(help="Count running requests at their floors (trades quality for load)."),
     ] = None,
+    prefix_group: Annotated[
+        str | None,
+        typer.Option(help="Share prefix-cache blocks with the other tenants of this group."),
+    ] = None,
     api_key: Annotated[
         str | None,
         typer.Option(help="Add this key, 32+ characters (a new tenant otherwise gets one)."),
@@ -91,6 +95,7 @@ def tenant_set(
         "prompt_tokens_per_s": prompt_tokens_per_s,
         "eviction_budget_tokens": eviction_budget_tokens,
         "squeeze_to_floor": squeeze_to_floor,
+        "prefix_group": prefix_group,
     }
     current = _admin("GET", url, admin_token, f"/admin/tenants/{tenant_id}", missing_ok=True)
     body: dict[str, Any] = {k: current[k] for k in QUOTA_FIELDS if current and k in current}

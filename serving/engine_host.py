@@ -3,14 +3,14 @@ the Ray Serve deployment around them.
 
 The replica streams :class:`GenerateChunk` dicts for the ingress (each for one of the
 request's ``n`` choices, with its log-probabilities when asked), salts the prefix cache
-with the tenant (tenants never share cached blocks), tags each request with its tenant for
-vToken's per-tenant counters, and publishes its counters to Redis every ~100 ms.
+with the tenant's prefix group or else the tenant (see :func:`cache_salt`: only tenants of
+one group share cached blocks), tags each request with its tenant for vToken's per-tenant
+counters, and publishes its counters to Redis every ~100 ms.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import os
 import time
@@ -28,6 +28,7 @@ from controlplane.models import EngineCounters, TenantUsage
 from controlplane.openai_models import GenerateChunk, GenerateRequest, TokenLogprob
 from controlplane.otel_metrics import ReplicaMetrics, configure_metrics
 from controlplane.plan_follower import PlanFollower
+from controlplane.prefix import MAX_REPORTED_KEYS, PrefixMemory, cache_salt
 from controlplane.publisher import PublisherConfig, ReportPublisher
 from controlplane.redis_conn import RedisConfig, connect
 from controlplane.store import RedisStore
@@ -70,6 +71,12 @@ class ReplicaSettings(BaseModel):
     kv_cache_dtype: str = "auto"  # vLLM's names: auto (the model's dtype), fp8, fp8_e5m2, ...
     tensor_parallel_size: int = Field(default=1, gt=0)
     """GPUs per replica: the deployment's ``replica_num_gpus`` must be at least this."""
+    enable_prefix_caching: bool = True
+    """vLLM's automatic prefix caching: a prompt prefix already computed on this replica
+    under the same salt (the tenant's, or its prefix group's: :func:`cache_salt`) is reused
+    instead of recomputed. With vToken, a request whose policy evicts publishes only its
+    pinned prefix (``prefix_pin_tokens`` in ``vtoken``: its leading tokens, never
+    evicted), a request under ``none`` every full block; ``False`` turns it off."""
     vtoken: dict[str, Any] = Field(default_factory=lambda: {"policy": "none"})
     """The engines' vToken config; served engines evict ``on_demand`` unless it says
     otherwise (tokens stay until memory or the tenant's budget needs them)."""
@@ -87,10 +94,27 @@ class ReplicaSettings(BaseModel):
         return self.served_name or self.model
 
 
-def counters_from_snapshot(report: EngineReport, running: int) -> EngineCounters:
+def published_blocks(settings: ReplicaSettings, extra_args: dict[str, Any] | None) -> int:
+    """How many leading blocks of a request's prompt its engine publishes to the prefix
+    cache: every one under a policy that never evicts, else its pinned prefix
+    (``prefix_pin_tokens``, ``workers/scheduler_side.py``); none with caching off."""
+    if not settings.enable_prefix_caching:
+        return 0
+    engine = VTokenConfig.model_validate(settings.vtoken)
+    spec = request_policy_spec(extra_args) or engine
+    if not spec.make_policy().evicts:
+        return MAX_REPORTED_KEYS  # all of them (a request carries fewer keys)
+    return engine.prefix_pin_tokens // settings.block_size
+
+
+def counters_from_snapshot(
+    report: EngineReport, running: int, prefix_keys: Sequence[str] = ()
+) -> EngineCounters:
     """The control plane's counters (its report schema) from the engine's ``EngineReport``:
-    the one place the two meet; every total is the engine report's own."""
+    the one place the two meet; every total is the engine report's own. ``prefix_keys``:
+    what the replica's prefix cache was given, most recent first."""
     return EngineCounters(
+        prefix_keys=tuple(prefix_keys),
         block_size=report.block_size,
         total_blocks=report.total_blocks,
         free_blocks=report.free_blocks,
@@ -184,10 +208,6 @@ def engine_request_ids(request_id: str, n: int) -> list[str]:
     return [f"{index}_{request_id}" for index in range(n)]
 
 
-def cache_salt(tenant_id: str) -> str:
-    return hashlib.sha256(f"vtoken-tenant:{tenant_id}".encode()).hexdigest()[:32]
-
-
 class EngineHost:
     """Owns one ``AsyncLLM``; usable without Ray Serve (tests, benchmarks)."""
 
@@ -220,6 +240,7 @@ class EngineHost:
             enforce_eager=settings.enforce_eager,
             kv_cache_dtype=settings.kv_cache_dtype,
             tensor_parallel_size=settings.tensor_parallel_size,
+            enable_prefix_caching=settings.enable_prefix_caching,
             otlp_traces_endpoint=engine_traces_endpoint(),
         )
         if common["otlp_traces_endpoint"] is not None:  # vLLM exports OTLP/gRPC unless told
@@ -235,6 +256,8 @@ class EngineHost:
             block_size=settings.block_size, total_blocks=1, free_blocks=1, used_blocks=0
         )
         self.running = 0
+        # The prefix keys of what this replica's prefix cache was given (router affinity).
+        self.prefixes = PrefixMemory(settings.num_blocks or MAX_REPORTED_KEYS)
         self.pressure: dict[str, float] = {}  # tenant -> keep fraction, from the plan
         self.allowance: dict[str, int] = {}  # tenant -> blocks it may hold here, from the plan
 
@@ -263,8 +286,10 @@ class EngineHost:
             yield GenerateChunk(error=str(error), replica_id=self.replica_id)
             return
         prompt = TokensPrompt(
-            prompt_token_ids=request.prompt_token_ids, cache_salt=cache_salt(request.tenant_id)
+            prompt_token_ids=request.prompt_token_ids,
+            cache_salt=cache_salt(request.tenant_id, request.prefix_group),
         )
+        self.prefixes.add(request.prefix_keys[: published_blocks(self.settings, params.extra_args)])
         context = extract_context(request.trace_context)
         span_name = telemetry.SPAN_REPLICA_GENERATE
         with self.tracer.start_as_current_span(span_name, context=context) as span:
@@ -370,7 +395,9 @@ class EngineHost:
         report = await async_engine_counters(self.llm)
         if report is None:
             raise RuntimeError("the engine runs without vToken: no counters")
-        self.counters = counters_from_snapshot(report, self.running)
+        # A prefix cache holds at most the pool's blocks: one key each.
+        self.prefixes.capacity = min(MAX_REPORTED_KEYS, max(1, report.total_blocks))
+        self.counters = counters_from_snapshot(report, self.running, self.prefixes.snapshot())
         self.counters_at = time.monotonic()
         return self.counters
 

@@ -56,6 +56,7 @@ from controlplane.openai_models import (
     TokenLogprob,
 )
 from controlplane.otel_metrics import RequestMetrics
+from controlplane.prefix import cache_salt, prefix_keys
 from controlplane.redis_conn import REDIS_ERRORS
 from controlplane.releases import Releaser
 from controlplane.store import RedisStore
@@ -223,6 +224,14 @@ class IngressState:
                 n=body.n,
                 logprobs=body.num_logprobs,
                 eviction_budget_tokens=quota.eviction_budget_tokens,
+                prefix_group=quota.prefix_group,
+                prefix_keys=list(
+                    prefix_keys(
+                        ids,
+                        self.settings.block_size,
+                        cache_salt(quota.tenant_id, quota.prefix_group),
+                    )
+                ),
                 hold_to_blocks=self.hold_to_blocks(reservation, len(ids), body.max_tokens, body.n),
                 trace_context=inject_context(),
             )

@@ -75,7 +75,8 @@ class VTokenRequestRouter(FIFOMixin, RequestRouter):
                 by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
                 self._candidates = (candidate_replicas, frozenset(by_id), by_id)
             _, ids, by_id = self._candidates
-            ranking = self._core.rank(tenant_id, ids)
+            keys = fields.get("prefix_keys") or ()
+            ranking = self._core.rank(tenant_id, ids, prefix_keys=keys)
             span.set_attribute(telemetry.ATTR_TENANT_ID, tenant_id)
             span.set_attribute(telemetry.ATTR_ROUTE_SOURCE, ranking.source.value)
             if ranking.ranks and ranking.ranks[0]:

@@ -206,13 +206,43 @@ class VTokenManager:
         self._resize_ballast(request, 0)
         return request
 
-    def report(self, request_id: str, budget_tokens: int | None = None) -> RequestReport:
+    def charged_elsewhere(self) -> dict[str, int]:
+        """Per request, how many blocks it holds that are charged to another request: a
+        block several requests share (a prefix-cache hit) is charged once, to its earliest
+        current holder (the request that computed it, or after that one finished the
+        earliest that adopted it). So a tenant's requests that share blocks count them
+        once, and requests sum to the distinct blocks held."""
+        shared = {
+            b for r in self.requests.values() for b in r.table.block_ids[: r.num_shared_blocks]
+        }
+        if not shared:
+            return {}
+        charged: set[int] = set()
+        elsewhere: dict[str, int] = {}
+        for request_id, request in self.requests.items():  # in the order they were added
+            mine = [b for b in request.table.block_ids if b in shared]
+            elsewhere[request_id] = sum(1 for b in mine if b in charged)
+            charged.update(mine)
+        return elsewhere
+
+    def report(
+        self,
+        request_id: str,
+        budget_tokens: int | None = None,
+        charged_elsewhere: int | None = None,
+    ) -> RequestReport:
         """The request's usage; ``budget_tokens`` (the live tokens its policy may keep now,
         ``None`` while nothing can be evicted, e.g. in prefill) sets its floor: the blocks
         its budget, or the tokens its policy protects if more, would fill. The floor is its
         ideal (a pending repack's blocks are reclaimable) without a budget or under a
         policy that does not evict to its budget whenever asked (``none``; SnapKV and PAGE
-        decide once), and what it holds in naive mode (eviction frees no block there)."""
+        decide once), and what it holds in naive mode (eviction frees no block there).
+
+        Blocks charged to another request (``charged_elsewhere``, default: computed) leave
+        its ``allocated``, ``ideal``, ``floor`` and ``naive`` counts alike (they are
+        pinned, so inside every one of them) and show as ``shared_blocks``."""
+        if charged_elsewhere is None:
+            charged_elsewhere = self.charged_elsewhere().get(request_id, 0)
         request = self.requests[request_id]
         table = request.table
         vtoken = self.mode is ReclaimMode.VTOKEN
@@ -225,15 +255,17 @@ class VTokenManager:
             assert policy is not None
             keep = max(budget_tokens, policy.num_protected(budget_tokens))
             floor = min(floor, cdiv(min(table.num_live, keep), self.block_size))
+        shared = charged_elsewhere
         return RequestReport(
             request_id=request_id,
             tenant=request.tenant,
             policy=request.policy.name if request.policy is not None else None,
             live_tokens=table.num_live,
-            allocated_blocks=request.num_held_blocks,
-            ideal_blocks=table.num_ideal_blocks,
-            floor_blocks=floor,
-            naive_blocks=table.num_naive_blocks(),
+            allocated_blocks=request.num_held_blocks - shared,
+            ideal_blocks=table.num_ideal_blocks - shared,
+            floor_blocks=floor - shared,
+            naive_blocks=table.num_naive_blocks() - shared,
+            shared_blocks=shared,
             evicted_tokens=request.num_evicted,
             repack_moves=request.num_moves,
         )
@@ -241,7 +273,8 @@ class VTokenManager:
     def reports(self, budgets: Mapping[str, int] | None = None) -> tuple[RequestReport, ...]:
         """Every running request's report (``budgets``: request id -> budget tokens)."""
         budgets = budgets or {}
-        return tuple(self.report(r, budgets.get(r)) for r in self.requests)
+        elsewhere = self.charged_elsewhere()
+        return tuple(self.report(r, budgets.get(r), elsewhere.get(r, 0)) for r in self.requests)
 
     def _ballast_size(self, table: TokenTable, num_new_tokens: int = 0) -> int:
         """Ballast Naive-Evict needs once ``num_new_tokens`` more are appended (0 in vtoken

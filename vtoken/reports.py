@@ -68,13 +68,19 @@ _SUMMED = tuple(KVUsage.model_fields)
 
 
 class RequestReport(KVUsage):
-    """One request's usage; ``policy`` is ``None`` when the engine evicts explicit ids."""
+    """One request's usage; ``policy`` is ``None`` when the engine evicts explicit ids.
+
+    ``shared_blocks``: blocks it holds that are charged to another request (prefix-cache
+    blocks several requests share are charged once, to their earliest current holder:
+    ``VTokenManager.charged_elsewhere``); its block counts exclude them, so a tenant's
+    and the engine's sums count every block once."""
 
     request_id: str
     tenant: str = DEFAULT_TENANT
     policy: str | None = None
     finished: bool = False
     num_requests: Count = 1
+    shared_blocks: Count = 0
 
 
 class EngineReport(BaseModel):

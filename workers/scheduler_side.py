@@ -424,9 +424,11 @@ class VTokenScheduler:
         if not self.allowance:
             return set()
         held: dict[str, int] = {}
-        for record in self.requests.values():
+        elsewhere = self.manager.charged_elsewhere()  # shared blocks count once
+        for request_id, record in self.requests.items():
             tenant = record.kv.tenant
-            held[tenant] = held.get(tenant, 0) + record.kv.num_held_blocks
+            charged = record.kv.num_held_blocks - elsewhere.get(request_id, 0)
+            held[tenant] = held.get(tenant, 0) + charged
         for request_id in always:  # they evict this step anyway
             tenant = self.requests[request_id].kv.tenant
             held[tenant] = held.get(tenant, 0) - self.blocks_above_budget(request_id)
@@ -599,8 +601,11 @@ class VTokenScheduler:
                 in_place = np.arange(num_pinned)
                 assert (kv.table.live_slots()[:num_pinned] == in_place).all(), "pin moved"
                 assert (kv.table.live_logical_ids()[:num_pinned] == in_place).all(), "pin lost"
-            full_pinned = cdiv(kv.table.num_slots, self.block_size) if record.pinned is None \
+            full_pinned = (
+                cdiv(kv.table.num_slots, self.block_size)
+                if record.pinned is None
                 else record.pinned // self.block_size
+            )
             assert kv.num_shared_blocks <= full_pinned, f"{request_id}: shares unpinned blocks"
             assert self.stm.num_cached_block.get(request_id, 0) <= full_pinned, (
                 f"{request_id}: published blocks it may change"
@@ -612,3 +617,5 @@ class VTokenScheduler:
                 holders[block_id] = holders.get(block_id, 0) + 1
         for block_id, count in holders.items():
             assert self.pool.ref_count(block_id) == count, f"block {block_id}: ref count"
+        charged = sum(report.allocated_blocks for report in self.manager.reports())
+        assert charged == len(holders), "a shared block is charged other than once"

@@ -275,7 +275,10 @@ def _scheduler_init(original: Callable[..., Any]) -> Callable[..., Any]:
 
         if type(single_type_manager) is not FullAttentionManager or self.defer_block_free:
             raise ValueError("vToken needs plain full attention without deferred block frees")
-        if manager.enable_caching and manager.block_pool.hash_block_size != single_type_manager.block_size:
+        if (
+            manager.enable_caching
+            and manager.block_pool.hash_block_size != single_type_manager.block_size
+        ):
             raise ValueError(
                 "vToken shares prefix-cache blocks whole: the prefix-cache hash block size "
                 f"({manager.block_pool.hash_block_size}) must equal the block size "

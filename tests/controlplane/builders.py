@@ -21,6 +21,7 @@ def report(
     queue_depth: int = 0,
     draining: bool = False,
     floors: dict[str, int] | None = None,
+    prefix_keys: tuple[str, ...] = (),
 ) -> ReplicaReport:
     """A consistent report: used = the tenants' blocks + `extra_used`; a tenant's floor is
     what it holds unless `floors` says less."""
@@ -31,6 +32,7 @@ def report(
     }
     used = sum(u.blocks for u in usage.values()) + extra_used
     return ReplicaReport(
+        prefix_keys=prefix_keys,
         replica_id=replica_id,
         heartbeat_s=heartbeat_s,
         block_size=16,

@@ -24,6 +24,19 @@ def test_bad_quota_names_the_field(fields: dict[str, object], message: str) -> N
         TenantQuota.model_validate(fields)
 
 
+@pytest.mark.parametrize("group", ["", "has space", "x" * 65, "a/b", "trailing\n", "ümlaut"])
+def test_a_bad_prefix_group_is_refused_with_what_a_group_name_is(group: str) -> None:
+    with pytest.raises(ValidationError, match=r"prefix_group\n.*1-64 characters: letters"):
+        TenantQuota.model_validate({"tenant_id": "a", "kv_budget_blocks": 1, "prefix_group": group})
+
+
+def test_a_prefix_group_is_optional_and_kept() -> None:
+    assert quota("a").prefix_group is None
+    named = quota("a", prefix_group="support-bots.v2_x")
+    assert TenantQuota.model_validate_json(named.model_dump_json()) == named
+    assert named.model_dump()["prefix_group"] == "support-bots.v2_x"
+
+
 def test_quota_is_immutable() -> None:
     with pytest.raises(ValidationError):
         quota("a").kv_budget_blocks = 5  # type: ignore[misc]

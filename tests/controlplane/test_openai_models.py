@@ -1,4 +1,5 @@
-"""The OpenAI request bodies: served fields validated, every other field refused by name."""
+"""The OpenAI request bodies: served fields validated, every other field refused by name;
+what the ingress sends a replica."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from controlplane.openai_models import (
     MESSAGE_OVERHEAD_CHARS,
     ChatCompletionRequest,
     CompletionRequest,
+    GenerateRequest,
     prompt_chars,
 )
 
@@ -136,3 +138,19 @@ def test_prompt_chars_counts_text_of_any_shape():
     messages = [{"role": "user", "content": "abc"}, {"content": [{"type": "text", "text": "de"}]}]
     assert prompt_chars({"messages": messages}) == 5 + 2 * MESSAGE_OVERHEAD_CHARS  # templates
     assert prompt_chars({"prompt": 5, "messages": {"x": None}}) == 0
+
+
+def test_a_generate_request_carries_a_valid_prefix_group_or_none():
+    fields = {
+        "request_id": "cmpl-1",
+        "tenant_id": "acme",
+        "prompt_token_ids": [1, 2],
+        "max_tokens": 4,
+        "temperature": 0.0,
+        "top_p": 1.0,
+    }
+    assert GenerateRequest.model_validate(fields).prefix_group is None
+    grouped = GenerateRequest.model_validate({**fields, "prefix_group": "bots"})
+    assert GenerateRequest.model_validate(grouped.model_dump()).prefix_group == "bots"
+    with pytest.raises(ValidationError, match="prefix_group"):
+        GenerateRequest.model_validate({**fields, "prefix_group": "a b"})

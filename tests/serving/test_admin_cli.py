@@ -99,3 +99,19 @@ def test_set_turns_squeezing_to_floors_on(calls: list[tuple[str, str, Any]]) -> 
     assert result.exit_code == 0, result.output
     (_, _, body) = calls[-1]
     assert body["squeeze_to_floor"] is True and body["kv_budget_blocks"] == 8
+
+
+def test_set_puts_the_tenant_in_a_prefix_group(calls: list[tuple[str, str, Any]]) -> None:
+    result = CliRunner().invoke(admin_cli.tenant_app, ["set", "acme", "--prefix-group", "bots"])
+    assert result.exit_code == 0, result.output
+    (_, _, body) = calls[-1]
+    assert body["prefix_group"] == "bots" and body["weight"] == 2.0  # the rest is kept
+
+
+def test_a_bad_prefix_group_is_refused_before_anything_is_sent(
+    calls: list[tuple[str, str, Any]],
+) -> None:
+    result = CliRunner().invoke(admin_cli.tenant_app, ["set", "acme", "--prefix-group", "a b"])
+    assert result.exit_code == 2
+    assert "--prefix-group" in result.output and "1-64 characters" in result.output
+    assert [method for method, _, _ in calls] == ["GET"]

@@ -1,10 +1,12 @@
-"""Pure pieces of the replica: pressure overrides, counter mapping, tenant salts, log-
-probabilities; and the real engine (slow): aborts free the KV, n choices with logprobs."""
+"""Pure pieces of the replica: pressure overrides, counter mapping, tenant and group salts,
+log-probabilities; and the real engine (slow): aborts free the KV, n choices with logprobs,
+tenants of one prefix group hit each other's cached prompt and no other tenant's."""
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,6 +21,7 @@ from serving.engine_host import (
     cache_salt,
     counters_from_snapshot,
     engine_request_ids,
+    published_blocks,
     request_spec,
     token_logprobs,
 )
@@ -170,6 +173,38 @@ def test_counters_map_the_engine_report_into_a_valid_report():
 
 def test_cache_salt_separates_tenants_and_is_stable():
     assert cache_salt("a") == cache_salt("a") != cache_salt("b")
+
+
+def test_a_prefix_group_salts_its_tenants_alike_and_apart_from_every_tenant():
+    """Tenants of one group share the group's salt; it is none of theirs, nor the salt of
+    a tenant named like the group (separate namespaces); a tenant's own salt is what it was
+    before groups existed (cached blocks of an upgraded replica stay the tenant's)."""
+    import hashlib
+
+    group = cache_salt("a", "shared")
+    assert group == cache_salt("b", "shared") != cache_salt("a", "other")
+    assert group not in {cache_salt("a"), cache_salt("b"), cache_salt("shared")}
+    assert cache_salt("a", None) == cache_salt("a")
+    assert cache_salt("a") == hashlib.sha256(b"vtoken-tenant:a").hexdigest()[:32]
+    assert group == hashlib.sha256(b"vtoken-group:shared").hexdigest()[:32]
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_replica_builds_its_engine_with_its_prefix_caching_setting(
+    tmp_path, monkeypatch, enabled
+):
+    """``ReplicaSettings.enable_prefix_caching`` (on by default) reaches vLLM's engine
+    arguments; no engine is built."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    assert ReplicaSettings().enable_prefix_caching is True
+    (tmp_path / "config.json").write_text("{}")
+    built = []
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", lambda args: built.append(args))
+    settings = ReplicaSettings(model=str(tmp_path), enable_prefix_caching=enabled)
+    EngineHost(settings, "r1")
+    (args,) = built
+    assert args.enable_prefix_caching is enabled
 
 
 @pytest.mark.filterwarnings("ignore:coroutine .EngineReplica.__del__. was never awaited")
@@ -345,6 +380,62 @@ def test_n_choices_with_logprobs_run_as_n_sequences_and_free_their_kv(tmp_path, 
     assert drained == (0, 0)
 
 
+@pytest.mark.slow
+def test_tenants_of_one_prefix_group_hit_each_others_cached_prompt(tmp_path, smollm2_path):
+    """One engine with prefix caching (the default), the same 100-token prompt from five
+    requests in turn: the second tenant of a group reuses the 3 full blocks the first one
+    computed; two tenants without a group reuse nothing of each other's, though a tenant's
+    own repeat does (the cache is on: the salts keep them apart). vLLM's
+    ``RequestOutput.num_cached_tokens`` says how many prompt tokens came from the cache."""
+    import os
+
+    from workers.engine import CPU_ENV
+    from workers.models import make_tiny_llama
+
+    for name, value in CPU_ENV.items():
+        os.environ.setdefault(name, value)
+    folder = make_tiny_llama(tmp_path / "tiny", tokenizer_source=smollm2_path)
+    settings = ReplicaSettings(
+        model=str(folder), block_size=32, max_model_len=512, max_num_seqs=2, num_blocks=32
+    )
+    prompt = list(range(1, 101))  # 3 full blocks of 32, and 4 tokens more
+
+    def request(index: int, tenant_id: str, prefix_group: str | None) -> GenerateRequest:
+        return GenerateRequest(
+            request_id=f"{tenant_id}-{index}",
+            tenant_id=tenant_id,
+            prompt_token_ids=prompt,
+            max_tokens=2,
+            temperature=0.0,
+            top_p=1.0,
+            prefix_group=prefix_group,
+        )
+
+    cached: dict[str, int] = {}  # request id -> its prompt tokens the cache gave
+
+    async def scenario() -> None:
+        host = EngineHost(settings, "r1")
+        generate = host.llm.generate
+
+        async def observed(prompt: Any, params: Any, request_id: str, **kwargs: Any) -> Any:
+            async for output in generate(prompt, params, request_id, **kwargs):
+                cached[request_id] = output.num_cached_tokens or 0
+                yield output
+
+        host.llm.generate = observed
+        try:
+            order = [("a", "team"), ("b", "team"), ("c", None), ("d", None), ("c", None)]
+            for index, (tenant_id, group) in enumerate(order):
+                answer = host.generate(request(index, tenant_id, group))
+                chunks = [chunk async for chunk in answer]
+                assert chunks and all(chunk.error is None for chunk in chunks)
+        finally:
+            host.shutdown()
+
+    asyncio.run(scenario())
+    assert cached == {"a-0": 0, "b-1": 96, "c-2": 0, "d-3": 0, "c-4": 96}
+
+
 async def _drained(host: EngineHost, timeout_s: float = 30.0) -> tuple[int, int]:
     """(running requests, used blocks) once both are 0, or when `timeout_s` passed."""
     loop = asyncio.get_running_loop()
@@ -354,3 +445,19 @@ async def _drained(host: EngineHost, timeout_s: float = 30.0) -> tuple[int, int]
         if (counters.used_blocks == 0 and host.running == 0) or loop.time() > deadline:
             return host.running, counters.used_blocks
         await asyncio.sleep(0.1)
+
+
+def test_published_blocks_follow_the_pinning_rule():
+    """What the replica remembers for prefix affinity is what its engine publishes."""
+    keep_all = ReplicaSettings(model="m", vtoken={"policy": "none"})
+    assert published_blocks(keep_all, None) >= 64  # every full block
+    evicting = ReplicaSettings(
+        model="m",
+        block_size=16,
+        vtoken={"policy": "h2o", "keep_ratio": 0.5, "prefix_pin_tokens": 40},
+    )
+    assert published_blocks(evicting, None) == 2  # the pinned prefix's full blocks
+    override = {"vtoken_policy": {"policy": "none"}}
+    assert published_blocks(evicting, override) >= 64
+    off = ReplicaSettings(model="m", enable_prefix_caching=False, vtoken={"policy": "none"})
+    assert published_blocks(off, None) == 0

@@ -13,6 +13,7 @@ import pytest
 
 from controlplane import telemetry
 from controlplane.models import TenantQuota
+from controlplane.prefix import cache_salt, prefix_keys
 from tests.serving.ingress_harness import BLOCK_SIZE, MODEL, PROMPT, Ingress, admin, bearer
 
 
@@ -37,6 +38,10 @@ async def test_a_completion_answers_with_usage_and_gives_its_reservation_back(
     assert sent["hold_to_blocks"] is None  # its cap is above its prompt + max_tokens
     assert sent["tenant_id"] == "acme" and sent["request_id"] == body["id"]
     assert sent["eviction_budget_tokens"] == 64
+    assert sent["prefix_group"] is None  # no group: the replica salts with the tenant
+    assert sent["prefix_keys"] == list(
+        prefix_keys(sent["prompt_token_ids"], BLOCK_SIZE, cache_salt(sent["tenant_id"]))
+    )
     # Held while the engine answered (worst case: prompt + max_tokens), released after.
     held = math.ceil((len(prompt_ids) + 8) / BLOCK_SIZE)
     assert ingress.replicas.reserved_while_answering == [held]
@@ -182,6 +187,41 @@ async def test_admin_api_writes_the_quota_json(ingress: Ingress) -> None:
     )
     assert bad.status_code == 400 and "weight" in bad.json()["error"]["message"]
     assert (await ingress.complete(api_key)).status_code == 200
+
+
+async def test_the_tenants_prefix_group_goes_with_each_of_its_requests(ingress: Ingress) -> None:
+    """The quota's ``prefix_group`` reaches the replica with every request of the tenant
+    (which salts the prompt with the group); a name that cannot be a group is a 400 naming
+    the field, and a quota written without one sends none from the next request on."""
+    acme = await ingress.add_tenant("acme", kv_budget_blocks=8, prefix_group="support")
+    beta = await ingress.add_tenant("beta", kv_budget_blocks=8, prefix_group="support")
+    long_prompt = " ".join([PROMPT] * 6)  # several full blocks
+    for api_key in (acme, beta):
+        assert (await ingress.complete(api_key, prompt=long_prompt)).status_code == 200
+    assert [(r["tenant_id"], r["prefix_group"]) for r in ingress.replicas.requests] == [
+        ("acme", "support"),
+        ("beta", "support"),
+    ]
+    # One prompt, one group: the same prefix keys (the router's affinity), one per full block.
+    first, second = ingress.replicas.requests
+    assert first["prefix_keys"] == second["prefix_keys"]
+    assert len(first["prefix_keys"]) == len(first["prompt_token_ids"]) // BLOCK_SIZE > 1
+    bad = await ingress.client.put(
+        "/admin/tenants/acme",
+        json={"kv_budget_blocks": 8, "prefix_group": "no spaces"},
+        headers=admin(),
+    )
+    assert bad.status_code == 400
+    assert "prefix_group" in bad.json()["error"]["message"]
+    assert "1-64 characters" in bad.json()["error"]["message"]
+    fetched = await ingress.client.get("/admin/tenants/acme", headers=admin())
+    assert fetched.json()["prefix_group"] == "support"  # the refused update changed nothing
+    left = await ingress.client.put(
+        "/admin/tenants/acme", json={"kv_budget_blocks": 8}, headers=admin()
+    )
+    assert left.status_code == 200 and left.json()["prefix_group"] is None
+    assert (await ingress.complete(acme)).status_code == 200
+    assert ingress.replicas.requests[-1]["prefix_group"] is None
 
 
 async def test_the_reservation_shrinks_to_the_steady_bound_once_a_token_is_out(

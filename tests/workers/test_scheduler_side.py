@@ -286,9 +286,13 @@ def test_a_hit_is_shared_pinned_and_released_by_reference_count():
     assert manager.req_to_blocks["b"][:2] == hit and manager.num_cached_block["b"] == 2
     record = state.requests["b"]
     assert record.pinned == 8 and record.kv.policy.sinks == 8  # what it hit, kept for life
+    reports = {r.request_id: r for r in state.manager.reports()}
+    assert reports["a"].allocated_blocks == 3 and reports["a"].shared_blocks == 0
+    assert reports["b"].allocated_blocks == 2 and reports["b"].shared_blocks == 2  # 4 held
     state.check_invariants()
     state.free("a")
     assert [b.ref_cnt for b in hit] == [1, 1]
+    assert state.manager.report("b").shared_blocks == 0  # its earliest holder now: charged
     state.free("b")
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
     state.check_invariants()

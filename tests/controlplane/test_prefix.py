@@ -1,0 +1,109 @@
+"""Prefix keys, the replicas' prefix memory and the router's prefix affinity (pure logic)."""
+
+from __future__ import annotations
+
+import pytest
+
+from controlplane.prefix import PrefixIndex, PrefixMemory, prefix_keys, within_load_bound
+from controlplane.router import RouterConfig, RouterCore, RouteSource
+from tests.controlplane.builders import report
+from tests.controlplane.fakes import FakeClock
+
+BLOCK = 4
+
+
+def test_keys_are_chained_over_full_blocks_and_salted():
+    tokens = list(range(10))
+    keys = prefix_keys(tokens, BLOCK, "t1")
+    assert len(keys) == 2  # 10 tokens: two full blocks
+    assert prefix_keys(tokens[:8] + [99, 98, 97], BLOCK, "t1") == keys  # same first blocks
+    diverged = prefix_keys([0, 1, 2, 3, 4, 5, 6, 0], BLOCK, "t1")
+    assert diverged[0] == keys[0] and diverged[1] != keys[1]
+    changed_first = prefix_keys([7, 1, 2, 3, 4, 5, 6, 7], BLOCK, "t1")
+    assert changed_first[1] != keys[1], "a key covers every block before it"
+    assert prefix_keys(tokens, BLOCK, "t2")[0] != keys[0], "another salt, another key"
+    assert prefix_keys(tokens[:3], BLOCK, "t1") == ()
+    assert len(prefix_keys(list(range(100)), BLOCK, "t1", max_blocks=5)) == 5
+    with pytest.raises(ValueError):
+        prefix_keys(tokens, 0, "t1")
+
+
+def test_memory_forgets_least_recently_used_first():
+    memory = PrefixMemory(capacity=3)
+    memory.add(["a", "b", "c"])
+    memory.add(["a"])  # used again: now the most recent
+    memory.add(["d"])
+    assert memory.snapshot() == ("d", "a", "c")
+    assert memory.snapshot(limit=2) == ("d", "a")
+    with pytest.raises(ValueError):
+        PrefixMemory(0)
+
+
+def test_longest_match_per_candidate():
+    keys = prefix_keys(list(range(16)), BLOCK, "t")
+    index = PrefixIndex({"r1": keys[:1], "r2": keys[:3], "r3": keys, "r4": ()})
+    assert index.longest_match(keys, {"r1", "r2", "r4"}) == {"r1": 1, "r2": 3}
+    assert index.longest_match(keys, {"r1", "r2", "r3"})["r3"] == 4
+    assert index.longest_match(prefix_keys([5] * 8, BLOCK, "t"), {"r1", "r2"}) == {}
+
+
+def test_bounded_load_cap():
+    # 3 replicas carrying 2 + 2 + 2 requests; with the new one m = 7: cap ceil(1.25 * 7 / 3) = 3
+    assert within_load_bound(2, [2, 2, 2], 1.25)
+    assert not within_load_bound(3, [3, 1, 2], 1.25)  # would hold 4 > cap 3
+    assert within_load_bound(0, [0, 0], 1.0)  # an idle cluster takes a request anywhere
+    assert not within_load_bound(1, [1, 0, 0], 1.25)  # cap ceil(1.25 * 2 / 3) = 1
+    assert within_load_bound(1, [1, 0, 0], 1.25, slack=1)  # one request of slack
+
+
+@pytest.fixture
+def router(store, clock: FakeClock) -> RouterCore:
+    core = RouterCore(store, clock, RouterConfig(fallback_width=4))
+    return core
+
+
+def _reports(clock: FakeClock, held: dict[str, tuple[str, ...]], queued: dict[str, int]):
+    return {
+        r: report(r, clock.now(), queue_depth=queued.get(r, 0), prefix_keys=held.get(r, ()))
+        for r in ("r1", "r2", "r3")
+    }
+
+
+ALL = frozenset({"r1", "r2", "r3"})
+
+
+def test_the_longest_prefix_holder_goes_first(router: RouterCore, clock: FakeClock):
+    keys = prefix_keys(list(range(12)), BLOCK, "t")
+    router.apply_reports(_reports(clock, {"r2": keys[:1], "r3": keys}, {"r3": 1}))
+    ranking = router.rank("t", ALL, prefix_keys=keys)
+    assert ranking.source is RouteSource.PREFIX
+    assert ranking.ranks[0] == ("r3",)
+    assert "r3" not in {r for rank in ranking.ranks[1:] for r in rank}
+    assert set().union(*ranking.ranks) == ALL
+    # No keys, or keys nobody holds: the ranking without affinity.
+    assert router.rank("t", ALL).source is not RouteSource.PREFIX
+    assert (
+        router.rank("t", ALL, prefix_keys=prefix_keys([9] * 8, BLOCK, "t")).source
+        is not RouteSource.PREFIX
+    )
+
+
+def test_an_overloaded_holder_is_passed_over(router: RouterCore, clock: FakeClock):
+    keys = prefix_keys(list(range(12)), BLOCK, "t")
+    router.apply_reports(_reports(clock, {"r3": keys}, {"r1": 0, "r2": 0, "r3": 4}))
+    # 4 queued of 4: cap ceil(1.25 * 5 / 3) + 2 = 5 >= 4 + 1: still taken
+    assert router.rank("t", ALL, prefix_keys=keys).ranks[0] == ("r3",)
+    router.apply_reports(_reports(clock, {"r3": keys}, {"r1": 0, "r2": 0, "r3": 5}))
+    ranking = router.rank("t", ALL, prefix_keys=keys)
+    assert ranking.source is not RouteSource.PREFIX
+    assert ranking.ranks[0][0] != "r3"
+    # The caller's live queue lengths decide the bound when given.
+    live = {"r1": 2, "r2": 2, "r3": 2}
+    assert router.rank("t", ALL, live, prefix_keys=keys).ranks[0] == ("r3",)
+
+
+def test_a_bad_load_factor_is_refused():
+    with pytest.raises(ValueError, match="prefix_load_factor"):
+        RouterConfig(prefix_load_factor=0.5)
+    with pytest.raises(ValueError, match="prefix_load_slack"):
+        RouterConfig(prefix_load_slack=-1)

@@ -66,6 +66,15 @@ def prompt_chars(body: dict[str, Any]) -> int:
     return text(body.get("prompt")) + text(messages) + overhead
 
 
+class StreamOptions(BaseModel):
+    """OpenAI's ``stream_options``: ``include_usage`` adds a last chunk, before ``[DONE]``,
+    with no choices and the answer's usage."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -78,6 +87,7 @@ class _Body(BaseModel):
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stop: list[StopString] | None = Field(default=None, max_length=MAX_STOP_SEQUENCES)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=256)  # the end user, for the client
     cache_salt: str | None = Field(default=None, exclude=True, max_length=256)  # dropped
     n: int = Field(default=1, ge=1, le=MAX_N)
@@ -217,6 +227,7 @@ class GenerateChunk(BaseModel):
     text: str = ""
     finish_reason: str | None = None
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the replica's prefix cache served
     completion_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     replica_id: str = ""

@@ -52,10 +52,12 @@ class AppArgs(AdminTokenSource):
     limits: InputLimits = Field(default_factory=InputLimits)
     max_n: int = Field(default=DEFAULT_MAX_N, ge=1, le=MAX_N)
     """Choices one request may ask for (``n``); each is its own sequence with its own KV."""
-    router: Literal["vtoken", "serve_default"] = "vtoken"
-    """``vtoken``: engine replicas are chosen by the control plane's routing plan
-    (``VTokenRequestRouter``); ``serve_default``: by Ray Serve's default router (power of
-    two choices on queue length), the baseline of ``vtoken bench router``."""
+    router: Literal["vtoken", "serve_default", "serve_prefix_cache_affinity"] = "vtoken"
+    """``vtoken``: engine replicas are chosen by the control plane's routing plan and prefix
+    affinity (``VTokenRequestRouter``); ``serve_default``: by Ray Serve's default router
+    (power of two choices on queue length), the baseline of ``vtoken bench router``;
+    ``serve_prefix_cache_affinity``: by Ray Serve's ``PrefixCacheAffinityRouter``, a
+    baseline of ``vtoken bench prefix``."""
     admission: Literal["active_kv", "worst_case"] = "active_kv"
     """``active_kv``: a request counts its prompt until prefill ends, then its policy's
     bound; ``worst_case``: it counts prompt + max_tokens for its whole life, no credit for
@@ -164,6 +166,12 @@ def build_app(args: dict[str, Any], *, admin_token: str | None = None) -> Applic
         routing["request_router_config"] = RequestRouterConfig(
             request_router_class=VTokenRequestRouter,  # type: ignore[arg-type]
             request_router_kwargs={**where, "key_prefix": config.key_prefix},
+        )
+    elif config.router == "serve_prefix_cache_affinity":
+        from serving.prefix_router import ServePrefixCacheAffinityRouter
+
+        routing["request_router_config"] = RequestRouterConfig(
+            request_router_class=ServePrefixCacheAffinityRouter,  # type: ignore[arg-type]
         )
     engine = EngineReplica.options(  # type: ignore[attr-defined]
         num_replicas=config.num_replicas,

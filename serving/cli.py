@@ -12,6 +12,7 @@ from bench import controller as bench_controller
 from bench import faults as bench_faults
 from bench import fragmentation as bench_fragmentation
 from bench import preemption as bench_preemption
+from bench import prefix as bench_prefix
 from bench import quality as bench_quality
 from bench import quotas as bench_quotas
 from bench import repack as bench_repack
@@ -38,6 +39,7 @@ bench_app.command("quotas")(bench_quotas.cli)
 bench_app.command("serve")(bench_serve.cli)
 bench_app.command("quality")(bench_quality.cli)
 bench_app.command("router")(bench_router.cli)
+bench_app.command("prefix")(bench_prefix.cli)
 bench_app.command("faults")(bench_faults.cli)
 admin_cli.register(app)
 

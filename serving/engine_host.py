@@ -328,6 +328,7 @@ class EngineHost:
                             text=piece.text,
                             finish_reason=piece.finish_reason,  # set when this choice ends
                             prompt_tokens=len(request.prompt_token_ids),
+                            cached_tokens=output.num_cached_tokens or 0,
                             completion_tokens=completion_tokens,
                             logprobs=logprobs,
                             replica_id=self.replica_id,

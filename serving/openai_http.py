@@ -236,7 +236,15 @@ class IngressState:
                 trace_context=inject_context(),
             )
             chunks = self._generate(generate, reservation, started)
-            answer = Answer(request_id, body.model, chat, int(started), body.n, body.num_logprobs)
+            answer = Answer(
+                request_id,
+                body.model,
+                chat,
+                int(started),
+                body.n,
+                body.num_logprobs,
+                include_usage=body.stream_options is not None and body.stream_options.include_usage,
+            )
             if body.stream:
                 # The background task releases the reservation even when the client goes
                 # away before the stream starts (release is idempotent).
@@ -444,6 +452,7 @@ class Answer:
     created: int
     n: int = 1
     logprobs: int | None = None
+    include_usage: bool = False  # a streamed answer ends with a usage chunk
 
     def envelope(self, choices: list[dict[str, Any]], streaming: bool) -> dict[str, Any]:
         if self.chat:
@@ -554,12 +563,19 @@ async def collect(chunks: AsyncIterator[GenerateChunk], answer: Answer) -> dict[
         for index in sorted(texts)
     ]
     body = answer.envelope(choices, streaming=False)
-    body["usage"] = {
+    body["usage"] = usage(last)
+    return body
+
+
+def usage(last: GenerateChunk) -> dict[str, Any]:
+    """OpenAI's ``usage`` from an answer's last piece; ``prompt_tokens_details.
+    cached_tokens``: the prompt tokens served from the replica's prefix cache."""
+    return {
         "prompt_tokens": last.prompt_tokens,
         "completion_tokens": last.completion_tokens,
         "total_tokens": last.prompt_tokens + last.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": last.cached_tokens},
     }
-    return body
 
 
 def _error_event(message: str, kind: str, code: int) -> dict[str, Any]:
@@ -572,8 +588,10 @@ async def sse(chunks: AsyncIterator[GenerateChunk], answer: Answer) -> AsyncIter
     out is reported as an ``error`` event (the OpenAI error body) before ``[DONE]``: a stream
     never just stops."""
     text_offsets: dict[int, int] = {}  # per choice: where its next piece's text starts
+    last = GenerateChunk()
     try:
         async for chunk in chunks:
+            last = chunk
             offset = text_offsets.get(chunk.index, 0)
             choice = answer.choice(
                 chunk.index, chunk.text, chunk.finish_reason, True, chunk.logprobs, offset
@@ -582,6 +600,9 @@ async def sse(chunks: AsyncIterator[GenerateChunk], answer: Answer) -> AsyncIter
             # string lags its tokens.
             text_offsets[chunk.index] = offset + sum(len(e.token) for e in chunk.logprobs or [])
             yield f"data: {json.dumps(answer.envelope([choice], streaming=True))}\n\n"
+        if answer.include_usage:
+            body = {**answer.envelope([], streaming=True), "usage": usage(last)}
+            yield f"data: {json.dumps(body)}\n\n"
     except HTTPError as error:
         yield f"data: {json.dumps(_error_event(error.message, error.kind, error.status))}\n\n"
     except Exception as error:  # headers are sent: report in the stream, then end it

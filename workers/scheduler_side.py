@@ -33,24 +33,24 @@ attention is identical); the manager also holds *ballast* blocks from the pool, 
 request holds what a block-granular manager would (``vtoken/manager.py``).
 
 Prefix caching (vLLM's ``enable_prefix_caching``) works beside eviction by one rule: a
-block is published to the cache or shared only while its tokens can never change. vLLM
-hashes a block by the logical tokens it held when full; a repack moves tokens across
-blocks and eviction empties slots, so each request has a *pinned* prefix that neither
-touches:
+block is in the prefix cache only while it holds what its hash says. vLLM hashes a block
+by the logical tokens it held when full and publishes it when allocated; eviction empties
+slots and a repack moves tokens across blocks. So, per request:
 
-- a request whose policy never evicts (``none``) pins everything: every full block is
-  published, as in vanilla vLLM;
-- any other request pins its first ``prefix_pin_tokens`` (the engine's config) and the
-  blocks it adopted from a cache hit, whichever is longer. They join its policy's sinks,
-  so eviction never takes them; the repack fills holes below the live count from tokens
-  above it, and every pinned slot is live and below it, so no pinned slot is ever a
-  source or a destination. Only the pinned prefix's full blocks are published
-  (``num_cacheable_tokens``);
-- a hit's blocks are shared (vLLM's reference count > 1): the adopting request pins them,
-  so no request's eviction or repack writes a block another request reads; blocks a
-  repack empties are never published ones, so a block goes back to the pool with a hash
-  only when it is still what the hash says. (vLLM drops a cached block's hash when it
-  hands the block out again.)
+- a request publishes every full block, as vanilla vLLM does, until it first evicts (a
+  policy that never evicts, ``none``, never stops); one evicting on demand publishes
+  everything while memory does not bind;
+- when it evicts, every published block from the first one the eviction and its repack
+  touch (the block of its lowest emptied slot: the repack fills holes below the live
+  count from tokens above it, so nothing below that block moves) leaves the cache first
+  (its hash is dropped), and the request publishes nothing past that point again;
+- its *protected* prefix is never evicted: its first ``prefix_pin_tokens`` (the engine's
+  config: a tenant's system prompt stays cacheable however hard the request is
+  squeezed), the blocks it adopted from a cache hit, and, at each eviction, every block
+  another request shares (reference count > 1). They join its policy's sinks, so no
+  eviction or repack writes a block another request reads, and no hit ever reads a block
+  that changed. (vLLM itself drops a cached block's hash when it hands the block out
+  again.)
 """
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ class ScheduledRequest:
     kv: RequestKV
     spec: PolicySpec
     capped: bool = False  # its spec is a per-request override (the tenant's cap)
-    pinned: int | None = 0  # leading tokens never evicted nor moved; None: every token
+    protected: int = 0  # leading tokens never evicted nor moved (pin, hits, shared blocks)
+    cacheable: int | None = None  # tokens it may publish; None: every full block
     hold_blocks: int | None = None  # what admission counts it at once its prefill ended
     pressure_anchor: int | None = None  # live tokens when its tenant's pressure reached it
     pending_src: np.ndarray = field(default_factory=lambda: _EMPTY)
@@ -229,7 +230,7 @@ class VTokenScheduler:
             self.manager.adopt(request_id, [block.block_id for block in hit_blocks])
             self.stm.req_to_blocks[request_id].extend(hit_blocks)
             self.stm.num_cached_block[request_id] = len(hit_blocks)  # published already
-            self._pin(record, num_hit)
+            self._protect(record, num_hit)
         block_ids = self.manager.allocate(request_id, num_new_tokens, reserve)
         if block_ids is None:
             assert not hit_blocks, "room was checked with the hit"
@@ -242,19 +243,47 @@ class VTokenScheduler:
 
     def num_cacheable_tokens(self, request_id: str, num_tokens: int) -> int:
         """How many of a request's first ``num_tokens`` tokens may be published to the
-        prefix cache (vLLM publishes the full blocks among them): its pinned prefix."""
-        pinned = self.requests[request_id].pinned
-        return num_tokens if pinned is None else min(num_tokens, pinned)
+        prefix cache (vLLM publishes the full blocks among them): all of them until it
+        first evicted, then what lay below its first eviction."""
+        cacheable = self.requests[request_id].cacheable
+        return num_tokens if cacheable is None else min(num_tokens, cacheable)
 
-    def _pin(self, record: ScheduledRequest, num_tokens: int) -> None:
-        """Pin the request's first ``num_tokens`` tokens: its policy never evicts them (they
-        join its sinks), so they stay at their slots for the request's life."""
+    def _protect(self, record: ScheduledRequest, num_tokens: int) -> None:
+        """Protect the request's first ``num_tokens`` tokens: its policy never evicts them
+        (they join its sinks), so they stay at their slots for the request's life."""
         policy = record.kv.policy
-        if record.pinned is None or num_tokens <= record.pinned:
+        if policy is None or not policy.evicts or num_tokens <= record.protected:
             return
-        record.pinned = num_tokens
-        assert policy is not None and policy.evicts
+        record.protected = num_tokens
         policy.sinks = max(policy.sinks, num_tokens)
+
+    def _protect_shared(self, record: ScheduledRequest) -> None:
+        """Before an eviction: protect every block another request also holds (only
+        published blocks can be shared, and hits take them from the start)."""
+        policy = record.kv.policy
+        if policy is None or not policy.evicts:
+            return
+        blocks = self.stm.req_to_blocks[record.kv.request_id]
+        published = self.stm.num_cached_block.get(record.kv.request_id, 0)
+        shared = [i for i in range(min(published, len(blocks))) if blocks[i].ref_cnt > 1]
+        if shared:
+            self._protect(record, (shared[-1] + 1) * self.block_size)
+
+    def _unpublish_changed(self, record: ScheduledRequest) -> None:
+        """After an eviction, before its repack: drop from the prefix cache the published
+        blocks from the first one it touches, and publish nothing past it again."""
+        table = record.kv.table
+        holes = np.flatnonzero(~table.live_mask)  # this step's evictions (repacked before)
+        if not holes.size:
+            return
+        first = int(holes[0]) // self.block_size
+        request_id = record.kv.request_id
+        published = self.stm.num_cached_block.get(request_id, 0)
+        if published > first:
+            self.pool.unpublish(table.block_ids[first:published])
+            self.stm.num_cached_block[request_id] = first
+        if record.cacheable is None or record.cacheable > first * self.block_size:
+            record.cacheable = first * self.block_size
 
     def blocks_needed_for(self, num_tokens: int) -> int:
         """Blocks a fresh request needs for ``num_tokens`` tokens (admission check)."""
@@ -271,13 +300,9 @@ class VTokenScheduler:
             request.request_id, request.num_prompt_tokens, tenant, spec.make_policy()
         )
         record = ScheduledRequest(
-            kv,
-            spec,
-            capped=spec is not self.config,
-            hold_blocks=_hold_blocks(extra),
-            pinned=0 if kv.policy is not None and kv.policy.evicts else None,
+            kv, spec, capped=spec is not self.config, hold_blocks=_hold_blocks(extra)
         )
-        self._pin(record, self.config.prefix_pin_tokens)
+        self._protect(record, self.config.prefix_pin_tokens)
         self.requests[request.request_id] = record
         self.stm.req_to_blocks[request.request_id]  # defaultdict: create the empty list
 
@@ -318,7 +343,10 @@ class VTokenScheduler:
             # and counts the step, nothing is evicted).
             squeeze = request_id in always or request_id in for_room
             budget = self._budget(record) if squeeze else record.kv.table.num_live
+            self._protect_shared(record)  # a policy may evict on its own (a fixed window)
             evicted = self.manager.evict(request_id, budget, attention)
+            if len(evicted):
+                self._unpublish_changed(record)
             if len(evicted) and (request_id in for_room or record.kv.tenant in self.pressure):
                 self.num_evictions_under_pressure += 1
             elif len(evicted) and request_id in always and self._above_hold(record):
@@ -596,20 +624,22 @@ class VTokenScheduler:
             ballast = kv.table.num_naive_blocks() - len(kv.table.block_ids) if naive else 0
             assert len(kv.ballast) == ballast, f"{request_id}: ballast is not Naive-Evict's"
             assert 0 not in kv.table.block_ids + kv.ballast, "the null block was handed out"
-            if record.pinned:  # the pinned prefix is live and in place
-                num_pinned = min(record.pinned, kv.table.num_logical)
-                in_place = np.arange(num_pinned)
-                assert (kv.table.live_slots()[:num_pinned] == in_place).all(), "pin moved"
-                assert (kv.table.live_logical_ids()[:num_pinned] == in_place).all(), "pin lost"
-            full_pinned = (
-                cdiv(kv.table.num_slots, self.block_size)
-                if record.pinned is None
-                else record.pinned // self.block_size
-            )
-            assert kv.num_shared_blocks <= full_pinned, f"{request_id}: shares unpinned blocks"
-            assert self.stm.num_cached_block.get(request_id, 0) <= full_pinned, (
-                f"{request_id}: published blocks it may change"
-            )
+            # Published and protected prefixes are live and in place: what their hashes say.
+            num_published = self.stm.num_cached_block.get(request_id, 0) * self.block_size
+            for name, length in (("published", num_published), ("protected", record.protected)):
+                n = min(length, kv.table.num_logical)
+                in_place = np.arange(n)
+                assert (kv.table.live_slots()[:n] == in_place).all(), f"{name} token moved"
+                assert (kv.table.live_logical_ids()[:n] == in_place).all(), f"{name} token lost"
+            if record.cacheable is not None:
+                assert num_published <= record.cacheable, f"{request_id}: published past"
+            policy = kv.policy
+            if policy is not None and policy.evicts:
+                protected_blocks = record.protected // self.block_size
+                assert kv.num_shared_blocks <= protected_blocks, f"{request_id}: hit unprotected"
+            reach = max(num_published // self.block_size, kv.num_shared_blocks)
+            shared = [i for i, b in enumerate(kv.table.block_ids) if self.pool.ref_count(b) > 1]
+            assert all(i < reach for i in shared), f"{request_id}: shares unpublished blocks"
         # vLLM's reference counts are the holders: several only for shared (pinned) blocks.
         holders: dict[int, int] = {}
         for record in self.requests.values():

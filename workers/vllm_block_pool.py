@@ -37,6 +37,10 @@ class VLLMBlockPool:
         """Take a reference on blocks another request computed (a prefix-cache hit)."""
         self.vllm_pool.touch(blocks)
 
+    def unpublish(self, block_ids: list[int]) -> None:
+        """Drop blocks from the prefix cache (their hashes), before their content changes."""
+        self.vllm_pool.evict_blocks(set(block_ids))
+
     def ref_count(self, block_id: int) -> int:
         return int(self.vllm_pool.blocks[block_id].ref_cnt)
 

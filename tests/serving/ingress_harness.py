@@ -77,6 +77,7 @@ class FakeReplicas:
                 "text": " there",
                 "finish_reason": "length",
                 "prompt_tokens": prompt_tokens,
+                "cached_tokens": prompt_tokens // 2,  # the replica's prefix cache served half
                 "completion_tokens": n + index + 1,
             }
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import secrets
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -151,5 +152,10 @@ def test_engine_replicas_use_the_project_router_unless_serve_default_is_asked():
 
     assert engine_router(None) is VTokenRequestRouter
     assert engine_router("serve_default") is not VTokenRequestRouter
+    prefix = engine_router("serve_prefix_cache_affinity")
+    assert prefix.__name__ == "ServePrefixCacheAffinityRouter"
+    # Serve's router reads the prompt's text: here, the token ids the replicas take.
+    pending = SimpleNamespace(args=[{"prompt_token_ids": [12, 345, 6]}])
+    assert prefix._extract_text_from_request(None, pending) == "12 345 6 "
     with pytest.raises(ValueError, match="router"):
         AppArgs.model_validate({"redis_url": "redis://127.0.0.1:1/0", "router": "random"})

@@ -32,6 +32,7 @@ async def test_a_completion_answers_with_usage_and_gives_its_reservation_back(
         "prompt_tokens": len(prompt_ids),
         "completion_tokens": 2,
         "total_tokens": len(prompt_ids) + 2,
+        "prompt_tokens_details": {"cached_tokens": len(prompt_ids) // 2},
     }
     (sent,) = ingress.replicas.requests
     assert sent["prompt_token_ids"] == prompt_ids
@@ -58,8 +59,38 @@ async def test_chat_streams_events_and_releases_after_the_stream(ingress: Ingres
     chunks = [json.loads(event) for event in events[:-1]]
     assert [c["choices"][0]["delta"].get("content") for c in chunks] == ["Hello", " there"]
     assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert all("usage" not in c for c in chunks)  # not asked for
     assert ingress.replicas.reserved_while_answering[0] > 0
     assert await ingress.state.admission.reserved_blocks("acme") == 0
+
+
+async def test_a_stream_ends_with_its_usage_when_asked(ingress: Ingress, tokenizer: Any) -> None:
+    """OpenAI's ``stream_options.include_usage``: a last chunk without choices carries the
+    usage, with the prompt tokens the prefix cache served."""
+    api_key = await ingress.add_tenant("acme", kv_budget_blocks=8)
+    body = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "max_tokens": 8,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    response = await ingress.client.post("/v1/completions", json=body, headers=bearer(api_key))
+    events = [line.removeprefix("data: ") for line in response.text.split("\n\n") if line]
+    assert events[-1] == "[DONE]"
+    *pieces, last = [json.loads(event) for event in events[:-1]]
+    assert [p["choices"][0]["text"] for p in pieces] == ["Hello", " there"]
+    prompt_tokens = len(tokenizer(PROMPT)["input_ids"])
+    assert last["choices"] == [] and last["usage"] == {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": 2,
+        "total_tokens": prompt_tokens + 2,
+        "prompt_tokens_details": {"cached_tokens": prompt_tokens // 2},
+    }
+    bad = await ingress.client.post(
+        "/v1/completions", json={**body, "stream_options": {"nope": 1}}, headers=bearer(api_key)
+    )
+    assert bad.status_code == 400
 
 
 async def test_missing_or_unknown_key_is_401(ingress: Ingress) -> None:

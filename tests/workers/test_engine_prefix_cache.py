@@ -3,10 +3,12 @@
 - policy ``none`` with prefix caching on is bit-identical to vanilla vLLM with prefix
   caching on (tokens, log-probabilities and cache hits), over batches with a repeated
   prompt and prompts sharing a prefix, chunked prefill on;
-- an evicting request publishes only its pinned prefix (``prefix_pin_tokens``): a later
-  request with the same prefix hits exactly those blocks while eviction runs, and its
-  outputs equal the reference engine's with the same tokens evicted; without a pin an
-  evicting request publishes nothing;
+- H2O evicting on demand with memory to spare evicts nothing and publishes every block:
+  tokens and cache hits equal vanilla vLLM's;
+- once a request evicts, only what lies below its first eviction stays cached, and its
+  pinned prefix (``prefix_pin_tokens``) is never evicted: a later request with the same
+  prefix hits those blocks while eviction runs, and its outputs equal the reference
+  engine's with the same tokens evicted; a request that hit blocks keeps them;
 - a different ``cache_salt`` (another tenant) gets no hit;
 - the token tables, vLLM's block lists and reference counts are checked after every step
   (``check_invariants``).
@@ -77,6 +79,25 @@ def test_policy_none_with_prefix_caching_is_bit_identical_to_vanilla(identity_ru
             assert {k: v.logprob for k, v in step_a.items()} == {
                 k: v.logprob for k, v in step_b.items()
             }
+
+
+def test_on_demand_eviction_with_memory_to_spare_caches_as_vanilla_does(
+    tiny_llama_path, identity_runs
+):
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    vtoken = {"policy": "h2o", "keep_ratio": 0.5, "eviction": "on_demand", "check_invariants": True}
+    llm = make_llm(
+        tiny_llama_path, vtoken, skip_tokenizer_init=True, enable_prefix_caching=True, **CHUNKED
+    )
+    runs = [llm.generate([_prompt(p) for p in batch], params) for batch in _batches()]
+    assert engine_state(llm).manager.num_evicted_tokens == 0
+    del llm
+    for batch, outputs in enumerate(runs):
+        for vanilla, managed in zip(identity_runs["vanilla"][batch], outputs, strict=True):
+            assert vanilla.num_cached_tokens == managed.num_cached_tokens
+            assert vanilla.outputs[0].token_ids == managed.outputs[0].token_ids
 
 
 def test_identity_runs_hit_the_cache(identity_runs):
@@ -171,12 +192,17 @@ def test_another_salt_gets_no_hit(pinned_run):
     assert salted["b"].num_cached_tokens == 0  # another tenant's blocks are not either
 
 
-def test_without_a_pin_an_evicting_request_publishes_nothing(smollm2_path, shared_prompts):
+def test_without_a_pin_only_what_lies_below_the_first_eviction_stays_cached(
+    smollm2_path, shared_prompts
+):
     llm = make_llm(str(smollm2_path), H2O, max_model_len=1024, enable_prefix_caching=True)
     outputs, state = _run_while_evicting(llm, [shared_prompts[0], shared_prompts[0]])
-    assert state.manager.num_evicted_tokens > 0
-    assert outputs["b"].num_cached_tokens == 0
+    first_eviction = state.finished[internal_request_id(state, "a")].evictions
+    lowest = min(int(step.min()) for step in first_eviction if step.size)
     del llm
+    hit = outputs["b"].num_cached_tokens
+    assert hit <= lowest - lowest % BLOCK_SIZE  # nothing at or past a changed block
+    assert hit < len(shared_prompts[0]) - BLOCK_SIZE  # a's later blocks left the cache
 
 
 def test_an_evicting_request_pins_what_it_hit(smollm2_path, shared_prompts, reference):

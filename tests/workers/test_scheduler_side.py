@@ -33,6 +33,7 @@ class FakeBlockPool:
         self.num_gpu_blocks = num_gpu_blocks
         self.blocks = [FakeBlock(i) for i in range(num_gpu_blocks)]
         self.free = deque(range(1, num_gpu_blocks))
+        self.unpublished: set[int] = set()
 
     def get_num_free_blocks(self) -> int:
         return len(self.free)
@@ -43,6 +44,9 @@ class FakeBlockPool:
         for block in blocks:
             block.ref_cnt = 1
         return blocks
+
+    def evict_blocks(self, block_ids: set[int]) -> None:  # drop from the prefix cache
+        self.unpublished.update(block_ids)
 
     def touch(self, blocks) -> None:
         for block in blocks:
@@ -276,7 +280,8 @@ def test_a_hit_is_shared_pinned_and_released_by_reference_count():
     state, pool, manager = _pinned_state(pin=4)
     first = FakeRequest("a", num_prompt_tokens=12)
     run_prefill(state, first)
-    assert state.num_cacheable_tokens("a", 12) == 4  # its pinned block only
+    assert state.num_cacheable_tokens("a", 12) == 12  # nothing evicted: every block
+    manager.num_cached_block["a"] = 3  # vLLM published its 3 full blocks
     hit = manager.req_to_blocks["a"][:2]
     free_before = pool.get_num_free_blocks()
     second = FakeRequest("b", num_prompt_tokens=14)
@@ -285,7 +290,7 @@ def test_a_hit_is_shared_pinned_and_released_by_reference_count():
     assert [b.ref_cnt for b in hit] == [2, 2]
     assert manager.req_to_blocks["b"][:2] == hit and manager.num_cached_block["b"] == 2
     record = state.requests["b"]
-    assert record.pinned == 8 and record.kv.policy.sinks == 8  # what it hit, kept for life
+    assert record.protected == 8 and record.kv.policy.sinks == 8  # what it hit, for life
     reports = {r.request_id: r for r in state.manager.reports()}
     assert reports["a"].allocated_blocks == 3 and reports["a"].shared_blocks == 0
     assert reports["b"].allocated_blocks == 2 and reports["b"].shared_blocks == 2  # 4 held
@@ -316,5 +321,28 @@ def test_a_hit_on_free_blocks_counts_them_as_taken_and_a_refusal_takes_nothing()
 def test_a_policy_that_never_evicts_publishes_every_full_block():
     state, _, _ = make_state(ReclaimMode.VTOKEN)
     run_prefill(state, FakeRequest("r", num_prompt_tokens=10))
-    assert state.requests["r"].pinned is None
+    assert state.requests["r"].cacheable is None and state.requests["r"].protected == 0
     assert state.num_cacheable_tokens("r", 10) == 10
+
+
+def test_an_eviction_unpublishes_what_it_changes_and_protects_what_is_shared():
+    """Published blocks 0-3 of ``a``; ``b`` hit blocks 0-1. ``a`` evicts: blocks 0-1 are
+    protected (shared), the eviction starts in block 2, so blocks 2-3 leave the cache and
+    ``a`` publishes nothing from block 2 on."""
+    state, pool, manager = _pinned_state(pin=0)
+    first = FakeRequest("a", num_prompt_tokens=16)
+    run_prefill(state, first)
+    manager.num_cached_block["a"] = 4
+    hit = manager.req_to_blocks["a"][:2]
+    changed = {b.block_id for b in manager.req_to_blocks["a"][2:]}
+    assert state.allocate(FakeRequest("b", num_prompt_tokens=12), 4, hit_blocks=hit)
+    record = state.requests["a"]
+    first.num_computed_tokens = 16
+    state.after_step({"a": 1}, {"a": first}, None)  # streaming_llm keeps sinks + recent: 3
+    assert record.protected == 8 and record.kv.policy.sinks == 8  # the shared blocks
+    table = record.kv.table
+    assert table.is_alive(np.arange(8)).all() and table.num_live < 16  # it evicted past them
+    assert pool.unpublished == changed  # blocks 2-3; nothing shared was dropped
+    assert manager.num_cached_block["a"] == 2 and record.cacheable == 8
+    assert state.num_cacheable_tokens("a", 16) == 8
+    state.check_invariants()

@@ -95,14 +95,17 @@ class ReplicaSettings(BaseModel):
 
 
 def published_blocks(settings: ReplicaSettings, extra_args: dict[str, Any] | None) -> int:
-    """How many leading blocks of a request's prompt its engine publishes to the prefix
-    cache: every one under a policy that never evicts, else its pinned prefix
-    (``prefix_pin_tokens``, ``workers/scheduler_side.py``); none with caching off."""
+    """How many leading blocks of a request's prompt its engine is expected to keep in the
+    prefix cache (``workers/scheduler_side.py``): a request publishes every full block
+    until it first evicts, then keeps those below its first eviction and never fewer than
+    its pinned prefix (``prefix_pin_tokens``). So: all of them under a policy that never
+    evicts or when evicting on demand (it evicts only when memory runs short), the pinned
+    prefix when evicting eagerly (from its first decoding step); none with caching off."""
     if not settings.enable_prefix_caching:
         return 0
     engine = VTokenConfig.model_validate(settings.vtoken)
     spec = request_policy_spec(extra_args) or engine
-    if not spec.make_policy().evicts:
+    if not spec.make_policy().evicts or engine.eviction == "on_demand":
         return MAX_REPORTED_KEYS  # all of them (a request carries fewer keys)
     return engine.prefix_pin_tokens // settings.block_size
 

@@ -454,9 +454,11 @@ def test_published_blocks_follow_the_pinning_rule():
     evicting = ReplicaSettings(
         model="m",
         block_size=16,
-        vtoken={"policy": "h2o", "keep_ratio": 0.5, "prefix_pin_tokens": 40},
+        vtoken={"policy": "h2o", "keep_ratio": 0.5, "prefix_pin_tokens": 40, "eviction": "eager"},
     )
     assert published_blocks(evicting, None) == 2  # the pinned prefix's full blocks
+    on_demand = ReplicaSettings(model="m", vtoken={"policy": "h2o", "keep_ratio": 0.5})
+    assert published_blocks(on_demand, None) >= 64  # serving's default: evicts under pressure
     override = {"vtoken_policy": {"policy": "none"}}
     assert published_blocks(evicting, override) >= 64
     off = ReplicaSettings(model="m", enable_prefix_caching=False, vtoken={"policy": "none"})

@@ -11,10 +11,14 @@ once per *setting*, one after the other, on the same seeded workload:
 - ``serve_prefix_cache_affinity``: Ray Serve's ``PrefixCacheAffinityRouter``
   (``serving/prefix_router.py``);
 
-each with the engines' prefix caching on, plus ``vtoken`` with it off, and ``vtoken`` with
-it on but nothing pinned (``prefix_pin_tokens`` 0: an evicting request then publishes
-nothing, the other way of deciding what is cacheable). The engines run H2O at keep 0.5,
-evicting on demand, with the system prompt's tokens pinned (``prefix_pin_tokens``).
+each with the engines' prefix caching on, plus ``vtoken`` with it off. The engines run H2O
+at keep 0.5, evicting on demand (serving's default), with the system prompt's tokens
+pinned (``prefix_pin_tokens``).
+
+What to pin is measured apart (``--pin-check``, one in-process engine, no stack): the same
+conversations turn by turn, H2O at keep 0.5 evicting *eagerly* (every request evicts from
+its first decoding step, so only what lies below its first eviction stays cached), with
+the system prompt pinned or nothing pinned, against vanilla vLLM's prefix cache.
 
 Workload: ``--tenants`` tenants, each with its own system prompt of ``--system-tokens``
 tokens of CPython's documentation; each tenant runs ``--conversations`` conversations of
@@ -25,12 +29,13 @@ sent ``THINK_S`` after its answer (streamed, with its usage: OpenAI's ``stream_o
 
 Per request, from the client: TTFT, TPOT, the prompt tokens the replica's prefix cache
 served (``usage.prompt_tokens_details.cached_tokens``), and the *ideal*: its longest token
-prefix shared with an earlier prompt of the same tenant, in whole blocks (what a cache of
-unlimited size on a single replica would serve). ``hit_rate`` = cached / prompt tokens,
-``hit_rate_of_ideal`` = cached / ideal. SLOs as the goodput benchmark's: TTFT <= 5x and
-TPOT <= 3x the unloaded p50, measured once at the start of the run (first setting, prompts
-that share nothing with the workload). Goodput: the highest request rate of ``--rates``
-at which >= 90% of requests meet both (a coarse sweep: a bound, not a bisection).
+prefix shared with an earlier prompt and its answer of the same tenant, in whole blocks
+(what a cache of unlimited size on a single replica would serve). ``hit_rate`` = cached /
+prompt tokens, ``hit_rate_of_ideal`` = cached / ideal. SLOs as the goodput benchmark's:
+TTFT <= 5x and TPOT <= 3x the unloaded p50, measured once at the start of the run (first
+setting, prompts that share nothing with the workload). Goodput: the highest request rate
+of ``--rates`` at which >= 90% of requests meet both (a coarse sweep: a bound, not a
+bisection).
 """
 
 from __future__ import annotations
@@ -48,13 +53,7 @@ import typer
 
 from bench.serve import percentile
 
-SETTINGS = (
-    "vtoken:on",
-    "serve_default:on",
-    "serve_prefix_cache_affinity:on",
-    "vtoken:off",
-    "vtoken:on:nopin",
-)
+SETTINGS = ("vtoken:on", "serve_default:on", "serve_prefix_cache_affinity:on", "vtoken:off")
 THINK_S = 1.0
 SLO_ATTAINMENT = 0.9
 TTFT_SLO_FACTOR, TPOT_SLO_FACTOR = 5.0, 3.0
@@ -271,9 +270,10 @@ def ideal_cached_tokens(
     seen: dict[str, list[list[int]]] | None = None,
 ) -> list[int]:
     """Per outcome (in send order): its longest token prefix shared with an earlier prompt
-    of its tenant, in whole blocks, at most its prompt minus one token (vLLM recomputes a
-    prompt's last token). ``seen`` (tenant -> earlier prompts' ids) carries the prompts of
-    earlier trials on the same engines, and is extended with these."""
+    and answer of its tenant (vLLM caches the answer's blocks too), in whole blocks, at
+    most its prompt minus one token (vLLM recomputes a prompt's last token). ``seen``
+    (tenant -> earlier prompts' and answers' ids) carries those of earlier trials on the
+    same engines, and is extended with these."""
     seen = {} if seen is None else seen
     ideal = []
     for outcome in sorted(outcomes, key=lambda o: o.sent_s):
@@ -288,7 +288,9 @@ def ideal_cached_tokens(
             best = max(best, common)
         best = min(best, len(ids) - 1)
         ideal.append(best - best % block_size)
-        seen.setdefault(outcome.tenant, []).append(ids)
+        seen.setdefault(outcome.tenant, []).append(
+            list(tokenizer(outcome.prompt + outcome.text)["input_ids"])
+        )
         outcome.prompt_tokens = outcome.prompt_tokens or len(ids)
     return ideal
 
@@ -386,6 +388,90 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     figure.savefig(path, dpi=120)
 
 
+# ---------------------------------------------------------------- what to pin
+def pin_check(
+    tokenizer: Any, workload: list[Conversation], max_tokens: int, system_tokens: int
+) -> list[dict[str, Any]]:
+    """The conversations turn by turn (each turn of every conversation as one batch) on one
+    in-process engine with prefix caching on, per-tenant salts: vanilla vLLM, then H2O at
+    keep 0.5 evicting eagerly with the system prompt pinned and with nothing pinned."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from controlplane.prefix import cache_salt
+    from workers.engine import engine_state, make_llm
+    from workers.models import resolve_model
+
+    eager = {"policy": "h2o", "keep_ratio": 0.5, "eviction": "eager"}
+    engines = (
+        ("vanilla", None, None),
+        (
+            "eager_system_prompt_pinned",
+            {**eager, "prefix_pin_tokens": system_tokens},
+            system_tokens,
+        ),
+        ("eager_nothing_pinned", {**eager, "prefix_pin_tokens": 0}, 0),
+    )
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    turns = len(workload[0].user_turns)
+    rows = []
+    for name, vtoken, pinned in engines:
+        pin = None if pinned is None else pinned and system_tokens
+        llm = make_llm(
+            str(resolve_model("smollm2")),
+            vtoken,
+            block_size=BLOCK_SIZE,
+            max_model_len=2048,
+            enable_prefix_caching=True,
+        )
+        histories: list[list[tuple[str, str]]] = [[] for _ in workload]
+        outcomes: list[Outcome] = []
+        for turn in range(turns):
+            prompts = [
+                turn_prompt(c.system, histories[i], c.user_turns[turn])
+                for i, c in enumerate(workload)
+            ]
+            ids = [list(tokenizer(p)["input_ids"]) for p in prompts]
+            batch = [
+                TokensPrompt(prompt_token_ids=i, cache_salt=cache_salt(c.tenant))
+                for i, c in zip(ids, workload, strict=True)
+            ]
+            for index, output in enumerate(llm.generate(batch, params, use_tqdm=False)):
+                answer = output.outputs[0]
+                outcomes.append(
+                    Outcome(
+                        tenant=workload[index].tenant,
+                        prompt=prompts[index],
+                        ttft_s=0.0,
+                        tpot_s=None,
+                        prompt_tokens=len(ids[index]),
+                        cached_tokens=int(output.num_cached_tokens or 0),
+                        completion_tokens=len(answer.token_ids),
+                        sent_s=turn * len(workload) + index,
+                        text=answer.text,
+                    )
+                )
+                histories[index].append((workload[index].user_turns[turn], answer.text))
+        state = engine_state(llm)
+        evicted = state.manager.num_evicted_tokens if state is not None else 0
+        del llm
+        ideal = ideal_cached_tokens(tokenizer, outcomes, BLOCK_SIZE)
+        cached = sum(o.cached_tokens for o in outcomes)
+        rows.append(
+            {
+                "engine": name,
+                "prefix_pin_tokens": pin,
+                "requests": len(outcomes),
+                "hit_rate": round(cached / sum(o.prompt_tokens for o in outcomes), 4),
+                "hit_rate_of_ideal": round(cached / sum(ideal), 4) if sum(ideal) else None,
+                "cached_tokens": cached,
+                "ideal_cached_tokens": sum(ideal),
+                "evicted_tokens": evicted,
+            }
+        )
+    return rows
+
+
 # ---------------------------------------------------------------- command
 def unloaded_slo(base_url: str, key: str, tenant: str, tokenizer: Any, system_tokens: int,
                  user_tokens: int, max_tokens: int) -> dict[str, float]:  # fmt: skip
@@ -417,9 +503,9 @@ def unloaded_slo(base_url: str, key: str, tenant: str, tokenizer: Any, system_to
 
 
 def cli(
-    settings: Annotated[
-        str, typer.Option(help="Comma-separated router:on|off[:nopin].")
-    ] = ",".join(SETTINGS),
+    settings: Annotated[str, typer.Option(help="Comma-separated router:on|off.")] = ",".join(
+        SETTINGS
+    ),
     replicas: Annotated[int, typer.Option(min=1)] = 2,
     tenants: Annotated[int, typer.Option(min=1)] = 4,
     conversations: Annotated[int, typer.Option(min=1, help="Per tenant and trial.")] = 2,
@@ -429,6 +515,9 @@ def cli(
     max_tokens: Annotated[int, typer.Option(min=2)] = 16,
     rates: Annotated[str, typer.Option(help="Conversation arrival rates (per s).")] = "0.25,0.5",
     seed: int = 0,
+    pin_check_run: Annotated[
+        bool, typer.Option("--pin-check/--no-pin-check", help="Also measure what to pin.")
+    ] = True,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
     plot_path: Annotated[Path | None, typer.Option("--plot", help="Write the plot here.")] = None,
 ) -> None:
@@ -496,6 +585,11 @@ def cli(
         "routers": rows,
         "ratios": ratios(rows),
     }
+    if pin_check_run:
+        workload = make_workload(
+            tokenizer, tenants, conversations, turns, system_tokens, user_tokens, 1.0, seed
+        )
+        document["pin_check"] = pin_check(tokenizer, workload, max_tokens, system_tokens)
     typer.echo(json.dumps({k: v for k, v in document.items() if k != "routers"}, indent=2))
     if json_path is not None:
         json_path.write_text(json.dumps(document, indent=2) + "\n")

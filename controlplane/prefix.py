@@ -72,15 +72,23 @@ class PrefixMemory:
     """
 
     def __init__(self, capacity: int) -> None:
+        self._keys: OrderedDict[str, None] = OrderedDict()
+        self.resize(capacity)
+
+    def resize(self, capacity: int) -> None:
+        """Keep at most ``capacity`` keys from now on (the least recently used go first)."""
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.capacity = capacity
-        self._keys: OrderedDict[str, None] = OrderedDict()
+        self._trim()
 
     def add(self, keys: Iterable[str]) -> None:
         for key in keys:
             self._keys[key] = None
             self._keys.move_to_end(key)
+        self._trim()
+
+    def _trim(self) -> None:
         while len(self._keys) > self.capacity:
             self._keys.popitem(last=False)
 

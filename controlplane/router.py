@@ -24,6 +24,7 @@ import asyncio
 import enum
 import heapq
 import logging
+import zlib
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
@@ -89,6 +90,7 @@ class RouterCore:
         self._drained: frozenset[str] = frozenset()
         self._load: dict[str, float] = {}
         self._requests: dict[str, int] = {}  # queued + running, per replica (reports)
+        self._routed: dict[str, int] = {}  # sent by prefix affinity since the last reports
         self._prefix = PrefixIndex()
         self._order_cache: tuple[Set[str], tuple[str, ...]] | None = None
         self._reports_read_s: float | None = None
@@ -126,6 +128,7 @@ class RouterCore:
             for r, rep in reports.items()
         }
         self._requests = {r: rep.queue_depth + rep.running_requests for r, rep in reports.items()}
+        self._routed = {}  # the reports count what was routed before them
         self._prefix = PrefixIndex({r: rep.prefix_keys for r, rep in reports.items()})
         self._order_cache = None
 
@@ -222,13 +225,24 @@ class RouterCore:
         matched = self._prefix.longest_match(prefix_keys, usable)
         if not matched:
             return None
-        loads = queue_lengths if queue_lengths is not None else self._requests
-        holder = max(matched, key=lambda r: (matched[r], -loads.get(r, 0), r))
+        if queue_lengths is not None:  # the caller's live counts
+            loads: Mapping[str, int] = queue_lengths
+        else:  # the reports', plus what this router sent since (reports lag a period)
+            routed = self._routed
+            loads = {r: self._requests.get(r, 0) + routed.get(r, 0) for r in usable}
+        deepest = prefix_keys[max(matched.values()) - 1]
+        # Longest match, then least loaded; equal ones spread by the prefix (a fixed order
+        # would pile every tie on one replica).
+        holder = max(
+            matched,
+            key=lambda r: (matched[r], -loads.get(r, 0), zlib.crc32(f"{deepest}/{r}".encode())),
+        )
         all_loads = [loads.get(r, 0) for r in usable]
         config = self.config
         bound = (config.prefix_load_factor, config.prefix_load_slack)
         if not within_load_bound(loads.get(holder, 0), all_loads, *bound):
             return None
+        self._routed[holder] = self._routed.get(holder, 0) + 1
         return holder
 
     def _rank(

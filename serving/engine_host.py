@@ -73,10 +73,10 @@ class ReplicaSettings(BaseModel):
     """GPUs per replica: the deployment's ``replica_num_gpus`` must be at least this."""
     enable_prefix_caching: bool = True
     """vLLM's automatic prefix caching: a prompt prefix already computed on this replica
-    under the same salt (the tenant's, or its prefix group's: :func:`cache_salt`) is reused
-    instead of recomputed. With vToken, a request whose policy evicts publishes only its
-    pinned prefix (``prefix_pin_tokens`` in ``vtoken``: its leading tokens, never
-    evicted), a request under ``none`` every full block; ``False`` turns it off."""
+    under the same salt (the tenant's, or its prefix group's: ``cache_salt``) is reused
+    instead of recomputed. With vToken a request publishes every full block until it
+    first evicts, then keeps those below its first eviction and its pinned prefix
+    (``prefix_pin_tokens`` in ``vtoken``); ``False`` turns it off."""
     vtoken: dict[str, Any] = Field(default_factory=lambda: {"policy": "none"})
     """The engines' vToken config; served engines evict ``on_demand`` unless it says
     otherwise (tokens stay until memory or the tenant's budget needs them)."""
@@ -260,7 +260,9 @@ class EngineHost:
         )
         self.running = 0
         # The prefix keys of what this replica's prefix cache was given (router affinity).
-        self.prefixes = PrefixMemory(settings.num_blocks or MAX_REPORTED_KEYS)
+        self.prefixes = PrefixMemory(
+            min(settings.num_blocks or MAX_REPORTED_KEYS, MAX_REPORTED_KEYS)
+        )
         self.pressure: dict[str, float] = {}  # tenant -> keep fraction, from the plan
         self.allowance: dict[str, int] = {}  # tenant -> blocks it may hold here, from the plan
 
@@ -400,7 +402,7 @@ class EngineHost:
         if report is None:
             raise RuntimeError("the engine runs without vToken: no counters")
         # A prefix cache holds at most the pool's blocks: one key each.
-        self.prefixes.capacity = min(MAX_REPORTED_KEYS, max(1, report.total_blocks))
+        self.prefixes.resize(min(MAX_REPORTED_KEYS, max(1, report.total_blocks)))
         self.counters = counters_from_snapshot(report, self.running, self.prefixes.snapshot())
         self.counters_at = time.monotonic()
         return self.counters

@@ -552,7 +552,9 @@ async def collect(chunks: AsyncIterator[GenerateChunk], answer: Answer) -> dict[
     finishes: dict[int, str | None] = {}
     logprobs: dict[int, list[TokenLogprob]] = {}
     last = GenerateChunk()
+    cached = 0
     async for chunk in chunks:
+        cached = max(cached, chunk.cached_tokens)  # with n > 1: any choice's hit
         texts.setdefault(chunk.index, []).append(chunk.text)
         logprobs.setdefault(chunk.index, []).extend(chunk.logprobs or [])
         if chunk.finish_reason is not None:
@@ -563,18 +565,19 @@ async def collect(chunks: AsyncIterator[GenerateChunk], answer: Answer) -> dict[
         for index in sorted(texts)
     ]
     body = answer.envelope(choices, streaming=False)
-    body["usage"] = usage(last)
+    body["usage"] = usage(last, cached)
     return body
 
 
-def usage(last: GenerateChunk) -> dict[str, Any]:
+def usage(last: GenerateChunk, cached_tokens: int) -> dict[str, Any]:
     """OpenAI's ``usage`` from an answer's last piece; ``prompt_tokens_details.
-    cached_tokens``: the prompt tokens served from the replica's prefix cache."""
+    cached_tokens``: the prompt tokens served from the replica's prefix cache (the most
+    any piece reported)."""
     return {
         "prompt_tokens": last.prompt_tokens,
         "completion_tokens": last.completion_tokens,
         "total_tokens": last.prompt_tokens + last.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": last.cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -589,9 +592,11 @@ async def sse(chunks: AsyncIterator[GenerateChunk], answer: Answer) -> AsyncIter
     never just stops."""
     text_offsets: dict[int, int] = {}  # per choice: where its next piece's text starts
     last = GenerateChunk()
+    cached = 0
     try:
         async for chunk in chunks:
             last = chunk
+            cached = max(cached, chunk.cached_tokens)
             offset = text_offsets.get(chunk.index, 0)
             choice = answer.choice(
                 chunk.index, chunk.text, chunk.finish_reason, True, chunk.logprobs, offset
@@ -601,7 +606,7 @@ async def sse(chunks: AsyncIterator[GenerateChunk], answer: Answer) -> AsyncIter
             text_offsets[chunk.index] = offset + sum(len(e.token) for e in chunk.logprobs or [])
             yield f"data: {json.dumps(answer.envelope([choice], streaming=True))}\n\n"
         if answer.include_usage:
-            body = {**answer.envelope([], streaming=True), "usage": usage(last)}
+            body = {**answer.envelope([], streaming=True), "usage": usage(last, cached)}
             yield f"data: {json.dumps(body)}\n\n"
     except HTTPError as error:
         yield f"data: {json.dumps(_error_event(error.message, error.kind, error.status))}\n\n"

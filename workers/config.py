@@ -82,9 +82,9 @@ class VTokenConfig(PolicySpec):
       that decide at one step only (``holds_budget_every_step`` false) keep their timing;
     - ``score_layers``: which layers feed the attention statistics of scored policies;
     - ``prefix_pin_tokens``: the leading tokens of every request that eviction never takes
-      (added to its policy's sinks); with vLLM's prefix caching on, their full blocks are
-      what an evicting request publishes to the cache (a tenant's system prompt, few-shot
-      examples), see ``workers/scheduler_side.py``;
+      (added to its policy's sinks); with vLLM's prefix caching on, their full blocks stay
+      in the cache however hard the request is squeezed (a tenant's system prompt,
+      few-shot examples), see ``workers/scheduler_side.py``;
     - ``record_evictions``: keep every step's evicted logical ids per request (tests);
     - ``check_invariants``: run ``check_invariants()`` after every scheduler step (tests).
     """

@@ -46,11 +46,16 @@ slots and a repack moves tokens across blocks. So, per request:
   (its hash is dropped), and the request publishes nothing past that point again;
 - its *protected* prefix is never evicted: its first ``prefix_pin_tokens`` (the engine's
   config: a tenant's system prompt stays cacheable however hard the request is
-  squeezed), the blocks it adopted from a cache hit, and, at each eviction, every block
-  another request shares (reference count > 1). They join its policy's sinks, so no
-  eviction or repack writes a block another request reads, and no hit ever reads a block
-  that changed. (vLLM itself drops a cached block's hash when it hands the block out
-  again.)
+  squeezed) and, at each eviction, every block another request holds too (reference
+  count > 1: a block it took from a cache hit while its first holder still runs, or one
+  of its own that a later request took). They join its policy's sinks for that
+  eviction, so no eviction or repack writes a block another request reads, and no hit
+  ever reads a block that changed. A block it took from the cache that nobody else holds
+  any more is its own: evicting in it unpublishes it like any other. (vLLM itself drops
+  a cached block's hash when it hands the block out again.)
+- a shared block is charged once, to its earliest current holder
+  (``VTokenManager.charged_elsewhere``); the others neither count it against their
+  budget nor against ``hold_blocks`` (a request's budget is in the tokens it pays for).
 """
 
 from __future__ import annotations
@@ -87,8 +92,10 @@ class ScheduledRequest:
     kv: RequestKV
     spec: PolicySpec
     capped: bool = False  # its spec is a per-request override (the tenant's cap)
-    protected: int = 0  # leading tokens never evicted nor moved (pin, hits, shared blocks)
+    protected: int = 0  # leading tokens its policy may not evict now (pin, shared blocks)
     cacheable: int | None = None  # tokens it may publish; None: every full block
+    base_sinks: int = 0  # its policy's own sinks
+    shared_elsewhere: int = 0  # blocks it holds that another request pays for (this step)
     hold_blocks: int | None = None  # what admission counts it at once its prefill ended
     pressure_anchor: int | None = None  # live tokens when its tenant's pressure reached it
     pending_src: np.ndarray = field(default_factory=lambda: _EMPTY)
@@ -230,7 +237,6 @@ class VTokenScheduler:
             self.manager.adopt(request_id, [block.block_id for block in hit_blocks])
             self.stm.req_to_blocks[request_id].extend(hit_blocks)
             self.stm.num_cached_block[request_id] = len(hit_blocks)  # published already
-            self._protect(record, num_hit)
         block_ids = self.manager.allocate(request_id, num_new_tokens, reserve)
         if block_ids is None:
             assert not hit_blocks, "room was checked with the hit"
@@ -249,25 +255,26 @@ class VTokenScheduler:
         return num_tokens if cacheable is None else min(num_tokens, cacheable)
 
     def _protect(self, record: ScheduledRequest, num_tokens: int) -> None:
-        """Protect the request's first ``num_tokens`` tokens: its policy never evicts them
-        (they join its sinks), so they stay at their slots for the request's life."""
-        policy = record.kv.policy
-        if policy is None or not policy.evicts or num_tokens <= record.protected:
-            return
-        record.protected = num_tokens
-        policy.sinks = max(policy.sinks, num_tokens)
-
-    def _protect_shared(self, record: ScheduledRequest) -> None:
-        """Before an eviction: protect every block another request also holds (only
-        published blocks can be shared, and hits take them from the start)."""
+        """Its policy may not evict the request's first ``num_tokens`` tokens (they join its
+        own sinks) until the next call."""
         policy = record.kv.policy
         if policy is None or not policy.evicts:
             return
-        blocks = self.stm.req_to_blocks[record.kv.request_id]
-        published = self.stm.num_cached_block.get(record.kv.request_id, 0)
-        shared = [i for i in range(min(published, len(blocks))) if blocks[i].ref_cnt > 1]
-        if shared:
-            self._protect(record, (shared[-1] + 1) * self.block_size)
+        record.protected = num_tokens
+        policy.sinks = max(record.base_sinks, num_tokens)
+
+    def _protect_shared(self, record: ScheduledRequest) -> None:
+        """Before an eviction: protect the pinned prefix and every block another request
+        also holds (only published blocks are shared: hits take them from the start)."""
+        policy = record.kv.policy
+        if policy is None or not policy.evicts:
+            return
+        request_id = record.kv.request_id
+        blocks = self.stm.req_to_blocks[request_id]
+        published = min(self.stm.num_cached_block.get(request_id, 0), len(blocks))
+        shared = [i for i in range(published) if blocks[i].ref_cnt > 1]
+        reach = (shared[-1] + 1) * self.block_size if shared else 0
+        self._protect(record, max(self.config.prefix_pin_tokens, reach))
 
     def _unpublish_changed(self, record: ScheduledRequest) -> None:
         """After an eviction, before its repack: drop from the prefix cache the published
@@ -300,7 +307,11 @@ class VTokenScheduler:
             request.request_id, request.num_prompt_tokens, tenant, spec.make_policy()
         )
         record = ScheduledRequest(
-            kv, spec, capped=spec is not self.config, hold_blocks=_hold_blocks(extra)
+            kv,
+            spec,
+            capped=spec is not self.config,
+            hold_blocks=_hold_blocks(extra),
+            base_sinks=kv.policy.sinks if kv.policy is not None else 0,
         )
         self._protect(record, self.config.prefix_pin_tokens)
         self.requests[request.request_id] = record
@@ -335,6 +346,7 @@ class VTokenScheduler:
             record = self.requests[request_id]
             if record.kv.tenant in self.pressure and record.pressure_anchor is None:
                 record.pressure_anchor = record.kv.table.num_live  # new under pressure
+        self._refresh_shared()
         always, for_room = self._to_squeeze(decoding, requests, num_waiting_blocks)
         for request_id in decoding:
             record = self.requests[request_id]
@@ -392,23 +404,32 @@ class VTokenScheduler:
             elif tenant in changed or record.pressure_anchor is None:
                 record.pressure_anchor = table.num_live
 
+    def _refresh_shared(self) -> None:
+        """Which blocks each request holds that another pays for (prefix caching only)."""
+        elsewhere = self.manager.charged_elsewhere()
+        for request_id, record in self.requests.items():
+            record.shared_elsewhere = elsewhere.get(request_id, 0)
+
     @staticmethod
     def _above_hold(record: ScheduledRequest) -> bool:
-        """Whether the request holds more than ``hold_blocks`` (after an eviction, until
-        the repack that follows gives its blocks back)."""
-        return record.hold_blocks is not None and record.kv.num_held_blocks > record.hold_blocks
+        """Whether the request holds more than ``hold_blocks`` of the blocks it pays for
+        (after an eviction, until the repack that follows gives its blocks back)."""
+        if record.hold_blocks is None:
+            return False
+        return record.kv.num_held_blocks - record.shared_elsewhere > record.hold_blocks
 
     def _budget(self, record: ScheduledRequest) -> int:
         """Live tokens the request may keep after this step: its policy's budget, lowered
         by its tenant's pressure to ``fraction x anchor`` (the policy still keeps what it
-        protects at that budget: :meth:`blocks_above_budget` counts it)."""
+        protects at that budget: :meth:`blocks_above_budget` counts it), plus the tokens of
+        blocks another request pays for (shared prefix blocks cost it nothing)."""
         budget = record.spec.budget(record.kv.table.num_logical)
         if record.hold_blocks is not None:  # fits what admission counts: a block for the step
             budget = min(budget, max(1, (record.hold_blocks - 1) * self.block_size))
         fraction = self.pressure.get(record.kv.tenant)
         if fraction is not None and record.pressure_anchor is not None:
             budget = min(budget, max(1, int(record.pressure_anchor * fraction)))
-        return budget
+        return budget + record.shared_elsewhere * self.block_size
 
     def _evicts_to_budget(self, record: ScheduledRequest) -> bool:
         """Whether its policy brings it to its budget when asked at any step (``none``
@@ -633,11 +654,8 @@ class VTokenScheduler:
                 assert (kv.table.live_logical_ids()[:n] == in_place).all(), f"{name} token lost"
             if record.cacheable is not None:
                 assert num_published <= record.cacheable, f"{request_id}: published past"
-            policy = kv.policy
-            if policy is not None and policy.evicts:
-                protected_blocks = record.protected // self.block_size
-                assert kv.num_shared_blocks <= protected_blocks, f"{request_id}: hit unprotected"
-            reach = max(num_published // self.block_size, kv.num_shared_blocks)
+            # Only published blocks (what their hashes say) are shared.
+            reach = num_published // self.block_size
             shared = [i for i, b in enumerate(kv.table.block_ids) if self.pool.ref_count(b) > 1]
             assert all(i < reach for i in shared), f"{request_id}: shares unpublished blocks"
         # vLLM's reference counts are the holders: several only for shared (pinned) blocks.

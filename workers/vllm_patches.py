@@ -11,7 +11,7 @@ scheduler side (engine-core process)
   ``Scheduler.update_from_output``    policies evict and repacks commit (before vLLM's
                                       own update, which may finish requests)
   ``KVCacheManager.allocate_slots``   physical counts drive block allocation; prefix-cache
-                                      hits adopted and pinned, pinned blocks published
+                                      hits adopted, cacheable blocks published
   ``KVCacheManager.free``             finish / abort / preemption free table + ballast
 worker side (every worker process; V1 runner, CPU)
   V2 ``GPUModelRunner.__init__``      refuse a vToken engine (V2 is not wired)
@@ -31,9 +31,9 @@ engine core
   ``EngineCore.vtoken_counters``      (added) utilities: the engine's report and one
   ``EngineCore.vtoken_request_counters`` request's, as plain data (``workers/api.py``)
 
-Prefix caching: vLLM's prefix caching runs beside vToken by the pinning rule of
-``workers/scheduler_side.py`` (only blocks whose tokens never move are published or
-shared), with whole-block hashes (``hash_block_size == block_size``).
+Prefix caching: vLLM's prefix caching runs beside vToken by the rule of
+``workers/scheduler_side.py`` (a block is cached or shared only while it holds what its
+hash says), with whole-block hashes (``hash_block_size == block_size``).
 """
 
 from __future__ import annotations
@@ -327,13 +327,17 @@ def _update_from_output(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _waiting_head_blocks(scheduler: Any, state: VTokenScheduler) -> int:
-    """Blocks the head of vLLM's waiting queue needs to start (its whole sequence, plus
-    vLLM's watermark), 0 when nothing waits."""
+    """Blocks the head of vLLM's waiting queue needs to start (its whole sequence less the
+    prefix-cache hit blocks held already, plus vLLM's watermark), 0 when nothing waits."""
     if not scheduler.waiting:
         return 0
     head = scheduler.waiting.peek_request()
-    watermark = scheduler.kv_cache_manager.watermark_blocks
-    return state.blocks_needed_for(min(head.num_tokens, scheduler.max_model_len)) + watermark
+    manager = scheduler.kv_cache_manager
+    needed = state.blocks_needed_for(min(head.num_tokens, scheduler.max_model_len))
+    if manager.enable_caching:  # blocks of its cache hit that someone holds cost nothing
+        hit, _, _ = manager.get_computed_blocks(head)
+        needed -= sum(1 for block in (hit.blocks[0] if hit.blocks else ()) if block.ref_cnt > 0)
+    return needed + manager.watermark_blocks
 
 
 def _allocate_slots(original: Callable[..., Any]) -> Callable[..., Any]:

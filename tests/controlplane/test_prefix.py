@@ -35,6 +35,8 @@ def test_memory_forgets_least_recently_used_first():
     memory.add(["d"])
     assert memory.snapshot() == ("d", "a", "c")
     assert memory.snapshot(limit=2) == ("d", "a")
+    memory.resize(1)  # shrinking trims at once
+    assert memory.snapshot() == ("d",)
     with pytest.raises(ValueError):
         PrefixMemory(0)
 
@@ -107,3 +109,31 @@ def test_a_bad_load_factor_is_refused():
         RouterConfig(prefix_load_factor=0.5)
     with pytest.raises(ValueError, match="prefix_load_slack"):
         RouterConfig(prefix_load_slack=-1)
+
+
+def test_a_burst_between_reports_is_spread_by_the_load_bound(router: RouterCore, clock):
+    """Reports lag a period: the router counts what it sent since, so a burst for one
+    prefix does not all go to its holder."""
+    keys = prefix_keys(list(range(12)), BLOCK, "t")
+    router.apply_reports(_reports(clock, {"r3": keys}, {}))
+    firsts = [router.rank("t", ALL, prefix_keys=keys).ranks[0] for _ in range(30)]
+    to_holder = sum(1 for first in firsts if first == ("r3",))
+    # idle replicas, factor 1.25, slack 2: the k-th request goes to the holder while
+    # k <= ceil(1.25 * k / 3) + 2, i.e. 5 of them; the bound sends the other 25 on
+    assert to_holder == 5
+    router.apply_reports(_reports(clock, {"r3": keys}, {}))  # fresh reports: counted there
+    assert router.rank("t", ALL, prefix_keys=keys).ranks[0] == ("r3",)
+
+
+def test_equal_holders_are_spread_by_prefix(router: RouterCore, clock):
+    held = {}
+    prompts = [[p] * 8 for p in range(40)]
+    all_keys = [prefix_keys(p, BLOCK, "t") for p in prompts]
+    for r in ("r1", "r2", "r3"):
+        held[r] = tuple(k for keys in all_keys for k in keys)
+    router.apply_reports(_reports(clock, held, {}))
+    chosen = set()
+    for keys in all_keys:
+        router.apply_reports(_reports(clock, held, {}))  # equal loads every time
+        chosen.add(router.rank("t", ALL, prefix_keys=keys).ranks[0])
+    assert chosen == {("r1",), ("r2",), ("r3",)}

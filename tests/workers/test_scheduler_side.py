@@ -290,7 +290,7 @@ def test_a_hit_is_shared_pinned_and_released_by_reference_count():
     assert [b.ref_cnt for b in hit] == [2, 2]
     assert manager.req_to_blocks["b"][:2] == hit and manager.num_cached_block["b"] == 2
     record = state.requests["b"]
-    assert record.protected == 8 and record.kv.policy.sinks == 8  # what it hit, for life
+    assert record.protected == 4 and record.kv.policy.sinks == 4  # the pin, until it evicts
     reports = {r.request_id: r for r in state.manager.reports()}
     assert reports["a"].allocated_blocks == 3 and reports["a"].shared_blocks == 0
     assert reports["b"].allocated_blocks == 2 and reports["b"].shared_blocks == 2  # 4 held
@@ -346,3 +346,45 @@ def test_an_eviction_unpublishes_what_it_changes_and_protects_what_is_shared():
     assert manager.num_cached_block["a"] == 2 and record.cacheable == 8
     assert state.num_cacheable_tokens("a", 16) == 8
     state.check_invariants()
+
+
+def _decode(state, request: FakeRequest) -> None:
+    """One step past its prefill (no attention statistics: the policies here need none)."""
+    request.num_computed_tokens = request.num_prompt_tokens
+    state.after_step({request.request_id: 1}, {request.request_id: request}, None)
+
+
+def test_a_block_nobody_else_holds_is_the_adopters_own():
+    """``a`` finished: the blocks ``b`` took from the cache are its alone; its eviction may
+    take their tokens, and they leave the cache first."""
+    state, pool, manager = _pinned_state(pin=0)
+    run_prefill(state, FakeRequest("a", num_prompt_tokens=16))
+    manager.num_cached_block["a"] = 4
+    hit = manager.req_to_blocks["a"][:2]
+    state.free("a")
+    second = FakeRequest("b", num_prompt_tokens=16)
+    assert state.allocate(second, 8, hit_blocks=hit)
+    _decode(state, second)  # streaming_llm: 1 sink + 2 recent
+    record = state.requests["b"]
+    assert record.protected == 0 and record.kv.table.num_live == 3
+    assert pool.unpublished == {b.block_id for b in hit}
+    assert manager.num_cached_block["b"] == 0 and record.cacheable == 0
+    state.check_invariants()
+
+
+def test_shared_blocks_cost_the_adopter_nothing_of_its_budget():
+    """``b`` shares 2 blocks that ``a`` pays for: its keep ratio applies to the rest."""
+    pool, manager = FakeBlockPool(16), FakeBlockManager()
+    config = VTokenConfig(policy="random", keep_ratio=0.5, check_invariants=True)
+    state = VTokenScheduler(config, pool, manager)
+    run_prefill(state, FakeRequest("a", num_prompt_tokens=12))
+    manager.num_cached_block["a"] = 3
+    second = FakeRequest("b", num_prompt_tokens=16)
+    assert state.allocate(second, 8, hit_blocks=manager.req_to_blocks["a"][:2])
+    _decode(state, second)
+    record = state.requests["b"]
+    assert record.shared_elsewhere == 2 and record.protected == 8  # a still holds them
+    # budget: ceil(0.5 * 16) = 8 of its own + the 8 shared tokens = all 16 kept
+    assert record.kv.table.num_live == 16
+    reports = {r.request_id: r for r in state.manager.reports()}
+    assert reports["b"].allocated_blocks == 2 and reports["b"].shared_blocks == 2

@@ -11,9 +11,12 @@ once per *setting*, one after the other, on the same seeded workload:
 - ``serve_prefix_cache_affinity``: Ray Serve's ``PrefixCacheAffinityRouter``
   (``serving/prefix_router.py``);
 
-each with the engines' prefix caching on, plus ``vtoken`` with it off. The engines run H2O
-at keep 0.5, evicting on demand (serving's default), with the system prompt's tokens
-pinned (``prefix_pin_tokens``).
+each with the engines' prefix caching on, plus ``vtoken`` with it off, and ``vtoken`` with
+cache hits pinned (``pin_cache_hits``: a request keeps what it hit, outside its budget, so
+a conversation's history stays cached for its next turn). The engines run H2O at keep
+0.5, evicting on demand (serving's default), with the system prompt's tokens pinned
+(``prefix_pin_tokens``); admission is active-KV, so each request is held to its steady
+bound (``hold_to_blocks``) and evicts from its first decoding step.
 
 What to pin is measured apart (``--pin-check``, one in-process engine, no stack): the same
 conversations turn by turn, H2O at keep 0.5 evicting *eagerly* (every request evicts from
@@ -53,7 +56,13 @@ import typer
 
 from bench.serve import percentile
 
-SETTINGS = ("vtoken:on", "serve_default:on", "serve_prefix_cache_affinity:on", "vtoken:off")
+SETTINGS = (
+    "vtoken:on",
+    "vtoken:on:pinhits",
+    "serve_default:on",
+    "serve_prefix_cache_affinity:on",
+    "vtoken:off",
+)
 THINK_S = 1.0
 SLO_ATTAINMENT = 0.9
 TTFT_SLO_FACTOR, TPOT_SLO_FACTOR = 5.0, 3.0
@@ -61,12 +70,13 @@ BLOCK_SIZE = 32
 UNLOADED_PROBES = 4
 
 
-def vtoken_config(pin_tokens: int) -> dict[str, Any]:
+def vtoken_config(pin_tokens: int, pin_cache_hits: bool = False) -> dict[str, Any]:
     return {
         "policy": "h2o",
         "keep_ratio": 0.5,
         "eviction": "on_demand",
         "prefix_pin_tokens": pin_tokens,
+        "pin_cache_hits": pin_cache_hits,
     }
 
 
@@ -74,7 +84,7 @@ def vtoken_config(pin_tokens: int) -> dict[str, Any]:
 class Setting:
     router: str
     prefix_caching: bool
-    pinned: bool = True
+    pin_cache_hits: bool = False
 
     @classmethod
     def parse(cls, text: str) -> Setting:
@@ -82,13 +92,13 @@ class Setting:
         router, caching = parts[0], parts[1] if len(parts) > 1 else "on"
         if router not in ("vtoken", "serve_default", "serve_prefix_cache_affinity"):
             raise typer.BadParameter(f"unknown router {router!r} in setting {text!r}")
-        if caching not in ("on", "off") or parts[2:] not in ([], ["nopin"]):
-            raise typer.BadParameter(f"a setting is router:on|off[:nopin], got {text!r}")
-        return cls(router, caching == "on", pinned=parts[2:] != ["nopin"])
+        if caching not in ("on", "off") or parts[2:] not in ([], ["pinhits"]):
+            raise typer.BadParameter(f"a setting is router:on|off[:pinhits], got {text!r}")
+        return cls(router, caching == "on", pin_cache_hits=parts[2:] == ["pinhits"])
 
     @property
     def name(self) -> str:
-        pin = "" if self.pinned else ":nopin"
+        pin = ":pinhits" if self.pin_cache_hits else ""
         return f"{self.router}:{'on' if self.prefix_caching else 'off'}{pin}"
 
 
@@ -337,7 +347,7 @@ def setting_row(setting: Setting, trials: list[dict[str, Any]]) -> dict[str, Any
     return {
         "router": setting.router,
         "prefix_caching": setting.prefix_caching,
-        "pinned_system_prompt": setting.pinned,
+        "pin_cache_hits": setting.pin_cache_hits,
         "setting": setting.name,
         "goodput_rps": max(passed) if passed else 0.0,
         "goodput_bound": "sweep" if passed else "below_lowest",
@@ -503,9 +513,9 @@ def unloaded_slo(base_url: str, key: str, tenant: str, tokenizer: Any, system_to
 
 
 def cli(
-    settings: Annotated[str, typer.Option(help="Comma-separated router:on|off.")] = ",".join(
-        SETTINGS
-    ),
+    settings: Annotated[
+        str, typer.Option(help="Comma-separated router:on|off[:pinhits].")
+    ] = ",".join(SETTINGS),
     replicas: Annotated[int, typer.Option(min=1)] = 2,
     tenants: Annotated[int, typer.Option(min=1)] = 4,
     conversations: Annotated[int, typer.Option(min=1, help="Per tenant and trial.")] = 2,
@@ -539,7 +549,6 @@ def cli(
     slo: dict[str, float] | None = None
     rows = []
     for setting in chosen:
-        pin = system_tokens if setting.pinned else 0
         engine = {
             "enable_prefix_caching": setting.prefix_caching,
             "block_size": BLOCK_SIZE,
@@ -548,7 +557,12 @@ def cli(
         app_args = {"router": setting.router}
         trials = []
         seen: dict[str, list[list[int]]] = {}  # every prompt these engines were sent
-        with local_cluster(replicas, vtoken_config(pin), engine=engine, app_args=app_args) as c:
+        with local_cluster(
+            replicas,
+            vtoken_config(system_tokens, setting.pin_cache_hits),
+            engine=engine,
+            app_args=app_args,
+        ) as c:
             keys = asyncio.run(create_tenants(c.url, [*names, "probe"]))
             if slo is None:
                 slo = unloaded_slo(

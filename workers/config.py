@@ -85,6 +85,10 @@ class VTokenConfig(PolicySpec):
       (added to its policy's sinks); with vLLM's prefix caching on, their full blocks stay
       in the cache however hard the request is squeezed (a tenant's system prompt,
       few-shot examples), see ``workers/scheduler_side.py``;
+    - ``pin_cache_hits``: a request also keeps, for its whole life and outside its budget,
+      the tokens it took from a prefix-cache hit, so they stay cached for the next request
+      (a conversation's next turn) at the cost of the memory they hold; off, a hit whose
+      first holder finished is evicted like the request's own tokens;
     - ``record_evictions``: keep every step's evicted logical ids per request (tests);
     - ``check_invariants``: run ``check_invariants()`` after every scheduler step (tests).
     """
@@ -93,6 +97,7 @@ class VTokenConfig(PolicySpec):
     eviction: Literal["eager", "on_demand"] = "eager"
     score_layers: Literal["all"] | list[int] = "all"
     prefix_pin_tokens: int = Field(default=0, ge=0)
+    pin_cache_hits: bool = False
     record_evictions: bool = False
     check_invariants: bool = False
 

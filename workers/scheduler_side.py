@@ -51,8 +51,10 @@ slots and a repack moves tokens across blocks. So, per request:
   of its own that a later request took). They join its policy's sinks for that
   eviction, so no eviction or repack writes a block another request reads, and no hit
   ever reads a block that changed. A block it took from the cache that nobody else holds
-  any more is its own: evicting in it unpublishes it like any other. (vLLM itself drops
-  a cached block's hash when it hands the block out again.)
+  any more is its own: evicting in it unpublishes it like any other, unless the engine
+  pins cache hits (``pin_cache_hits``: they stay protected and cached for the request's
+  life, outside its budget). (vLLM itself drops a cached block's hash when it hands the
+  block out again.)
 - a shared block is charged once, to its earliest current holder
   (``VTokenManager.charged_elsewhere``); the others neither count it against their
   budget nor against ``hold_blocks`` (a request's budget is in the tokens it pays for).
@@ -96,6 +98,7 @@ class ScheduledRequest:
     cacheable: int | None = None  # tokens it may publish; None: every full block
     base_sinks: int = 0  # its policy's own sinks
     shared_elsewhere: int = 0  # blocks it holds that another request pays for (this step)
+    hit_tokens: int = 0  # tokens it took from a prefix-cache hit
     hold_blocks: int | None = None  # what admission counts it at once its prefill ended
     pressure_anchor: int | None = None  # live tokens when its tenant's pressure reached it
     pending_src: np.ndarray = field(default_factory=lambda: _EMPTY)
@@ -237,6 +240,7 @@ class VTokenScheduler:
             self.manager.adopt(request_id, [block.block_id for block in hit_blocks])
             self.stm.req_to_blocks[request_id].extend(hit_blocks)
             self.stm.num_cached_block[request_id] = len(hit_blocks)  # published already
+            record.hit_tokens = num_hit
         block_ids = self.manager.allocate(request_id, num_new_tokens, reserve)
         if block_ids is None:
             assert not hit_blocks, "room was checked with the hit"
@@ -274,7 +278,10 @@ class VTokenScheduler:
         published = min(self.stm.num_cached_block.get(request_id, 0), len(blocks))
         shared = [i for i in range(published) if blocks[i].ref_cnt > 1]
         reach = (shared[-1] + 1) * self.block_size if shared else 0
-        self._protect(record, max(self.config.prefix_pin_tokens, reach))
+        self._protect(record, max(self.config.prefix_pin_tokens, reach, self._pinned_hit(record)))
+
+    def _pinned_hit(self, record: ScheduledRequest) -> int:
+        return record.hit_tokens if self.config.pin_cache_hits else 0
 
     def _unpublish_changed(self, record: ScheduledRequest) -> None:
         """After an eviction, before its repack: drop from the prefix cache the published
@@ -422,14 +429,16 @@ class VTokenScheduler:
         """Live tokens the request may keep after this step: its policy's budget, lowered
         by its tenant's pressure to ``fraction x anchor`` (the policy still keeps what it
         protects at that budget: :meth:`blocks_above_budget` counts it), plus the tokens of
-        blocks another request pays for (shared prefix blocks cost it nothing)."""
+        blocks another request pays for (shared prefix blocks cost it nothing) or, with
+        ``pin_cache_hits``, the tokens of its cache hit (kept outside its budget)."""
         budget = record.spec.budget(record.kv.table.num_logical)
         if record.hold_blocks is not None:  # fits what admission counts: a block for the step
             budget = min(budget, max(1, (record.hold_blocks - 1) * self.block_size))
         fraction = self.pressure.get(record.kv.tenant)
         if fraction is not None and record.pressure_anchor is not None:
             budget = min(budget, max(1, int(record.pressure_anchor * fraction)))
-        return budget + record.shared_elsewhere * self.block_size
+        free = max(record.shared_elsewhere * self.block_size, self._pinned_hit(record))
+        return budget + free
 
     def _evicts_to_budget(self, record: ScheduledRequest) -> bool:
         """Whether its policy brings it to its budget when asked at any step (``none``

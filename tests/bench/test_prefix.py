@@ -32,7 +32,8 @@ def outcome(tenant: str, prompt: str, at: float, cached: int = 0, ttft: float = 
 def test_settings_parse_and_refuse():
     assert Setting.parse("vtoken:on") == Setting("vtoken", True)
     assert Setting.parse("serve_default:off").name == "serve_default:off"
-    assert Setting.parse("vtoken:on:nopin") == Setting("vtoken", True, pinned=False)
+    assert Setting.parse("vtoken:on:pinhits") == Setting("vtoken", True, pin_cache_hits=True)
+    assert Setting.parse("vtoken:on:pinhits").name == "vtoken:on:pinhits"
     for bad in ("random:on", "vtoken:maybe", "vtoken:on:what"):
         with pytest.raises(typer.BadParameter):
             Setting.parse(bad)

@@ -388,3 +388,27 @@ def test_shared_blocks_cost_the_adopter_nothing_of_its_budget():
     assert record.kv.table.num_live == 16
     reports = {r.request_id: r for r in state.manager.reports()}
     assert reports["b"].allocated_blocks == 2 and reports["b"].shared_blocks == 2
+
+
+def test_pinned_cache_hits_stay_protected_and_cached_outside_the_budget():
+    """``pin_cache_hits``: what ``b`` took from the cache stays (for the next turn of a
+    conversation) although nobody else holds it, and does not count against its budget."""
+    pool, manager = FakeBlockPool(16), FakeBlockManager()
+    config = VTokenConfig(
+        policy="random", keep_ratio=0.5, pin_cache_hits=True, check_invariants=True
+    )
+    state = VTokenScheduler(config, pool, manager)
+    run_prefill(state, FakeRequest("a", num_prompt_tokens=12))
+    manager.num_cached_block["a"] = 3
+    hit = manager.req_to_blocks["a"][:2]
+    state.free("a")
+    second = FakeRequest("b", num_prompt_tokens=24)
+    assert state.allocate(second, 16, hit_blocks=hit)
+    _decode(state, second)
+    record = state.requests["b"]
+    assert record.protected == 8 and record.shared_elsewhere == 0
+    table = record.kv.table
+    assert table.is_alive(np.arange(8)).all()
+    assert table.num_live == 12 + 8  # ceil(0.5 * 24) of its own + the 8 pinned hit tokens
+    assert not pool.unpublished & {b.block_id for b in hit}
+    state.check_invariants()

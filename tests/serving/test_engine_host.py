@@ -463,3 +463,13 @@ def test_published_blocks_follow_the_pinning_rule():
     assert published_blocks(evicting, override) >= 64
     off = ReplicaSettings(model="m", enable_prefix_caching=False, vtoken={"policy": "none"})
     assert published_blocks(off, None) == 0
+
+
+def test_served_engines_evict_on_demand_and_pin_cache_hits_unless_told():
+    assert ReplicaSettings(model="m").vtoken == {
+        "policy": "none",
+        "eviction": "on_demand",
+        "pin_cache_hits": True,
+    }
+    told = ReplicaSettings(model="m", vtoken={"policy": "none", "pin_cache_hits": False})
+    assert told.vtoken["pin_cache_hits"] is False

@@ -238,7 +238,8 @@ def kv_bounds(
     (``eviction_budget_tokens``) and, without a cap, the engines' own ``keep_ratio`` of the
     longest sequence; a budget counts one block more (the step's new tokens). ``n``
     choices are ``n`` sequences: vLLM runs each as its own request holding its own KV
-    (prefix caching is off under vToken, so even the prompt is not shared), so both
+    (a prompt block the choices share through the prefix cache is charged once, to the
+    first, so this over-counts it: admission does not use prefix matches yet), so both
     bounds are ``n`` times one sequence's. ``floor_tokens`` (a tenant that squeezes to
     floors) lowers the steady bound to that floor plus one block."""
     if prompt_tokens < 0 or max_tokens < 0 or prompt_tokens + max_tokens == 0:

@@ -76,15 +76,13 @@ class ReplicaSettings(BaseModel):
     under the same salt (the tenant's, or its prefix group's: ``cache_salt``) is reused
     instead of recomputed. With vToken a request publishes every full block until it
     first evicts, then keeps those below its first eviction and its pinned prefix
-    (``prefix_pin_tokens`` in ``vtoken``); ``False`` turns it off."""
+    (``prefix_pin_tokens`` in ``vtoken``; ``pin_cache_hits`` keeps hits too);
+    ``False`` turns it off."""
     vtoken: dict[str, Any] = Field(
         default_factory=lambda: {"policy": "none"}, validate_default=True
     )
-    """The engines' vToken config; served engines evict ``on_demand`` (tokens stay until
-    memory or the tenant's budget needs them) and pin cache hits (``pin_cache_hits``: what
-    a request took from the prefix cache stays cached for the next request, a
-    conversation's next turn; ``vtoken bench prefix`` measured hits at 1.0 of the ideal
-    with it and 0.89 without) unless it says otherwise."""
+    """The engines' vToken config; served engines evict ``on_demand`` unless it says
+    otherwise (tokens stay until memory or the tenant's budget needs them)."""
     redis_url: str | None = None
     key_prefix: str = "vtoken"
     report_period_s: float = Field(default=0.1, gt=0)
@@ -92,7 +90,7 @@ class ReplicaSettings(BaseModel):
     @field_validator("vtoken")
     @classmethod
     def _serving_defaults(cls, vtoken: dict[str, Any]) -> dict[str, Any]:
-        return {"eviction": "on_demand", "pin_cache_hits": True, **vtoken}
+        return {"eviction": "on_demand", **vtoken}
 
     @property
     def name(self) -> str:

@@ -85,10 +85,12 @@ class VTokenConfig(PolicySpec):
       (added to its policy's sinks); with vLLM's prefix caching on, their full blocks stay
       in the cache however hard the request is squeezed (a tenant's system prompt,
       few-shot examples), see ``workers/scheduler_side.py``;
-    - ``pin_cache_hits``: a request also keeps, for its whole life and outside its budget,
-      the tokens it took from a prefix-cache hit, so they stay cached for the next request
-      (a conversation's next turn) at the cost of the memory they hold; off, a hit whose
-      first holder finished is evicted like the request's own tokens;
+    - ``pin_cache_hits``: a request also keeps, for its whole life and on top of its
+      policy's budget, the tokens it took from a prefix-cache hit, so they stay cached for
+      the next request (a conversation's next turn) at the cost of the memory they hold;
+      not under a hard bound (``hold_to_blocks``, a tenant's cap, pressure) nor for a
+      resumed request. Off, a hit whose first holder finished is evicted like the
+      request's own tokens;
     - ``record_evictions``: keep every step's evicted logical ids per request (tests);
     - ``check_invariants``: run ``check_invariants()`` after every scheduler step (tests).
     """

@@ -53,11 +53,14 @@ slots and a repack moves tokens across blocks. So, per request:
   ever reads a block that changed. A block it took from the cache that nobody else holds
   any more is its own: evicting in it unpublishes it like any other, unless the engine
   pins cache hits (``pin_cache_hits``: they stay protected and cached for the request's
-  life, outside its budget). (vLLM itself drops a cached block's hash when it hands the
+  life, outside its policy's budget; not for a resumed request, whose hit is its own
+  sequence, nor under a hard bound). (vLLM itself drops a cached block's hash when it hands the
   block out again.)
 - a shared block is charged once, to its earliest current holder
-  (``VTokenManager.charged_elsewhere``); the others neither count it against their
+  (``VTokenManager.charged_elsewhere``); the others count it neither against their
   budget nor against ``hold_blocks`` (a request's budget is in the tokens it pays for).
+  With ``pin_cache_hits`` a request keeps its cache hit on top of its policy's budget,
+  unless a hard bound applies to it (``hold_blocks``, a tenant's cap, pressure).
 """
 
 from __future__ import annotations
@@ -240,7 +243,8 @@ class VTokenScheduler:
             self.manager.adopt(request_id, [block.block_id for block in hit_blocks])
             self.stm.req_to_blocks[request_id].extend(hit_blocks)
             self.stm.num_cached_block[request_id] = len(hit_blocks)  # published already
-            record.hit_tokens = num_hit
+            # A resumed request's hit is its own sequence: never pinned (memory is short).
+            record.hit_tokens = 0 if getattr(request, "num_preemptions", 0) else num_hit
         block_ids = self.manager.allocate(request_id, num_new_tokens, reserve)
         if block_ids is None:
             assert not hit_blocks, "room was checked with the hit"
@@ -281,7 +285,12 @@ class VTokenScheduler:
         self._protect(record, max(self.config.prefix_pin_tokens, reach, self._pinned_hit(record)))
 
     def _pinned_hit(self, record: ScheduledRequest) -> int:
-        return record.hit_tokens if self.config.pin_cache_hits else 0
+        """Tokens of its cache hit the request keeps for life (``pin_cache_hits``): none
+        under a bound admission or the controller set (``hold_blocks``, a tenant's cap,
+        pressure): those bounds come first."""
+        if not self.config.pin_cache_hits or record.capped or record.hold_blocks is not None:
+            return 0
+        return 0 if record.kv.tenant in self.pressure else record.hit_tokens
 
     def _unpublish_changed(self, record: ScheduledRequest) -> None:
         """After an eviction, before its repack: drop from the prefix cache the published
@@ -426,19 +435,23 @@ class VTokenScheduler:
         return record.kv.num_held_blocks - record.shared_elsewhere > record.hold_blocks
 
     def _budget(self, record: ScheduledRequest) -> int:
-        """Live tokens the request may keep after this step: its policy's budget, lowered
-        by its tenant's pressure to ``fraction x anchor`` (the policy still keeps what it
-        protects at that budget: :meth:`blocks_above_budget` counts it), plus the tokens of
-        blocks another request pays for (shared prefix blocks cost it nothing) or, with
-        ``pin_cache_hits``, the tokens of its cache hit (kept outside its budget)."""
-        budget = record.spec.budget(record.kv.table.num_logical)
-        if record.hold_blocks is not None:  # fits what admission counts: a block for the step
-            budget = min(budget, max(1, (record.hold_blocks - 1) * self.block_size))
+        """Live tokens the request may keep after this step.
+
+        Its policy's budget applies to the tokens it pays for and did not pin: blocks
+        another request pays for (shared prefix blocks) and, with ``pin_cache_hits``, its
+        cache hit are kept on top of it. Then the hard bounds, on what it pays for: its
+        ``hold_blocks`` (what admission counts it at, a block for the step) and its
+        tenant's pressure (``fraction x anchor``). The policy still keeps what it protects
+        (:meth:`blocks_above_budget` counts it)."""
+        unpaid = record.shared_elsewhere * self.block_size
+        kept = max(unpaid, self._pinned_hit(record))  # both are prefixes of its table
+        budget = record.spec.budget(max(0, record.kv.table.num_logical - kept)) + kept
+        if record.hold_blocks is not None:
+            budget = min(budget, max(1, (record.hold_blocks - 1) * self.block_size) + unpaid)
         fraction = self.pressure.get(record.kv.tenant)
         if fraction is not None and record.pressure_anchor is not None:
-            budget = min(budget, max(1, int(record.pressure_anchor * fraction)))
-        free = max(record.shared_elsewhere * self.block_size, self._pinned_hit(record))
-        return budget + free
+            budget = min(budget, max(1, int(record.pressure_anchor * fraction)) + unpaid)
+        return budget
 
     def _evicts_to_budget(self, record: ScheduledRequest) -> bool:
         """Whether its policy brings it to its budget when asked at any step (``none``

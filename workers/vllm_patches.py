@@ -334,7 +334,9 @@ def _waiting_head_blocks(scheduler: Any, state: VTokenScheduler) -> int:
     head = scheduler.waiting.peek_request()
     manager = scheduler.kv_cache_manager
     needed = state.blocks_needed_for(min(head.num_tokens, scheduler.max_model_len))
-    if manager.enable_caching:  # blocks of its cache hit that someone holds cost nothing
+    # Blocks of its cache hit that someone holds cost nothing (not with KV events on: the
+    # lookup would report the hit again at every step).
+    if manager.enable_caching and not manager.enable_kv_cache_events:
         hit, _, _ = manager.get_computed_blocks(head)
         needed -= sum(1 for block in (hit.blocks[0] if hit.blocks else ()) if block.ref_cnt > 0)
     return needed + manager.watermark_blocks

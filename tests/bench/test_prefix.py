@@ -71,7 +71,7 @@ def test_rows_and_ratios():
     slow = Trial("vtoken:on", 0.5, [outcome("a", "p q", 0.0, ttft=2.0)], errors=["boom"])
     failed = trial_row(slow, [0], slo, turns=4)
     assert not failed["passed"] and failed["requests"] == 2 and failed["hit_rate_of_ideal"] is None
-    on = setting_row(Setting("vtoken", True, pin_cache_hits=True), [row, failed])
+    on = setting_row(Setting("vtoken", True), [row, failed])
     assert on["goodput_rps"] == 1.0 and on["goodput_bound"] == "sweep"
     # A pass above a failed rate does not count (attainment is noisy).
     later = {**row, "request_rate": 4.0}
@@ -79,9 +79,7 @@ def test_rows_and_ratios():
     assert setting_row(Setting("vtoken", True), [row, later])["goodput_bound"] == "at_least"
     off = setting_row(Setting("vtoken", False), [failed])
     assert off["goodput_rps"] == 0.0 and off["goodput_bound"] == "below_lowest"
-    default = setting_row(
-        Setting("serve_default", True, pin_cache_hits=True), [{**row, "ttft_p50_s": 0.2}]
-    )
+    default = setting_row(Setting("serve_default", True), [{**row, "ttft_p50_s": 0.2}])
     result = ratios([on, off, default])
     assert result["ttft_p50_vtoken_over_serve_default"] == 0.5
     assert result["goodput_prefix_caching_on_over_off"] is None  # off served nothing

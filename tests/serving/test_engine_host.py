@@ -465,11 +465,7 @@ def test_published_blocks_follow_the_pinning_rule():
     assert published_blocks(off, None) == 0
 
 
-def test_served_engines_evict_on_demand_and_pin_cache_hits_unless_told():
-    assert ReplicaSettings(model="m").vtoken == {
-        "policy": "none",
-        "eviction": "on_demand",
-        "pin_cache_hits": True,
-    }
-    told = ReplicaSettings(model="m", vtoken={"policy": "none", "pin_cache_hits": False})
-    assert told.vtoken["pin_cache_hits"] is False
+def test_served_engines_evict_on_demand_unless_told():
+    assert ReplicaSettings(model="m").vtoken == {"policy": "none", "eviction": "on_demand"}
+    told = ReplicaSettings(model="m", vtoken={"policy": "none", "eviction": "eager"})
+    assert told.vtoken["eviction"] == "eager"

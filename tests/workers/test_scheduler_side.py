@@ -384,10 +384,10 @@ def test_shared_blocks_cost_the_adopter_nothing_of_its_budget():
     _decode(state, second)
     record = state.requests["b"]
     assert record.shared_elsewhere == 2 and record.protected == 8  # a still holds them
-    # budget: ceil(0.5 * 16) = 8 of its own + the 8 shared tokens = all 16 kept
-    assert record.kv.table.num_live == 16
+    # its keep ratio on the tokens it pays for: 8 shared + ceil(0.5 * (16 - 8)) of its own
+    assert record.kv.table.num_live == 8 + 4
     reports = {r.request_id: r for r in state.manager.reports()}
-    assert reports["b"].allocated_blocks == 2 and reports["b"].shared_blocks == 2
+    assert reports["b"].allocated_blocks == 1 and reports["b"].shared_blocks == 2  # 3 held
 
 
 def test_pinned_cache_hits_stay_protected_and_cached_outside_the_budget():
@@ -409,6 +409,28 @@ def test_pinned_cache_hits_stay_protected_and_cached_outside_the_budget():
     assert record.protected == 8 and record.shared_elsewhere == 0
     table = record.kv.table
     assert table.is_alive(np.arange(8)).all()
-    assert table.num_live == 12 + 8  # ceil(0.5 * 24) of its own + the 8 pinned hit tokens
+    # keep ratio on the rest: 8 pinned + ceil(0.5 * (24 - 8)) of its own
+    assert table.num_live == 8 + 8
     assert not pool.unpublished & {b.block_id for b in hit}
     state.check_invariants()
+
+
+def test_hard_bounds_come_before_pinned_hits_and_a_resumed_request_pins_nothing():
+    pool, manager = FakeBlockPool(16), FakeBlockManager()
+    config = VTokenConfig(policy="random", keep_ratio=0.5, pin_cache_hits=True)
+    state = VTokenScheduler(config, pool, manager)
+    run_prefill(state, FakeRequest("a", num_prompt_tokens=12))
+    manager.num_cached_block["a"] = 3
+    hit = manager.req_to_blocks["a"][:2]
+    state.free("a")
+    bounded = FakeRequest("b", num_prompt_tokens=24)
+    assert state.allocate(bounded, 16, hit_blocks=hit)
+    state.requests["b"].hold_blocks = 3  # admission counts it at 3 blocks
+    _decode(state, bounded)
+    record = state.requests["b"]
+    assert record.protected == 0 and record.kv.table.num_live <= 2 * BLOCK_SIZE
+    state.free("b")
+    resumed = FakeRequest("c", num_prompt_tokens=24)
+    resumed.num_preemptions = 1  # its hit is its own former sequence
+    assert state.allocate(resumed, 16, hit_blocks=hit)
+    assert state.requests["c"].hit_tokens == 0

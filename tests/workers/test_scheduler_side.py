@@ -372,15 +372,24 @@ def test_a_block_nobody_else_holds_is_the_adopters_own():
     state.check_invariants()
 
 
-def test_shared_blocks_cost_the_adopter_nothing_of_its_budget():
-    """``b`` shares 2 blocks that ``a`` pays for: its keep ratio applies to the rest."""
+def _keep_half(pin_cache_hits: bool = False, check: bool = True):
+    """Random eviction at keep 0.5 on a 16-block pool, with ``a`` (12 tokens, its 3 full
+    blocks published) run: ``(state, pool, manager, a's first two blocks)``."""
     pool, manager = FakeBlockPool(16), FakeBlockManager()
-    config = VTokenConfig(policy="random", keep_ratio=0.5, check_invariants=True)
+    config = VTokenConfig(
+        policy="random", keep_ratio=0.5, pin_cache_hits=pin_cache_hits, check_invariants=check
+    )
     state = VTokenScheduler(config, pool, manager)
     run_prefill(state, FakeRequest("a", num_prompt_tokens=12))
     manager.num_cached_block["a"] = 3
+    return state, pool, manager, manager.req_to_blocks["a"][:2]
+
+
+def test_shared_blocks_cost_the_adopter_nothing_of_its_budget():
+    """``b`` shares 2 blocks that ``a`` pays for: its keep ratio applies to the rest."""
+    state, _, _, hit = _keep_half()
     second = FakeRequest("b", num_prompt_tokens=16)
-    assert state.allocate(second, 8, hit_blocks=manager.req_to_blocks["a"][:2])
+    assert state.allocate(second, 8, hit_blocks=hit)
     _decode(state, second)
     record = state.requests["b"]
     assert record.shared_elsewhere == 2 and record.protected == 8  # a still holds them
@@ -393,14 +402,7 @@ def test_shared_blocks_cost_the_adopter_nothing_of_its_budget():
 def test_pinned_cache_hits_stay_protected_and_cached_outside_the_budget():
     """``pin_cache_hits``: what ``b`` took from the cache stays (for the next turn of a
     conversation) although nobody else holds it, and does not count against its budget."""
-    pool, manager = FakeBlockPool(16), FakeBlockManager()
-    config = VTokenConfig(
-        policy="random", keep_ratio=0.5, pin_cache_hits=True, check_invariants=True
-    )
-    state = VTokenScheduler(config, pool, manager)
-    run_prefill(state, FakeRequest("a", num_prompt_tokens=12))
-    manager.num_cached_block["a"] = 3
-    hit = manager.req_to_blocks["a"][:2]
+    state, pool, _, hit = _keep_half(pin_cache_hits=True)
     state.free("a")
     second = FakeRequest("b", num_prompt_tokens=24)
     assert state.allocate(second, 16, hit_blocks=hit)
@@ -416,12 +418,7 @@ def test_pinned_cache_hits_stay_protected_and_cached_outside_the_budget():
 
 
 def test_hard_bounds_come_before_pinned_hits_and_a_resumed_request_pins_nothing():
-    pool, manager = FakeBlockPool(16), FakeBlockManager()
-    config = VTokenConfig(policy="random", keep_ratio=0.5, pin_cache_hits=True)
-    state = VTokenScheduler(config, pool, manager)
-    run_prefill(state, FakeRequest("a", num_prompt_tokens=12))
-    manager.num_cached_block["a"] = 3
-    hit = manager.req_to_blocks["a"][:2]
+    state, _, _, hit = _keep_half(pin_cache_hits=True, check=False)
     state.free("a")
     bounded = FakeRequest("b", num_prompt_tokens=24)
     assert state.allocate(bounded, 16, hit_blocks=hit)

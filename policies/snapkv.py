@@ -8,7 +8,7 @@ the window's attention summed over its queries, 1-D pooled (``pooling`` "avg" or
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -23,6 +23,7 @@ class SnapKV(EvictionPolicy):
     window: int = 32
     kernel_size: int = 5
     pooling: str = "max"
+    decided: bool = field(default=False, init=False, repr=False)  # it compressed already
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -30,10 +31,14 @@ class SnapKV(EvictionPolicy):
             raise ValueError("snapkv: pooling is 'avg' or 'max'; window, kernel_size >= 1")
 
     def score_needs(self) -> ScoreNeeds:
-        return ScoreNeeds(query_window=self.window)
+        # It decides once, at the end of prefill: no statistics are needed after that.
+        return ScoreNeeds() if self.decided else ScoreNeeds(query_window=self.window)
 
     def num_to_evict(self, view: PolicyView, budget: int) -> int:
-        return max(0, view.num_live - budget) if view.prefill_done_now else 0
+        if not view.prefill_done_now:
+            return 0
+        self.decided = True
+        return max(0, view.num_live - budget)
 
     def protected(self, view: PolicyView, budget: int) -> np.ndarray:
         window = view.logical_ids >= view.num_logical - self.window

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import policies
 from policies import CAP_POLICY, REGISTRY, make_policy
 from policies.page import head_agreement
-from vtoken.policy import EvictionPolicy, Gate, PolicyView, ScoreNeeds, StepAttention
+from vtoken.policy import EvictionPolicy, Gate, PolicyView, StepAttention
 
 
 def view(n, attention=None, prompt_len=None, num_logical=None, ids=None, stats=None):
@@ -143,7 +143,7 @@ def test_page_is_a_gate_around_snapkv_that_opens_once_at_the_end_of_prefill():
         assert page.enabled is opens
         decode = view(21, StepAttention(window_rows=np.ones((2, 21))), prompt_len=20)
         assert page.select(decode, budget=8).size == 0  # SnapKV compresses once
-        assert page.score_needs() == ScoreNeeds(query_window=2, per_head=True)
+        assert not page.score_needs().any  # decided: nothing more to compute
 
 
 class _Lowest(EvictionPolicy):
@@ -260,3 +260,23 @@ def test_every_policy_file_is_small(name):
     module = REGISTRY[name].__module__.split(".")[-1]
     path = Path(policies.__file__).parent / f"{module}.py"
     assert code_lines(path) <= 50
+
+
+def test_one_shot_policies_ask_for_no_statistics_once_they_decided():
+    """SnapKV and PAGE decide at the end of prefill; the engine computes no attention
+    statistics for them after that (the window's are the costliest it computes)."""
+    view = PolicyView(
+        logical_ids=np.arange(8),
+        num_logical=8,
+        prompt_len=8,
+        step=1,
+        attention=StepAttention(window_rows=np.ones((2, 8)), head_scores=np.ones((1, 2, 8))),
+    )
+    snapkv = make_policy("snapkv", window=2)
+    assert snapkv.score_needs().query_window == 2
+    snapkv.select(view, budget=4)
+    assert not snapkv.score_needs().any
+    page = make_policy("page", inner=make_policy("snapkv", window=2))
+    assert page.score_needs().per_head
+    page.select(view, budget=4)
+    assert not page.score_needs().any

@@ -130,15 +130,13 @@ def make_workload(
     rng.shuffle(order)
     clock = 0.0
     workload = []
-    for index, tenant in enumerate(order):
+    for tenant in order:
         clock += rng.expovariate(rate)
         users = []
-        for turn in range(turns):
+        for _ in range(turns):
             at = user_start + rng.randrange(0, len(corpus) - user_start - user_tokens)
             users.append(str(tokenizer.decode(corpus[at : at + user_tokens])))
-            del turn
         workload.append(Conversation(f"tenant-{tenant}", systems[tenant], tuple(users), clock))
-        del index
     return workload
 
 

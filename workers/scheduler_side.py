@@ -495,10 +495,9 @@ class VTokenScheduler:
         if not self.allowance:
             return set()
         held: dict[str, int] = {}
-        elsewhere = self.manager.charged_elsewhere()  # shared blocks count once
-        for request_id, record in self.requests.items():
+        for record in self.requests.values():  # shared blocks count once (_refresh_shared)
             tenant = record.kv.tenant
-            charged = record.kv.num_held_blocks - elsewhere.get(request_id, 0)
+            charged = record.kv.num_held_blocks - record.shared_elsewhere
             held[tenant] = held.get(tenant, 0) + charged
         for request_id in always:  # they evict this step anyway
             tenant = self.requests[request_id].kv.tenant

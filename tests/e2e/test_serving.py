@@ -237,6 +237,9 @@ def test_wrong_admin_token_is_refused(cluster):
         assert bad.status_code == 400
 
 
+JOINED = ("vtoken.admission", "vtoken.route", "vtoken.replica.generate")
+
+
 def test_one_request_is_one_connected_trace(cluster):
     url, sink = cluster.url, cluster.sink
     with httpx.Client(base_url=url, timeout=60) as client:
@@ -258,16 +261,20 @@ def test_one_request_is_one_connected_trace(cluster):
         if roots:
             trace = [s for s in spans if s.trace_id == roots[0].trace_id]
             names = {s.name for s in trace}
-            if {"vtoken.admission", "vtoken.route", "vtoken.replica.generate"} <= names:
+            if {*JOINED, "llm_request"} <= names:
                 break
         time.sleep(0.5)
     assert roots, "no ingress span arrived"
     by_name = {s.name: s for s in trace}
     root = by_name["vtoken.ingress"]
-    for name in ("vtoken.admission", "vtoken.route", "vtoken.replica.generate"):
+    for name in JOINED:
         assert by_name[name].parent_span_id == root.span_id, name
         assert by_name[name].attributes.get("vtoken.tenant.id") == "traced"
     generate = by_name["vtoken.replica.generate"]
+    # vLLM's own request span (its otlp_traces_endpoint) is a child of the replica's span.
+    engine = by_name["llm_request"]
+    assert engine.parent_span_id == generate.span_id
+    assert engine.attributes.get("gen_ai.request.id") == request_id
     assert generate.attributes.get("vtoken.replica.id")
     kv = generate.events["vtoken.kv"]  # what vToken did to this request's KV
     assert kv["vtoken.kv.allocated_blocks"] == kv["vtoken.kv.ideal_blocks"]

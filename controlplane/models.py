@@ -136,6 +136,11 @@ class EngineCounters(_Frozen):
     """Tokens evicted since the engine started (finished requests' too)."""
     repack_moves: NonNegativeInt = 0
     """Token copies (K and V, every layer) repacks made since the engine started."""
+    repack_bytes: NonNegativeInt = 0
+    """Bytes those copies read (as many written), since the engine started."""
+    repack_seconds: float = Field(default=0.0, ge=0)
+    """The copies' own time since the engine started (GPU: device time on the side
+    stream, which overlaps host work; CPU: wall time of the synchronous copy)."""
     max_step_s: float = Field(default=0.0, ge=0)
     recent_steps: tuple[tuple[float, float], ...] = Field(default=(), max_length=64)
     """The engine's longest recent steps, ``(ended at, wall clock; seconds)``."""

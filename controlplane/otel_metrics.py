@@ -29,6 +29,7 @@ BLOCK = "{block}"
 TOKEN = "{token}"
 REQUEST = "{request}"
 SECONDS = "s"
+BYTES = "By"
 # Request latencies from 5 ms to 2 min (TTFT under load, TPOT of small models).
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0)
 
@@ -90,6 +91,8 @@ class ReplicaMetrics:
             (pressure, "evictions_under_pressure", REQUEST),
             (telemetry.METRIC_REPLICA_EVICTED_TOKENS, "evicted_tokens", TOKEN),
             (telemetry.METRIC_REPLICA_REPACK_MOVES, "repack_moves", TOKEN),
+            (telemetry.METRIC_REPLICA_REPACK_BYTES, "repack_bytes", BYTES),
+            (telemetry.METRIC_REPLICA_REPACK_DURATION, "repack_seconds", SECONDS),
         ):
             counter(name, [self._scalar(field)], unit)
         step = self._scalar("max_step_s")
@@ -217,7 +220,7 @@ class RequestMetrics:
 
 
 def _prometheus(name: str, unit: str, kind: str) -> tuple[str, ...]:
-    base = name.replace(".", "_") + ("_seconds" if unit == SECONDS else "")
+    base = name.replace(".", "_") + {SECONDS: "_seconds", BYTES: "_bytes"}.get(unit, "")
     if kind == "counter":
         return (f"{base}_total",)
     if kind == "histogram":
@@ -237,6 +240,8 @@ PROMETHEUS_NAMES: frozenset[str] = frozenset(
         (telemetry.METRIC_REPLICA_EVICTIONS_UNDER_PRESSURE, REQUEST, "counter"),
         (telemetry.METRIC_REPLICA_EVICTED_TOKENS, TOKEN, "counter"),
         (telemetry.METRIC_REPLICA_REPACK_MOVES, TOKEN, "counter"),
+        (telemetry.METRIC_REPLICA_REPACK_BYTES, BYTES, "counter"),
+        (telemetry.METRIC_REPLICA_REPACK_DURATION, SECONDS, "counter"),
         (telemetry.METRIC_REPLICA_STEP_DURATION, SECONDS, "gauge"),
         (telemetry.METRIC_TENANT_KV_ACTIVE, BLOCK, "gauge"),
         (telemetry.METRIC_TENANT_KV_BUDGET, BLOCK, "gauge"),
@@ -249,6 +254,6 @@ PROMETHEUS_NAMES: frozenset[str] = frozenset(
     for prometheus in _prometheus(name, unit, kind)
 )
 """Every series name the instruments above get in Prometheus (OpenTelemetry's Prometheus
-naming: dots become underscores, unit ``s`` adds ``_seconds``, ``{...}`` adds
+naming: dots become underscores, unit ``s`` adds ``_seconds``, ``By`` adds ``_bytes``, ``{...}`` adds
 nothing, counters end in ``_total``, histograms are ``_bucket``/``_sum``/``_count``). The
 test checks it against the SDK's own Prometheus exporter."""

@@ -78,6 +78,8 @@ METRIC_REPLICA_EVICTIONS_UNDER_PRESSURE = "vtoken.replica.evictions_under_pressu
 METRIC_REPLICA_EVICTED_TOKENS = "vtoken.replica.kv.evicted_tokens"
 """Counter: tokens the policies evicted on one replica since its engine started."""
 METRIC_REPLICA_REPACK_MOVES = "vtoken.replica.kv.repack_moves"
+METRIC_REPLICA_REPACK_BYTES = "vtoken.replica.kv.repack"
+METRIC_REPLICA_REPACK_DURATION = "vtoken.replica.kv.repack_duration"
 """Counter: token copies (K and V, every layer) the repacks made on one replica."""
 METRIC_REPLICA_STEP_DURATION = "vtoken.replica.engine.step_max"
 """Gauge (s): the engine's longest step (`schedule` through `update_from_output`) of the

@@ -46,6 +46,7 @@ class SideStreamRepacker:
         self.device = device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._done: torch.cuda.Event | None = None
+        self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # not yet read
         self.num_submits = 0
 
     @property
@@ -87,12 +88,15 @@ class SideStreamRepacker:
         compute = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(compute)  # (1): after the forward that wrote the sources
         with torch.cuda.stream(self._stream):
+            started = torch.cuda.Event(enable_timing=True)
+            started.record(self._stream)
             src, dst = staged.to(self.device, non_blocking=True)
             check_repack_args(kv_caches, src, dst, layout, slot_values=False)
             repack(kv_caches, src, dst, layout, check=False)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(enable_timing=True)
             done.record(self._stream)
         self._done = done  # (4): src and dst were allocated on the side stream
+        self._timed.append((started, done))
 
     def fence(self) -> None:
         """Make the compute stream wait (on the device) for every submitted copy."""
@@ -100,6 +104,16 @@ class SideStreamRepacker:
             return
         torch.cuda.current_stream(self.device).wait_event(self._done)  # (2), (3)
         self._done = None
+
+    def take_elapsed_s(self) -> float:
+        """Device seconds of the submitted copies that have run since the last call (the
+        upload and the copies, between two events on the side stream). Never blocks: copies
+        still queued are counted by a later call."""
+        elapsed = 0.0
+        while self._timed and self._timed[0][1].query():
+            started, done = self._timed.pop(0)
+            elapsed += started.elapsed_time(done) / 1000.0
+        return elapsed
 
     def synchronize(self) -> None:
         """Block the host until every submitted copy ran (tests, shutdown)."""

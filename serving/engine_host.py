@@ -137,6 +137,8 @@ def counters_from_snapshot(
         evicted_tokens=report.evicted_tokens_total,
         evictions_to_bound=report.num_evictions_to_bound,
         repack_moves=report.repack_moves_total,
+        repack_bytes=report.repack_bytes_total,
+        repack_seconds=report.repack_seconds_total,
         tenants={
             tenant: TenantUsage(
                 live_tokens=usage.live_tokens,

@@ -106,6 +106,10 @@ class EngineReport(BaseModel):
     blocks_reclaimed: Count = 0
     evicted_tokens_total: Count = 0
     repack_moves_total: Count = 0
+    repack_bytes_total: Count = 0
+    """Bytes the worker's repacks copied (read; as many written), every layer, since start."""
+    repack_seconds_total: float = Field(default=0.0, ge=0)
+    """The repack copies' own time since start (CPU: wall; CUDA: side-stream events)."""
     recent_max_step_s: float = Field(default=0.0, ge=0)
     """The longest engine step (``schedule`` through ``update_from_output``) that ended in
     the last two seconds."""

@@ -10,9 +10,12 @@ process calls ``EngineCore.vtoken_counters`` as a utility instead (see ``workers
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from workers.scheduler_side import VTokenScheduler
+
+if TYPE_CHECKING:
+    from workers.worker_side import VTokenWorker
 
 CPU_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -110,6 +113,12 @@ def engine_state(llm: Any) -> VTokenScheduler | None:
     from workers.vllm_patches import scheduler_state
 
     return scheduler_state(engine_scheduler(llm))
+
+
+def engine_worker(llm: Any) -> VTokenWorker | None:
+    """The worker-side vToken state of an in-process, single-worker engine."""
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+    return getattr(runner.model_runner, "vtoken", None)
 
 
 def block_pool(llm: Any) -> Any:

@@ -48,6 +48,16 @@ class StepOps:
 @dataclass(frozen=True, slots=True)
 class StepScores:
     """Worker -> scheduler: attention statistics of the step, per request, aligned with the
-    request's physical slots ``[0, seq_len)`` (== its token table's live slots)."""
+    request's physical slots ``[0, seq_len)`` (== its token table's live slots), and what
+    the worker's repacks have cost since it started.
+
+    The repack totals are cumulative, so an output vLLM drops (an empty step) loses
+    nothing: the scheduler keeps the latest. ``repack_bytes_total`` counts bytes read (the
+    same are written) over every distinct layer cache; ``repack_seconds_total`` is the
+    copies' own time: wall time of the synchronous copy on CPU, device time between CUDA
+    events on the side stream on GPUs (counted once the copies have run, so it can trail
+    the bytes by a step)."""
 
     attention: dict[str, StepAttention]
+    repack_bytes_total: int = 0
+    repack_seconds_total: float = 0.0

@@ -203,6 +203,9 @@ class VTokenScheduler:
         self.pressure: dict[str, float] = {}  # tenant -> keep fraction (the controller's)
         self.allowance: dict[str, int] = {}  # tenant -> most blocks it may hold here
         self.step_times = StepTimes()
+        # what the worker's repacks cost since start (its cumulative totals, latest kept)
+        self.repack_bytes_total = 0
+        self.repack_seconds_total = 0.0
 
     def manages(self, request_id: str) -> bool:
         return request_id in self.requests
@@ -353,6 +356,11 @@ class VTokenScheduler:
         counted on it), and policies that decide at one step only.
         """
         attention_of = scores.attention if scores is not None else {}
+        if scores is not None:
+            self.repack_bytes_total = max(self.repack_bytes_total, scores.repack_bytes_total)
+            self.repack_seconds_total = max(
+                self.repack_seconds_total, scores.repack_seconds_total
+            )
         running = [r for r in num_scheduled_tokens if r in self.requests and r in requests]
         decoding = [r for r in running if requests[r].num_computed_tokens >= requests[r].num_tokens]
         for request_id in set(running) - set(decoding):
@@ -644,6 +652,8 @@ class VTokenScheduler:
             recent_steps=self.step_times.recent_longest(),
             evicted_tokens_total=self.manager.num_evicted_tokens,
             repack_moves_total=self.manager.num_repack_moves,
+            repack_bytes_total=self.repack_bytes_total,
+            repack_seconds_total=self.repack_seconds_total,
             requests=self.manager.reports(
                 {  # a request in prefill has no budget yet: nothing of it can be evicted
                     request_id: self._budget(record)

@@ -17,6 +17,7 @@ no token tables: the scheduler decides, the worker copies. Per step:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -65,6 +66,9 @@ class VTokenWorker:
         self.score_needs: dict[str, ScoreNeeds] = {}
         self.captured: dict[int, CapturedQuery] = {}
         self.num_moves = 0
+        self.repack_bytes = 0  # read (and as many written) by every repack since start
+        self.repack_s = 0.0  # the copies' own time (CPU: wall; CUDA: side-stream events)
+        self._slot_bytes: int | None = None  # bytes of one slot over every distinct layer
         self._repacker: SideStreamRepacker | None = None
 
     @property
@@ -84,13 +88,33 @@ class VTokenWorker:
                 self._repacker.submit(caches, ops.src_slots, ops.dst_slots, self.layout)
                 self._repacker.fence()
             else:
+                started = time.perf_counter()
                 src = torch.from_numpy(ops.src_slots).to(device)
                 dst = torch.from_numpy(ops.dst_slots).to(device)
                 kernels.repack(kv_caches, src, dst, self.layout)
+                self.repack_s += time.perf_counter() - started
             self.num_moves += ops.num_moves
+            self.repack_bytes += ops.num_moves * self.slot_bytes(kv_caches)
         self.num_evicted = dict(ops.num_evicted)
         self.score_needs = dict(ops.score_needs)
         self.captured.clear()
+
+    def slot_bytes(self, kv_caches: Sequence[torch.Tensor]) -> int:
+        """Bytes one move copies: a slot's K and V in every distinct layer cache."""
+        if self._slot_bytes is None:
+            self._slot_bytes = sum(
+                cache.numel()
+                * cache.element_size()
+                // (self.layout.num_blocks(cache) * self.layout.block_size(cache))
+                for cache in distinct_layer_caches(kv_caches)
+            )
+        return self._slot_bytes
+
+    def repack_totals(self) -> tuple[int, float]:
+        """Bytes and seconds of every repack since start (CUDA: those that have run)."""
+        if self._repacker is not None:
+            self.repack_s += self._repacker.take_elapsed_s()
+        return self.repack_bytes, self.repack_s
 
     def physical_offsets(self, request_ids: Sequence[str]) -> np.ndarray:
         """``[len(request_ids)]`` int32: logical minus physical token count (0 if unmanaged)."""
@@ -102,9 +126,13 @@ class VTokenWorker:
             self.captured[layer_id] = CapturedQuery(query.detach().clone(), kv_cache, scale)
 
     def step_scores(self, requests: Sequence[ScoredRequest]) -> StepScores | None:
-        """Attention statistics of the requests that asked for them (after the forward)."""
+        """Attention statistics of the requests that asked for them (after the forward),
+        with the repack totals; ``None`` while there is neither."""
+        repack_bytes, repack_s = self.repack_totals()
         if not self.capturing:
-            return None
+            if not repack_bytes:
+                return None
+            return StepScores({}, repack_bytes, repack_s)
         layers = [self.captured[i] for i in sorted(self.captured)]
         if not layers:
             raise RuntimeError("vToken: no attention layer reported its queries this step")
@@ -114,7 +142,7 @@ class VTokenWorker:
             if r.request_id in self.score_needs and r.query_len > 0
         }
         self.captured.clear()
-        return StepScores(attention)
+        return StepScores(attention, repack_bytes, repack_s)
 
     def _request_attention(
         self, layers: list[CapturedQuery], request: ScoredRequest

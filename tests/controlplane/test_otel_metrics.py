@@ -53,6 +53,8 @@ def counters() -> EngineCounters:
             "evictions_under_pressure": 5,
             "evicted_tokens": 900,
             "repack_moves": 410,
+            "repack_bytes": 410 * 2304,
+            "repack_seconds": 0.125,
             "max_step_s": 0.25,
         }
     )
@@ -99,6 +101,8 @@ def test_replica_kv_per_state_and_per_tenant(reader: InMemoryMetricReader):
     assert points[telemetry.METRIC_REPLICA_EVICTIONS_UNDER_PRESSURE] == [(replica, 5)]
     assert points[telemetry.METRIC_REPLICA_EVICTED_TOKENS] == [(replica, 900)]
     assert points[telemetry.METRIC_REPLICA_REPACK_MOVES] == [(replica, 410)]
+    assert points[telemetry.METRIC_REPLICA_REPACK_BYTES] == [(replica, 410 * 2304)]
+    assert points[telemetry.METRIC_REPLICA_REPACK_DURATION] == [(replica, 0.125)]
     assert points[telemetry.METRIC_REPLICA_STEP_DURATION] == [(replica, 0.25)]
 
 

@@ -24,6 +24,7 @@ from workers.engine import (
     block_pool,
     engine_scheduler,
     engine_state,
+    engine_worker,
     internal_request_id,
     make_llm,
 )
@@ -79,9 +80,16 @@ def _reclamation(llm, mode: str) -> dict:
             counters_seen = engine_counters(llm)
     assert state.num_preemptions == 0
     override = state.finished[internal_request_id(state, "r3")].report
+    config = engine_scheduler(llm).kv_cache_config
     return {
         "tokens": tokens,
         "counters": counters_seen,
+        "final": engine_counters(llm),
+        "worker_moves": engine_worker(llm).num_moves,
+        "page_bytes": sum(
+            len(group.layer_names) * group.kv_cache_spec.page_size_bytes
+            for group in config.kv_cache_groups
+        ),
         "holey_steps": num_holey_steps,
         "override": (override.policy, override.live_tokens),
     }
@@ -177,6 +185,20 @@ def test_counters_api_per_request_and_tenant(runs):
         for key in ("live_tokens", "allocated_blocks", "ideal_blocks", "evicted_tokens"):
             assert getattr(totals, key) == sum(getattr(r, key) for r in mine)
     assert counters.total.allocated_blocks == counters.total_blocks - counters.free_blocks
+
+
+@pytest.mark.parametrize("mode", ["vtoken", "naive"])
+def test_repack_bytes_and_seconds_are_reported(runs, mode):
+    """What the worker copied reaches the engine's report: every move copies a slot's K and
+    V in every layer (vLLM's page size over the block size), in measured time."""
+    reclamation = runs[mode]["reclamation"]
+    final = reclamation["final"]  # both modes repack (they differ in the blocks they hold)
+    # Moves the scheduler planned after the last step that ran never reach a worker.
+    copied = reclamation["worker_moves"]
+    assert 0 < copied <= final.repack_moves_total
+    slot_bytes = reclamation["page_bytes"] // BLOCK_SIZE
+    assert final.repack_bytes_total == copied * slot_bytes
+    assert 0.0 < final.repack_seconds_total < 60.0
 
 
 @pytest.mark.parametrize("mode", ["vtoken", "naive"])

@@ -185,6 +185,8 @@ class ReplicaReport(EngineCounters):
     engine_id: str = Field(default="", max_length=256)
     model_id: str = Field(default="", max_length=256)
     heartbeat_s: float = Field(ge=0)
+    metrics_address: str = Field(default="", max_length=256)
+    """``host:port`` of the replica's Prometheus endpoint (``GET /metrics``); empty: none."""
 
 
 class ReplicaWeight(_Frozen):

@@ -46,23 +46,54 @@ def metrics_requested(environ: Mapping[str, str] = os.environ) -> bool:
     return exporter == "otlp" or any(environ.get(name) for name in names)
 
 
-def configure_metrics(service_name: str, environ: Mapping[str, str] = os.environ) -> bool:
-    """Install a ``MeterProvider`` exporting OTLP/HTTP when the environment asks for one.
+def configure_metrics(
+    service_name: str, environ: Mapping[str, str] = os.environ, prometheus: bool = False
+) -> bool:
+    """Install a ``MeterProvider`` exporting OTLP/HTTP when the environment asks for one,
+    and with ``prometheus`` also read by prometheus-client's default registry (what
+    :func:`serve_prometheus` serves; the SDK's ``PrometheusMetricReader``).
 
-    Returns whether a provider is installed. Safe to call more than once per process."""
-    if not metrics_requested(environ):
+    Returns whether a provider is installed. Safe to call more than once per process (the
+    first call decides). ``OTEL_SDK_DISABLED=true`` turns both off."""
+    otlp = metrics_requested(environ)
+    if environ.get("OTEL_SDK_DISABLED", "").lower() == "true" or not (otlp or prometheus):
         return False
     if type(metrics.get_meter_provider()).__name__ == "MeterProvider":
         return True  # an SDK provider is already installed in this process
-    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
     from opentelemetry.sdk.metrics import MeterProvider
-    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+    from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
     from opentelemetry.sdk.resources import Resource
 
+    readers: list[MetricReader] = []
+    if otlp:
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+
+        readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))
+    if prometheus:
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+
+        readers.append(PrometheusMetricReader())
     resource = Resource.create({"service.name": environ.get("OTEL_SERVICE_NAME", service_name)})
-    reader = PeriodicExportingMetricReader(OTLPMetricExporter())
-    metrics.set_meter_provider(MeterProvider(resource=resource, metric_readers=[reader]))
+    metrics.set_meter_provider(MeterProvider(resource=resource, metric_readers=readers))
     return True
+
+
+def serve_prometheus(host: str, port: int = 0) -> tuple[Callable[[], None], int]:
+    """Serve prometheus-client's default registry (``GET /metrics``) on ``host:port`` from a
+    daemon thread; ``port`` 0 takes a free one. Returns a function that stops the server,
+    and the port. The registry holds what :func:`configure_metrics` installed with
+    ``prometheus=True``, and whatever else the process registers there (vLLM's own
+    ``vllm:*`` series when its stats are on)."""
+    from prometheus_client import start_http_server
+
+    server, thread = start_http_server(port, addr=host)
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+    return stop, int(server.server_address[1])
 
 
 class ReplicaMetrics:
@@ -254,6 +285,7 @@ PROMETHEUS_NAMES: frozenset[str] = frozenset(
     for prometheus in _prometheus(name, unit, kind)
 )
 """Every series name the instruments above get in Prometheus (OpenTelemetry's Prometheus
-naming: dots become underscores, unit ``s`` adds ``_seconds``, ``By`` adds ``_bytes``, ``{...}`` adds
-nothing, counters end in ``_total``, histograms are ``_bucket``/``_sum``/``_count``). The
-test checks it against the SDK's own Prometheus exporter."""
+naming: dots become underscores, unit ``s`` adds ``_seconds`` and ``By`` ``_bytes``,
+``{...}`` adds nothing, counters end in ``_total``, histograms are
+``_bucket``/``_sum``/``_count``). The test checks it against the SDK's own Prometheus
+exporter."""

@@ -40,6 +40,7 @@ class PublisherConfig:
     replica_id: str
     engine_id: str = ""
     model_id: str = ""
+    metrics_address: str = ""  # host:port of the replica's Prometheus endpoint, if any
     period_s: float = 0.1
     ttl_periods: float = 3.0
     backoff_cap_s: float = 2.0
@@ -100,6 +101,7 @@ class ReportPublisher:
             replica_id=self.config.replica_id,
             engine_id=self.config.engine_id,
             model_id=self.config.model_id,
+            metrics_address=self.config.metrics_address,
             heartbeat_s=self._clock.now(),
         )
 

@@ -39,6 +39,9 @@ async def cluster_status(store: RedisStore, now_s: float | None = None) -> dict[
             "evictions_under_pressure": report.evictions_under_pressure,
             "evictions_to_bound": report.evictions_to_bound,
             "max_step_s": round(report.max_step_s, 3),
+            "repack_bytes": report.repack_bytes,
+            "repack_seconds": round(report.repack_seconds, 3),
+            "metrics_address": report.metrics_address,
             "report_age_s": _report_age(snapshot, replica_id),
         }
         for replica_id, report in sorted(snapshot.fresh.items())
@@ -94,3 +97,19 @@ async def cluster_status(store: RedisStore, now_s: float | None = None) -> dict[
 def _report_age(snapshot: ReportSnapshot, replica_id: str) -> float | None:
     heartbeat = snapshot.last_heartbeat_s.get(replica_id)
     return None if heartbeat is None else round(max(0.0, snapshot.now_s - heartbeat), 2)
+
+
+async def prometheus_targets(store: RedisStore, now_s: float | None = None) -> list[dict[str, Any]]:
+    """The replicas' Prometheus endpoints in Prometheus' HTTP service discovery format
+    (``http_sd_configs``): one group per fresh replica that serves one, labelled with its
+    replica and model ids."""
+    now_s = time.time() if now_s is None else now_s
+    snapshot = await store.read_reports(now_s, REPORT_MAX_AGE_S, forget_after_s=3600.0)
+    return [
+        {
+            "targets": [report.metrics_address],
+            "labels": {"vtoken_replica_id": replica_id, "vtoken_model_id": report.model_id},
+        }
+        for replica_id, report in sorted(snapshot.fresh.items())
+        if report.metrics_address
+    ]

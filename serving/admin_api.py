@@ -16,7 +16,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from controlplane.auth import admin_token_ok, bearer, check_chosen_key, new_api_key
 from controlplane.models import TenantLimits, TenantQuota
-from controlplane.status import cluster_status
+from controlplane.status import cluster_status, prometheus_targets
 from controlplane.tenants import remove_tenant
 from serving.openai_http import HTTPError, IngressState, parse_body
 from serving.openapi_bodies import body_of
@@ -157,3 +157,9 @@ async def revoke_key(tenant_id: str, key_id: str, state: AdminState) -> dict[str
 @admin_routes.get("/admin/status")
 async def status(state: AdminState) -> dict[str, Any]:
     return await cluster_status(state.store)
+
+
+@admin_routes.get("/admin/metrics/targets")
+async def metrics_targets(state: AdminState) -> list[dict[str, Any]]:
+    """Every replica's Prometheus endpoint, for Prometheus' ``http_sd_configs``."""
+    return await prometheus_targets(state.store)

@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+import ray
 from opentelemetry import metrics, trace
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
@@ -26,7 +27,7 @@ from controlplane.clock import SystemClock
 from controlplane.keys import KeySpace
 from controlplane.models import EngineCounters, TenantUsage
 from controlplane.openai_models import GenerateChunk, GenerateRequest, TokenLogprob
-from controlplane.otel_metrics import ReplicaMetrics, configure_metrics
+from controlplane.otel_metrics import ReplicaMetrics, configure_metrics, serve_prometheus
 from controlplane.plan_follower import PlanFollower
 from controlplane.prefix import MAX_REPORTED_KEYS, PrefixMemory, cache_salt
 from controlplane.publisher import PublisherConfig, ReportPublisher
@@ -86,6 +87,11 @@ class ReplicaSettings(BaseModel):
     redis_url: str | None = None
     key_prefix: str = "vtoken"
     report_period_s: float = Field(default=0.1, gt=0)
+    metrics_port: int | None = Field(default=0, ge=0, le=65535)
+    """The replica's Prometheus endpoint (``GET /metrics``) on its node's address: 0 takes
+    a free port (every replica of a node needs its own), ``None`` serves none. Each
+    replica's address is in its reports, ``/admin/status`` and ``/admin/metrics/targets``
+    (Prometheus HTTP service discovery)."""
 
     @field_validator("vtoken")
     @classmethod
@@ -439,12 +445,14 @@ class ReplicaReporter:
         redis_url: str,
         key_prefix: str,
         tracer: trace.Tracer = telemetry.NOOP_TRACER,
+        metrics_address: str = "",
     ) -> None:
         self.host = host
         store = RedisStore(connect(RedisConfig(url=redis_url)), KeySpace(key_prefix))
         config = PublisherConfig(
             replica_id=host.replica_id,
             model_id=host.settings.name,
+            metrics_address=metrics_address,
             period_s=host.settings.report_period_s,
         )
         self.publisher = ReportPublisher(store, host.fresh_counters, SystemClock(), config, tracer)
@@ -490,10 +498,19 @@ class ReplicaReporter:
 class EngineReplica:
     def __init__(self, settings: dict[str, Any]) -> None:
         configure_tracing("vtoken-replica")
-        configure_metrics("vtoken-replica")
+        replica_settings = ReplicaSettings(**settings)
+        serves_metrics = replica_settings.metrics_port is not None
+        configure_metrics("vtoken-replica", prometheus=serves_metrics)
         replica_id = serve.get_replica_context().replica_id.unique_id
         tracer = trace.get_tracer(telemetry.TRACER_REPLICA)
-        self.host = EngineHost(ReplicaSettings(**settings), replica_id, tracer)
+        self.host = EngineHost(replica_settings, replica_id, tracer)
+        self._stop_metrics: Callable[[], None] | None = None
+        metrics_address = ""
+        if serves_metrics:
+            node = ray.util.get_node_ip_address()  # what Prometheus on another node reaches
+            self._stop_metrics, port = serve_prometheus(node, replica_settings.metrics_port)
+            metrics_address = f"{node}:{port}"
+            logger.info("replica %s: Prometheus metrics on %s", replica_id, metrics_address)
         meter = metrics.get_meter(telemetry.TRACER_REPLICA)
         host = self.host
         self.metrics = ReplicaMetrics(
@@ -503,7 +520,11 @@ class EngineReplica:
         self._task: asyncio.Task | None = None
         if self.host.settings.redis_url:
             self.reporter = ReplicaReporter(
-                self.host, self.host.settings.redis_url, self.host.settings.key_prefix, tracer
+                self.host,
+                self.host.settings.redis_url,
+                self.host.settings.key_prefix,
+                tracer,
+                metrics_address,
             )
             self._task = asyncio.get_event_loop().create_task(self.reporter.run())
 
@@ -535,4 +556,6 @@ class EngineReplica:
     async def __del__(self) -> None:
         if self.reporter is not None:
             self.reporter.stop.set()
+        if self._stop_metrics is not None:
+            self._stop_metrics()
         self.host.shutdown()

@@ -358,9 +358,7 @@ class VTokenScheduler:
         attention_of = scores.attention if scores is not None else {}
         if scores is not None:
             self.repack_bytes_total = max(self.repack_bytes_total, scores.repack_bytes_total)
-            self.repack_seconds_total = max(
-                self.repack_seconds_total, scores.repack_seconds_total
-            )
+            self.repack_seconds_total = max(self.repack_seconds_total, scores.repack_seconds_total)
         running = [r for r in num_scheduled_tokens if r in self.requests and r in requests]
         decoding = [r for r in running if requests[r].num_computed_tokens >= requests[r].num_tokens]
         for request_id in set(running) - set(decoding):

@@ -46,7 +46,7 @@ def counters() -> EngineCounters:
     snapshot = report("r1", 0.0, {"acme": 30, "beta": 10}, floors={"acme": 12}, reclaimable=18)
     return EngineCounters.model_validate(
         {
-            **snapshot.model_dump(exclude={"replica_id", "engine_id", "model_id", "heartbeat_s"}),
+            **snapshot.model_dump(include=set(EngineCounters.model_fields)),
             "running_requests": 2,
             "preemptions": 3,
             "blocks_reclaimed": 40,

@@ -6,7 +6,7 @@ import asyncio
 
 from controlplane.controller import Controller, ControllerConfig
 from controlplane.lease import ControllerLease
-from controlplane.status import cluster_status
+from controlplane.status import cluster_status, prometheus_targets
 from controlplane.store import RedisStore
 from tests.controlplane.builders import quota, report
 from tests.controlplane.fakes import FakeClock
@@ -56,3 +56,23 @@ async def test_a_silent_replica_is_listed_unhealthy_with_its_report_age(
     assert replicas["alive"]["fresh"] and replicas["alive"]["report_age_s"] == 0
     assert not replicas["old"]["fresh"] and replicas["old"]["report_age_s"] == 10
     assert not replicas["gone"]["fresh"] and replicas["gone"]["report_age_s"] == 20
+
+
+async def test_prometheus_targets_list_fresh_replicas_that_serve_metrics(
+    store: RedisStore, clock: FakeClock
+) -> None:
+    """Prometheus' HTTP service discovery: one group per fresh replica with an endpoint."""
+    serving = report("r1", clock.now(), {"a": 1}).model_copy(
+        update={"metrics_address": "10.0.0.5:43121", "model_id": "smollm2"}
+    )
+    silent = report("r2", clock.now() - 10, {"a": 1}).model_copy(
+        update={"metrics_address": "10.0.0.6:40000"}
+    )
+    without = report("r3", clock.now(), {"a": 1})  # metrics_port: None
+    await store.publish_reports([serving, silent, without], ttl_s=60)
+    assert await prometheus_targets(store, now_s=clock.now()) == [
+        {
+            "targets": ["10.0.0.5:43121"],
+            "labels": {"vtoken_replica_id": "r1", "vtoken_model_id": "smollm2"},
+        }
+    ]

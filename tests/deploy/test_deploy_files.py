@@ -231,6 +231,20 @@ def test_collector_feeds_prometheus_and_a_trace_backend():
             assert (DEPLOY / "observability" / source).resolve().exists(), volume
 
 
+def test_direct_prometheus_finds_replicas_through_the_ingress_discovery_route():
+    """Without a collector, Prometheus discovers replicas from the route the ingress serves
+    (``/admin/metrics/targets``) and authenticates with the admin token from a file."""
+    from serving.admin_api import admin_routes
+
+    scrape = load(DEPLOY / "observability" / "prometheus-direct.yaml")
+    jobs = {job["job_name"]: job for job in scrape["scrape_configs"]}
+    [discovery] = jobs["vtoken-replicas"]["http_sd_configs"]
+    path = "/" + discovery["url"].split("/", 3)[3]
+    assert path in {route.path for route in admin_routes.routes}
+    for auth in (discovery["authorization"], jobs["vtoken-ingress"]["authorization"]):
+        assert set(auth) == {"credentials_file"}  # no token literal
+
+
 def _dashboard_queries() -> list[str]:
     dashboard = json.loads(DASHBOARD.read_text())
     exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]

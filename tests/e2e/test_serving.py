@@ -195,6 +195,60 @@ def test_status_shows_blocks_reclaimed_under_h2o(cluster):
         assert status["plan_version"] is not None
 
 
+def scrape(address: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """One replica's ``/metrics``: series name -> [(labels, value)]."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"http://{address}/metrics", timeout=10).text
+    series: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            series.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return series
+
+
+def test_every_replica_serves_prometheus_metrics_found_by_service_discovery(cluster):
+    """``/admin/metrics/targets`` (Prometheus HTTP SD) lists each replica's endpoint; each
+    serves its KV blocks and repack cost, the same figures as its report."""
+    with httpx.Client(base_url=cluster.url, timeout=60) as client:
+        key = make_tenant(client, "scraped", 200)
+        body = {"model": MODEL, "prompt": prompt_of(12), "max_tokens": 16}
+        answer = client.post(
+            "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+        )
+        assert answer.status_code == 200, answer.text
+        assert client.get("/admin/metrics/targets").status_code == 403  # admin only
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            targets = client.get("/admin/metrics/targets", headers=admin_headers()).json()
+            if len(targets) == 2:
+                break
+            time.sleep(0.5)
+        time.sleep(1.0)  # the replicas' counters settle after the answer
+        status = client.get("/admin/status", headers=admin_headers()).json()
+    assert len(targets) == 2, targets
+    replicas = {r["id"]: r for r in status["replicas"] if r.get("fresh")}
+    repacked = 0
+    for group in targets:
+        (address,) = group["targets"]
+        replica_id = group["labels"]["vtoken_replica_id"]
+        assert group["labels"]["vtoken_model_id"] == MODEL
+        assert replicas[replica_id]["metrics_address"] == address
+        series = scrape(address)
+        blocks = {
+            labels["vtoken_block_state"]: value
+            for labels, value in series["vtoken_replica_kv_blocks"]
+            if labels["vtoken_replica_id"] == replica_id
+        }
+        assert blocks["total"] == replicas[replica_id]["blocks_total"]
+        assert blocks["free"] + blocks["held"] == blocks["total"]
+        (repack_bytes,) = series["vtoken_replica_kv_repack_bytes_total"]
+        assert repack_bytes[1] == replicas[replica_id]["repack_bytes"]
+        assert "vtoken_replica_kv_repack_duration_seconds_total" in series
+        repacked += repack_bytes[1]
+    assert repacked > 0  # H2O at keep 0.5 evicted and repacked the 12-sentence prompt
+
+
 @pytest.mark.parametrize(
     ("body", "headers", "status", "needle"),
     [

@@ -44,7 +44,8 @@ end
 """
 
 # KEYS: quotas, usage, reservations, deadlines, rate bucket, reservation starts, total.
-# ARGV: tenant, request id, blocks, lease_ms, prompt_tokens, rate burst seconds, max_tokens.
+# ARGV: tenant, request id, blocks, lease_ms, prompt_tokens, rate burst seconds, max_tokens,
+# steady blocks.
 # Returns {outcome, reason, retry_after_ms}.
 _ADMIT = (
     _NOW_MS
@@ -100,7 +101,8 @@ if rate ~= cjson.null then
 end
 redis.call('HSET', KEYS[3], ARGV[2], blocks)
 redis.call('INCRBY', KEYS[7], blocks)
-redis.call('HSET', KEYS[6], ARGV[2], string.format('%d', now) .. ' ' .. ARGV[7])
+redis.call('HSET', KEYS[6], ARGV[2],
+  string.format('%d', now) .. ' ' .. ARGV[7] .. ' ' .. ARGV[5] .. ' ' .. ARGV[8])
 redis.call('ZADD', KEYS[4], now + tonumber(ARGV[4]), ARGV[2])
 return {'admitted', 'ok', 0}
 """
@@ -288,13 +290,15 @@ class Admission:
         max_tokens: int,
         seconds_per_token: float | None = None,
         n: int = 1,
+        seconds_per_prompt_token: float | None = None,
     ) -> AdmissionDecision:
         """Reserve the request's KV peak, or say why not (for all ``n`` sequences of a
         request asking for ``n`` choices: :func:`kv_bounds`).
 
         ``seconds_per_token`` (the measured time per output token, ``None`` when unknown)
-        lets a ``kv_budget`` throttle say when enough of the tenant's running requests
-        will have finished (:meth:`kv_retry_after_s`).
+        and ``seconds_per_prompt_token`` (measured time from arrival to first token per
+        prompt token) let a ``kv_budget`` throttle say when enough of the tenant's running
+        requests will have settled or finished (:meth:`kv_retry_after_s`).
 
         `quota` is the caller's (possibly cached) copy; the script re-reads the stored one,
         so an admin change applies at once and a deleted tenant is rejected.
@@ -333,12 +337,14 @@ class Admission:
                     prompt_tokens,
                     self.config.rate_burst_s,
                     max_tokens,
+                    bounds.steady,
                 ],
             )
             if reason == "kv_budget":
-                retry_after_ms = int(
-                    1000 * await self.kv_retry_after_s(quota, blocks, seconds_per_token)
+                retry_after_s = await self.kv_retry_after_s(
+                    quota, blocks, seconds_per_token, seconds_per_prompt_token
                 )
+                retry_after_ms = int(1000 * retry_after_s)
             decision = self._decision(
                 Reservation(tenant_id, request_id, blocks, bounds.steady),
                 outcome,
@@ -391,35 +397,51 @@ class Admission:
         return bool(removed)
 
     async def kv_retry_after_s(
-        self, quota: TenantQuota, blocks: int, seconds_per_token: float | None
+        self,
+        quota: TenantQuota,
+        blocks: int,
+        seconds_per_token: float | None,
+        seconds_per_prompt_token: float | None = None,
     ) -> float:
-        """When a request of ``blocks`` should fit the tenant's budget: each held request is
-        expected to finish ``max_tokens * seconds_per_token`` after it was admitted; walk
-        them by expected finish until the committed KV (``max(reserved, reported)``) plus
-        ``blocks`` fits. Within ``[throttle_retry_after_s, reservation_ttl_s]``;
-        ``throttle_retry_after_s`` when the pace is unknown or the held requests' ends do
-        not make room."""
+        """When a request of ``blocks`` should fit the tenant's budget. Each held request
+        frees blocks twice: its first token is expected ``prompt_tokens *
+        seconds_per_prompt_token`` after its admission, when a reservation still at its
+        prefill peak settles to its steady bound; it ends ``max_tokens *
+        seconds_per_token`` later and frees the rest. Walk these events in time order
+        until the committed KV (``max(reserved, reported)``) plus ``blocks`` fits. Without
+        a prefill pace the first token is taken at admission and only ends count. Within
+        ``[throttle_retry_after_s, reservation_ttl_s]``; ``throttle_retry_after_s`` when
+        the pace is unknown or the held requests' ends do not make room."""
         floor, ceiling = self.config.throttle_retry_after_s, self.config.reservation_ttl_s
         if seconds_per_token is None or seconds_per_token <= 0:
             return floor
+        prefill_pace = seconds_per_prompt_token
         tenant_id = quota.tenant_id
         held = await self._redis.hgetall(self.keys.reservations(tenant_id))
         starts = await self._redis.hgetall(self.keys.reservation_starts(tenant_id))
         now = await self.redis_now_s()
-        finishes = []
+        frees: list[tuple[float, int]] = []  # (expected at, blocks freed then)
         for request_id, value in held.items():
-            admitted_ms, max_tokens = (starts.get(request_id) or f"{now * 1000} 0").split()
-            finish = float(admitted_ms) / 1000 + int(max_tokens) * seconds_per_token
-            finishes.append((finish, int(value)))
+            start = (starts.get(request_id) or f"{now * 1000} 0").split()
+            admitted_s, max_tokens = float(start[0]) / 1000, int(start[1])
+            prompt_tokens = int(start[2]) if len(start) > 2 else 0
+            steady = int(start[3]) if len(start) > 3 else int(value)
+            first_token_s = admitted_s
+            if prefill_pace is not None:
+                first_token_s += prompt_tokens * prefill_pace
+                if int(value) > steady:  # still reserved at its prefill peak
+                    frees.append((first_token_s, int(value) - steady))
+                    value = str(steady)
+            frees.append((first_token_s + max_tokens * seconds_per_token, int(value)))
         reported = int(await self._redis.hget(self.keys.usage, tenant_id) or 0)
-        reserved = sum(b for _, b in finishes)
+        reserved = sum(int(value) for value in held.values())
         # Committed KV is the larger of the two (as in the admission script); a request
-        # that ends frees its reservation and, presumably, as much of the reported KV.
+        # that settles or ends frees its blocks and, presumably, as much of the reported KV.
         excess = max(reserved, reported) + blocks - quota.kv_budget_blocks
-        for finish, freed in sorted(finishes):
+        for at_s, freed in sorted(frees):
             excess -= freed
             if excess <= 0:
-                return min(max(finish - now, floor), ceiling)
+                return min(max(at_s - now, floor), ceiling)
         return floor
 
     async def redis_now_s(self) -> float:

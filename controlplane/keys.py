@@ -35,6 +35,11 @@ class KeySpace:
         return f"{self.prefix}:replica:{replica_id}"
 
     @property
+    def metrics_targets(self) -> str:
+        """Hash: replica id -> ``{"address", "model_id"}`` JSON of its Prometheus endpoint."""
+        return f"{self.prefix}:metrics:targets"
+
+    @property
     def plan(self) -> str:
         """String: the latest RoutingPlan JSON."""
         return f"{self.prefix}:plan"

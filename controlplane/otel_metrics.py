@@ -51,7 +51,8 @@ def configure_metrics(
 ) -> bool:
     """Install a ``MeterProvider`` exporting OTLP/HTTP when the environment asks for one,
     and with ``prometheus`` also read by prometheus-client's default registry (what
-    :func:`serve_prometheus` serves; the SDK's ``PrometheusMetricReader``).
+    :class:`controlplane.metrics_endpoint.MetricsEndpoint` serves; the SDK's
+    ``PrometheusMetricReader``).
 
     Returns whether a provider is installed. Safe to call more than once per process (the
     first call decides). ``OTEL_SDK_DISABLED=true`` turns both off."""
@@ -76,24 +77,6 @@ def configure_metrics(
     resource = Resource.create({"service.name": environ.get("OTEL_SERVICE_NAME", service_name)})
     metrics.set_meter_provider(MeterProvider(resource=resource, metric_readers=readers))
     return True
-
-
-def serve_prometheus(host: str, port: int = 0) -> tuple[Callable[[], None], int]:
-    """Serve prometheus-client's default registry (``GET /metrics``) on ``host:port`` from a
-    daemon thread; ``port`` 0 takes a free one. Returns a function that stops the server,
-    and the port. The registry holds what :func:`configure_metrics` installed with
-    ``prometheus=True``, and whatever else the process registers there (vLLM's own
-    ``vllm:*`` series when its stats are on)."""
-    from prometheus_client import start_http_server
-
-    server, thread = start_http_server(port, addr=host)
-
-    def stop() -> None:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
-
-    return stop, int(server.server_address[1])
 
 
 class ReplicaMetrics:

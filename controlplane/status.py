@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from controlplane.metrics_endpoint import KEEP_TARGET_S
 from controlplane.store import RedisStore, ReportSnapshot
 
 REPORT_MAX_AGE_S = 3.0
@@ -101,15 +102,13 @@ def _report_age(snapshot: ReportSnapshot, replica_id: str) -> float | None:
 
 async def prometheus_targets(store: RedisStore, now_s: float | None = None) -> list[dict[str, Any]]:
     """The replicas' Prometheus endpoints in Prometheus' HTTP service discovery format
-    (``http_sd_configs``): one group per fresh replica that serves one, labelled with its
-    replica and model ids."""
+    (``http_sd_configs``): one group per replica that serves one and reported within
+    :data:`controlplane.metrics_endpoint.KEEP_TARGET_S` (a replica inside a long step, or
+    just lost, stays a target: Prometheus shows it down rather than losing it), labelled
+    with its model id (its series carry the replica id themselves)."""
     now_s = time.time() if now_s is None else now_s
-    snapshot = await store.read_reports(now_s, REPORT_MAX_AGE_S, forget_after_s=3600.0)
+    targets = await store.read_metrics_targets(now_s, KEEP_TARGET_S)
     return [
-        {
-            "targets": [report.metrics_address],
-            "labels": {"vtoken_replica_id": replica_id, "vtoken_model_id": report.model_id},
-        }
-        for replica_id, report in sorted(snapshot.fresh.items())
-        if report.metrics_address
+        {"targets": [address], "labels": {"vtoken_model_id": model_id}}
+        for _, (address, model_id) in sorted(targets.items())
     ]

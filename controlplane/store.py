@@ -11,6 +11,7 @@ module reads them.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -186,6 +187,31 @@ class RedisStore:
         keys = [self.keys.replica(replica_id) for replica_id in replica_ids]
         values = await self._read_reports_script(keys=keys)
         return [value if value else None for value in values]
+
+    # Prometheus targets -----------------------------------------------------------------
+
+    async def advertise_metrics(self, replica_id: str, address: str, model_id: str) -> None:
+        """Record where replica ``replica_id`` serves its Prometheus metrics."""
+        value = json.dumps({"address": address, "model_id": model_id})
+        await self.redis.hset(self.keys.metrics_targets, replica_id, value)
+
+    async def read_metrics_targets(self, now_s: float, keep_s: float) -> dict[str, tuple[str, str]]:
+        """Replica id -> (address, model id) of the endpoints of replicas registered with a
+        report within ``keep_s`` of ``now_s``; the others' entries are deleted."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(self.keys.metrics_targets)
+            pipe.zrangebyscore(self.keys.replicas, now_s - keep_s, "+inf")
+            advertised, recent = await pipe.execute()
+        keep = set(recent)
+        gone = [replica_id for replica_id in advertised if replica_id not in keep]
+        if gone:
+            await self.redis.hdel(self.keys.metrics_targets, *gone)
+        targets = {}
+        for replica_id, raw in advertised.items():
+            if replica_id in keep:
+                value = json.loads(raw)
+                targets[replica_id] = (str(value["address"]), str(value.get("model_id", "")))
+        return targets
 
     # Plans and usage --------------------------------------------------------------------
 

@@ -78,9 +78,13 @@ METRIC_REPLICA_EVICTIONS_UNDER_PRESSURE = "vtoken.replica.evictions_under_pressu
 METRIC_REPLICA_EVICTED_TOKENS = "vtoken.replica.kv.evicted_tokens"
 """Counter: tokens the policies evicted on one replica since its engine started."""
 METRIC_REPLICA_REPACK_MOVES = "vtoken.replica.kv.repack_moves"
+"""Counter: token copies (K and V, every layer) the repacks planned on one replica."""
 METRIC_REPLICA_REPACK_BYTES = "vtoken.replica.kv.repack"
+"""Counter (bytes): what the worker's repacks copied on one replica (read; as many
+written). Moves planned after a replica's last step never run: they are not here."""
 METRIC_REPLICA_REPACK_DURATION = "vtoken.replica.kv.repack_duration"
-"""Counter: token copies (K and V, every layer) the repacks made on one replica."""
+"""Counter (s): the repack copies' own time: device time on the side stream on GPUs
+(overlapping host work), wall time of the synchronous copy on CPU."""
 METRIC_REPLICA_STEP_DURATION = "vtoken.replica.engine.step_max"
 """Gauge (s): the engine's longest step (`schedule` through `update_from_output`) of the
 last two seconds."""

@@ -46,7 +46,8 @@ class SideStreamRepacker:
         self.device = device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._done: torch.cuda.Event | None = None
-        self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # not yet read
+        self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # still queued
+        self._elapsed_s = 0.0  # of copies that ran, not yet taken
         self.num_submits = 0
 
     @property
@@ -87,11 +88,14 @@ class SideStreamRepacker:
         staged = torch.from_numpy(moves).pin_memory()
         compute = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(compute)  # (1): after the forward that wrote the sources
+        self._collect_timings()
         with torch.cuda.stream(self._stream):
-            started = torch.cuda.Event(enable_timing=True)
-            started.record(self._stream)
             src, dst = staged.to(self.device, non_blocking=True)
             check_repack_args(kv_caches, src, dst, layout, slot_values=False)
+            # Timed from here: the copies (and the gaps between their launches), not the
+            # host's checks above nor the upload.
+            started = torch.cuda.Event(enable_timing=True)
+            started.record(self._stream)
             repack(kv_caches, src, dst, layout, check=False)
             done = torch.cuda.Event(enable_timing=True)
             done.record(self._stream)
@@ -106,14 +110,20 @@ class SideStreamRepacker:
         self._done = None
 
     def take_elapsed_s(self) -> float:
-        """Device seconds of the submitted copies that have run since the last call (the
-        upload and the copies, between two events on the side stream). Never blocks: copies
-        still queued are counted by a later call."""
-        elapsed = 0.0
+        """Device seconds of the submitted copies that have run since the last call
+        (between two events on the side stream around the copy kernels; a first call of a
+        Triton kernel includes its compilation). Never blocks: copies still queued are
+        counted by a later call."""
+        self._collect_timings()
+        elapsed, self._elapsed_s = self._elapsed_s, 0.0
+        return elapsed
+
+    def _collect_timings(self) -> None:
+        """Move the timings of copies that have run out of the queue (so it holds only
+        copies in flight, however rarely the times are taken)."""
         while self._timed and self._timed[0][1].query():
             started, done = self._timed.pop(0)
-            elapsed += started.elapsed_time(done) / 1000.0
-        return elapsed
+            self._elapsed_s += started.elapsed_time(done) / 1000.0
 
     def synchronize(self) -> None:
         """Block the host until every submitted copy ran (tests, shutdown)."""

@@ -182,7 +182,7 @@ def build_app(args: dict[str, Any], *, admin_token: str | None = None) -> Applic
             "resources": config.replica_resources,
         },
         **routing,
-    ).bind(engine_settings.model_dump())
+    ).bind(engine_settings.model_dump(), token)  # the token guards each replica's /metrics
     controller = ControllerDeployment.bind(  # type: ignore[attr-defined]
         redis_url, config.key_prefix, config.controller_period_s
     )

@@ -25,9 +25,10 @@ from ray import serve
 from controlplane import telemetry
 from controlplane.clock import SystemClock
 from controlplane.keys import KeySpace
+from controlplane.metrics_endpoint import MetricsEndpoint
 from controlplane.models import EngineCounters, TenantUsage
 from controlplane.openai_models import GenerateChunk, GenerateRequest, TokenLogprob
-from controlplane.otel_metrics import ReplicaMetrics, configure_metrics, serve_prometheus
+from controlplane.otel_metrics import ReplicaMetrics, configure_metrics
 from controlplane.plan_follower import PlanFollower
 from controlplane.prefix import MAX_REPORTED_KEYS, PrefixMemory, cache_salt
 from controlplane.publisher import PublisherConfig, ReportPublisher
@@ -49,6 +50,7 @@ PLAN_POLL_S = 0.1  # one GET of the plan version: pressure lands within a report
 # of its plan (1,000 replicas: 10,000 GETs/s, a tenth of one Redis core)
 PLAN_MAX_AGE_S = 30.0  # an older plan's pressure is dropped: no controller is measuring
 COUNTERS_TIMEOUT_S = 2.0
+METRICS_ADVERTISE_S = 10.0  # how often a replica rewrites where its /metrics is
 COUNTERS_MAX_AGE_PERIODS = 5  # older counters are not published: the replica goes stale
 MIN_LOGPROB = -9999.0  # what vLLM's OpenAI server answers for -inf (JSON has no infinity)
 
@@ -458,6 +460,7 @@ class ReplicaReporter:
         self.publisher = ReportPublisher(store, host.fresh_counters, SystemClock(), config, tracer)
         self.plan = PlanFollower(store, host.replica_id, SystemClock(), PLAN_MAX_AGE_S)
         self.store = store
+        self.metrics_address = metrics_address
         self.stop = asyncio.Event()
 
     async def run(self) -> None:
@@ -479,7 +482,21 @@ class ReplicaReporter:
                     logger.exception("replica %s: applying pressure failed", self.host.replica_id)
                 await asyncio.sleep(PLAN_POLL_S)
 
-        await asyncio.gather(poll(), follow_plan(), self.publisher.run(self.stop))
+        async def advertise_metrics() -> None:
+            # Where Prometheus finds this replica (``/admin/metrics/targets``); rewritten
+            # now and then, so a Redis that lost it (restart, flush) learns it again.
+            while self.metrics_address and not self.stop.is_set():
+                try:
+                    await self.store.advertise_metrics(
+                        self.host.replica_id, self.metrics_address, self.host.settings.name
+                    )
+                except Exception as error:  # noqa: BLE001 - retried at the next period
+                    logger.warning("replica: advertising metrics failed: %r", error)
+                await asyncio.sleep(METRICS_ADVERTISE_S)
+
+        await asyncio.gather(
+            poll(), follow_plan(), advertise_metrics(), self.publisher.run(self.stop)
+        )
 
     def status(self) -> dict[str, Any]:
         """What the reporter did: reports written and failed, the last error, and the age of
@@ -496,20 +513,24 @@ class ReplicaReporter:
 
 @serve.deployment(name="engine", health_check_period_s=5, health_check_timeout_s=30)
 class EngineReplica:
-    def __init__(self, settings: dict[str, Any]) -> None:
+    def __init__(self, settings: dict[str, Any], metrics_token: str | None = None) -> None:
+        """``metrics_token``: the admin token, which the replica's Prometheus endpoint asks
+        for (``None``: the endpoint is not served)."""
         configure_tracing("vtoken-replica")
         replica_settings = ReplicaSettings(**settings)
-        serves_metrics = replica_settings.metrics_port is not None
-        configure_metrics("vtoken-replica", prometheus=serves_metrics)
         replica_id = serve.get_replica_context().replica_id.unique_id
+        # Bound before the engine loads, so a taken port fails in seconds, not minutes.
+        self._metrics_endpoint = self._serve_metrics(replica_settings, metrics_token)
         tracer = trace.get_tracer(telemetry.TRACER_REPLICA)
-        self.host = EngineHost(replica_settings, replica_id, tracer)
-        self._stop_metrics: Callable[[], None] | None = None
+        try:
+            self.host = EngineHost(replica_settings, replica_id, tracer)
+        except BaseException:
+            if self._metrics_endpoint is not None:
+                self._metrics_endpoint.close()
+            raise
         metrics_address = ""
-        if serves_metrics:
-            node = ray.util.get_node_ip_address()  # what Prometheus on another node reaches
-            self._stop_metrics, port = serve_prometheus(node, replica_settings.metrics_port)
-            metrics_address = f"{node}:{port}"
+        if self._metrics_endpoint is not None:
+            metrics_address = self._metrics_endpoint.address
             logger.info("replica %s: Prometheus metrics on %s", replica_id, metrics_address)
         meter = metrics.get_meter(telemetry.TRACER_REPLICA)
         host = self.host
@@ -527,6 +548,20 @@ class EngineReplica:
                 metrics_address,
             )
             self._task = asyncio.get_event_loop().create_task(self.reporter.run())
+
+    @staticmethod
+    def _serve_metrics(settings: ReplicaSettings, token: str | None) -> MetricsEndpoint | None:
+        """The replica's Prometheus endpoint on its node's address (what Prometheus on
+        another node reaches), or ``None``: not asked for, no admin token to guard it, or
+        OpenTelemetry disabled (``OTEL_SDK_DISABLED``: nothing to serve)."""
+        serves = settings.metrics_port is not None
+        if not configure_metrics("vtoken-replica", prometheus=serves) or not serves:
+            return None
+        if token is None:
+            logger.warning("replica: no admin token to guard its Prometheus endpoint: not served")
+            return None
+        node = ray.util.get_node_ip_address()
+        return MetricsEndpoint(node, settings.metrics_port or 0, token)
 
     async def generate(self, request: dict[str, Any]):  # type: ignore[no-untyped-def]
         async for chunk in self.host.generate(GenerateRequest.model_validate(request)):
@@ -556,6 +591,6 @@ class EngineReplica:
     async def __del__(self) -> None:
         if self.reporter is not None:
             self.reporter.stop.set()
-        if self._stop_metrics is not None:
-            self._stop_metrics()
+        if self._metrics_endpoint is not None:
+            await asyncio.to_thread(self._metrics_endpoint.close)
         self.host.shutdown()

@@ -157,7 +157,8 @@ class IngressState:
         self.request_metrics = RequestMetrics(
             meter or otel_metrics.get_meter(telemetry.TRACER_INGRESS)
         )
-        self.pace = TokenPace()
+        self.pace = TokenPace()  # decode: seconds per output token
+        self.prefill_pace = TokenPace()  # arrival to first token, per prompt token
 
     # ----------------------------------------------------------------- request pipeline
     async def tenant(self, request: Request) -> TenantQuota:
@@ -267,7 +268,13 @@ class IngressState:
         when the tenant must wait, 400 when the request can never fit its quota."""
         decision = await redis_or_503(
             self.admission.admit(
-                quota, request_id, prompt_tokens, max_tokens, self.pace.seconds_per_token, n=n
+                quota,
+                request_id,
+                prompt_tokens,
+                max_tokens,
+                self.pace.seconds_per_token,
+                n=n,
+                seconds_per_prompt_token=self.prefill_pace.seconds_per_token,
             )
         )
         self.metrics.admission(quota.tenant_id, decision.outcome.value)
@@ -321,6 +328,9 @@ class IngressState:
                     if first_token_at is None:
                         first_token_at = now
                         self.request_metrics.first_token(request.tenant_id, now - started)
+                        # Queueing and prefill, per prompt token: when reservations settle.
+                        prompt_tokens = max(1, len(request.prompt_token_ids))
+                        self.prefill_pace.observe(now - started, prompt_tokens)
                 if chunk.completion_tokens:  # a piece of this choice: its prefill is over
                     decoding.add(chunk.index)
                 if len(decoding) >= request.n and reservation.blocks > reservation.steady:
@@ -406,9 +416,10 @@ async def redis_or_503(call: Awaitable[T]) -> T:
 
 
 class TokenPace:
-    """Time per output token of the answers this ingress streams (an exponential moving
-    average over decode chunks; the first chunk, which carries the prefill, is left out).
-    ``seconds_per_token`` is ``None`` until a decode chunk was seen."""
+    """An exponential moving average of seconds per token. The ingress keeps two: time per
+    output token of the answers it streams (over decode chunks; the first chunk, which
+    carries the prefill, is left out), and time from arrival to first token per prompt
+    token. ``seconds_per_token`` is ``None`` until a sample was seen."""
 
     def __init__(self, weight: float = 0.1) -> None:
         self.weight = weight

@@ -235,8 +235,10 @@ async def test_deadlines_and_starts_are_on_redis_time(
     deadline_ms = await redis.zscore(keys.reservation_deadlines("acme"), "a")
     assert deadline_ms is not None
     assert (before + 60) * 1000 - 1 <= deadline_ms <= (after + 60) * 1000 + 1
-    admitted_ms, max_tokens = (await redis.hget(keys.reservation_starts("acme"), "a")).split()
+    start = (await redis.hget(keys.reservation_starts("acme"), "a")).split()
+    admitted_ms, max_tokens, prompt_tokens, steady = start
     assert before * 1000 - 1 <= int(admitted_ms) <= after * 1000 + 1 and max_tokens == "7"
+    assert (prompt_tokens, steady) == ("1", "1")
 
 
 async def test_the_running_total_follows_admit_settle_release_and_lapse(
@@ -338,6 +340,36 @@ async def test_kv_budget_retry_after_follows_the_oldest_requests_expected_finish
     assert await admission.release(Reservation("acme", "old", 5, 5))
     assert await redis.hkeys(keys.reservation_starts("acme")) == ["new"]
     assert await admission.release(Reservation("acme", "new", 5, 5))
+
+
+async def test_kv_retry_after_counts_when_requests_in_prefill_settle(
+    redis: aioredis.Redis, keys: KeySpace, store: RedisStore
+) -> None:
+    """A request reserved at its prefill peak frees most of it at its first token (it
+    settles to its steady bound), long before it ends: with a measured prefill pace the
+    throttled request is told to come back then, not at the end."""
+    config = AdmissionConfig(block_size=16, keep_ratio=0.2, throttle_retry_after_s=0.01)
+    admission = Admission(redis, config, keys)
+    tenant = quota("acme", budget=12)
+    await store.put_quota(tenant)
+    # 160-token prompt: peak 10 blocks; steady: ceil(0.2 * 256 / 16) + 1 = 5 blocks.
+    assert (await admission.admit(tenant, "old", 160, 96)).admitted
+    decode, prefill = 0.05, 0.01  # s per output token, s per prompt token
+    blocked = await admission.admit(
+        tenant, "next", 64, 32, seconds_per_token=decode, seconds_per_prompt_token=prefill
+    )
+    assert blocked.reason == "kv_budget"  # 10 + 4 > 12; after "old" settles: 5 + 4 <= 12
+    assert blocked.retry_after_s == pytest.approx(160 * prefill, abs=0.05)  # its first token
+    ends_only = await admission.admit(tenant, "next", 64, 32, seconds_per_token=decode)
+    assert ends_only.retry_after_s == pytest.approx(96 * decode, abs=0.05)  # no prefill pace
+    # A settled request frees nothing at its first token: only its end counts.
+    await admission.settle(Reservation("acme", "old", 10, 5))
+    too_big = await admission.admit(
+        tenant, "big", 160, 0, seconds_per_token=decode, seconds_per_prompt_token=prefill
+    )
+    assert too_big.reason == "kv_budget"  # 5 + 10 > 12: "old" must end
+    assert too_big.retry_after_s == pytest.approx(160 * prefill + 96 * decode, abs=0.05)
+    assert await admission.release(Reservation("acme", "old", 5, 5))
 
 
 async def test_overdue_requests_retry_at_the_least_retry_after(

@@ -6,6 +6,7 @@ import asyncio
 
 from controlplane.controller import Controller, ControllerConfig
 from controlplane.lease import ControllerLease
+from controlplane.metrics_endpoint import KEEP_TARGET_S
 from controlplane.status import cluster_status, prometheus_targets
 from controlplane.store import RedisStore
 from tests.controlplane.builders import quota, report
@@ -58,21 +59,23 @@ async def test_a_silent_replica_is_listed_unhealthy_with_its_report_age(
     assert not replicas["gone"]["fresh"] and replicas["gone"]["report_age_s"] == 20
 
 
-async def test_prometheus_targets_list_fresh_replicas_that_serve_metrics(
+async def test_prometheus_targets_keep_replicas_reporting_within_a_minute(
     store: RedisStore, clock: FakeClock
 ) -> None:
-    """Prometheus' HTTP service discovery: one group per fresh replica with an endpoint."""
-    serving = report("r1", clock.now(), {"a": 1}).model_copy(
-        update={"metrics_address": "10.0.0.5:43121", "model_id": "smollm2"}
-    )
-    silent = report("r2", clock.now() - 10, {"a": 1}).model_copy(
-        update={"metrics_address": "10.0.0.6:40000"}
-    )
-    without = report("r3", clock.now(), {"a": 1})  # metrics_port: None
-    await store.publish_reports([serving, silent, without], ttl_s=60)
-    assert await prometheus_targets(store, now_s=clock.now()) == [
-        {
-            "targets": ["10.0.0.5:43121"],
-            "labels": {"vtoken_replica_id": "r1", "vtoken_model_id": "smollm2"},
-        }
+    """Prometheus' HTTP service discovery: every replica that advertised an endpoint and
+    reported within KEEP_TARGET_S (one in a long step, or just lost, is still scraped);
+    the entries of replicas silent for longer are dropped from Redis."""
+    now = clock.now()
+    await store.publish_reports([report("r1", now, {"a": 1})], ttl_s=60)
+    await store.publish_reports([report("slow", now - 20, {"a": 1})], ttl_s=0.001)
+    await store.publish_reports([report("gone", now - KEEP_TARGET_S - 1, {"a": 1})], ttl_s=60)
+    await store.publish_reports([report("no-endpoint", now, {"a": 1})], ttl_s=60)
+    await store.advertise_metrics("r1", "10.0.0.5:43121", "smollm2")
+    await store.advertise_metrics("slow", "[fd00::6]:40000", "smollm2")
+    await store.advertise_metrics("gone", "10.0.0.7:40000", "smollm2")
+    await asyncio.sleep(0.01)  # the report hash of "slow" expires: it is inside a long step
+    assert await prometheus_targets(store, now_s=now) == [
+        {"targets": ["10.0.0.5:43121"], "labels": {"vtoken_model_id": "smollm2"}},
+        {"targets": ["[fd00::6]:40000"], "labels": {"vtoken_model_id": "smollm2"}},
     ]
+    assert set(await store.redis.hkeys(store.keys.metrics_targets)) == {"r1", "slow"}

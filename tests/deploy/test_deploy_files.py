@@ -241,7 +241,8 @@ def test_direct_prometheus_finds_replicas_through_the_ingress_discovery_route():
     [discovery] = jobs["vtoken-replicas"]["http_sd_configs"]
     path = "/" + discovery["url"].split("/", 3)[3]
     assert path in {route.path for route in admin_routes.routes}
-    for auth in (discovery["authorization"], jobs["vtoken-ingress"]["authorization"]):
+    auths = [discovery["authorization"], jobs["vtoken-replicas"]["authorization"]]
+    for auth in (*auths, jobs["vtoken-ingress"]["authorization"]):
         assert set(auth) == {"credentials_file"}  # no token literal
 
 

@@ -199,7 +199,9 @@ def scrape(address: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     """One replica's ``/metrics``: series name -> [(labels, value)]."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"http://{address}/metrics", timeout=10).text
+    url = f"http://{address}/metrics"
+    assert httpx.get(url, timeout=10).status_code == 401  # the admin token guards it
+    text = httpx.get(url, headers=admin_headers(), timeout=10).text
     series: dict[str, list[tuple[dict[str, str], float]]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -207,11 +209,18 @@ def scrape(address: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     return series
 
 
+def repack_bytes_by_replica(client) -> dict[str, int]:
+    status = client.get("/admin/status", headers=admin_headers()).json()
+    return {r["id"]: r["repack_bytes"] for r in status["replicas"] if r.get("fresh")}
+
+
 def test_every_replica_serves_prometheus_metrics_found_by_service_discovery(cluster):
     """``/admin/metrics/targets`` (Prometheus HTTP SD) lists each replica's endpoint; each
-    serves its KV blocks and repack cost, the same figures as its report."""
+    serves its KV blocks and repack cost, the same figures as its report, and this
+    request's repack shows there."""
     with httpx.Client(base_url=cluster.url, timeout=60) as client:
         key = make_tenant(client, "scraped", 200)
+        before = repack_bytes_by_replica(client)
         body = {"model": MODEL, "prompt": prompt_of(12), "max_tokens": 16}
         answer = client.post(
             "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}
@@ -221,32 +230,31 @@ def test_every_replica_serves_prometheus_metrics_found_by_service_discovery(clus
         deadline = time.time() + 30
         while time.time() < deadline:
             targets = client.get("/admin/metrics/targets", headers=admin_headers()).json()
-            if len(targets) == 2:
+            after = repack_bytes_by_replica(client)
+            if len(targets) == 2 and sum(after.values()) > sum(before.values()):
                 break
             time.sleep(0.5)
         time.sleep(1.0)  # the replicas' counters settle after the answer
         status = client.get("/admin/status", headers=admin_headers()).json()
     assert len(targets) == 2, targets
-    replicas = {r["id"]: r for r in status["replicas"] if r.get("fresh")}
-    repacked = 0
+    assert sum(after.values()) > sum(before.values())  # H2O at keep 0.5 repacked this prompt
+    by_address = {r["metrics_address"]: r for r in status["replicas"] if r.get("fresh")}
     for group in targets:
         (address,) = group["targets"]
-        replica_id = group["labels"]["vtoken_replica_id"]
-        assert group["labels"]["vtoken_model_id"] == MODEL
-        assert replicas[replica_id]["metrics_address"] == address
+        assert group["labels"] == {"vtoken_model_id": MODEL}
+        replica = by_address[address]
         series = scrape(address)
         blocks = {
             labels["vtoken_block_state"]: value
             for labels, value in series["vtoken_replica_kv_blocks"]
-            if labels["vtoken_replica_id"] == replica_id
+            if labels["vtoken_replica_id"] == replica["id"]
         }
-        assert blocks["total"] == replicas[replica_id]["blocks_total"]
+        assert blocks["total"] == replica["blocks_total"]
         assert blocks["free"] + blocks["held"] == blocks["total"]
-        (repack_bytes,) = series["vtoken_replica_kv_repack_bytes_total"]
-        assert repack_bytes[1] == replicas[replica_id]["repack_bytes"]
-        assert "vtoken_replica_kv_repack_duration_seconds_total" in series
-        repacked += repack_bytes[1]
-    assert repacked > 0  # H2O at keep 0.5 evicted and repacked the 12-sentence prompt
+        ((_, repack_bytes),) = series["vtoken_replica_kv_repack_bytes_total"]
+        ((_, repack_seconds),) = series["vtoken_replica_kv_repack_duration_seconds_total"]
+        assert repack_bytes == replica["repack_bytes"]
+        assert (repack_seconds > 0) == (repack_bytes > 0)
 
 
 @pytest.mark.parametrize(

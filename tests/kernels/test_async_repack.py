@@ -84,7 +84,8 @@ def test_copies_wait_for_queued_compute_and_fence_orders_the_next() -> None:
     moved = keys[900 // 16, 900 % 16, 0, 0].clone()  # queued after the fence
     torch.cuda.synchronize()
     assert float(moved) == 3.0
-    # The copies' device time is counted once they have run (the sleep is not theirs).
+    # The copies' time is counted once they have run; the sleep before them is not theirs
+    # (the kernels were compiled by the tests above).
     elapsed = repacker.take_elapsed_s()
-    assert 0.0 < elapsed < 0.05
+    assert 0.0 < elapsed < 0.1
     assert repacker.take_elapsed_s() == 0.0  # each submit is counted once

@@ -36,13 +36,16 @@ PROMPT = "The secret prompt zebra-42 must never reach a span"
 
 class FakeReplicas:
     """A Serve handle to engines answering "Hello there" in two chunks. Records every
-    request; while answering, waits on `gate` and notes the tenant's reserved blocks."""
+    request; while answering, waits on `prefill_gate` before the first chunk and on `gate`
+    before the second, and notes the tenant's reserved blocks."""
 
     def __init__(self, state_of: Any) -> None:
         self.requests: list[dict[str, Any]] = []
         self.reserved_while_answering: list[int] = []
         self.gate = asyncio.Event()
         self.gate.set()
+        self.prefill_gate = asyncio.Event()
+        self.prefill_gate.set()
         self.arrived = asyncio.Event()
         self.fail = False
         self._state_of = state_of
@@ -60,6 +63,7 @@ class FakeReplicas:
         admission = self._state_of().admission
         self.reserved_while_answering.append(await admission.reserved_blocks(request["tenant_id"]))
         self.arrived.set()
+        await self.prefill_gate.wait()
         prompt_tokens, n = len(request["prompt_token_ids"]), request.get("n", 1)
         for index in range(n):  # two chunks per choice (the request's n)
             yield {

@@ -325,7 +325,7 @@ def test_n_choices_with_logprobs_run_as_n_sequences_and_free_their_kv(tmp_path, 
     settings = ReplicaSettings(
         model=str(folder), block_size=32, max_model_len=1024, max_num_seqs=4, num_blocks=64
     )
-    max_tokens = 48
+    max_tokens = 400  # long enough that the first chunk comes while both still run
     request = GenerateRequest(
         request_id="cmpl-two",
         tenant_id="sampler",

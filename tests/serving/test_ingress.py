@@ -303,6 +303,48 @@ async def test_kv_budget_retry_after_comes_from_the_measured_token_pace(ingress:
     assert (await running).status_code == 200
 
 
+async def test_kv_budget_retry_after_expects_requests_in_prefill_to_settle(
+    ingress: Ingress, tokenizer: Any
+) -> None:
+    """The ingress also times arrival to first token per prompt token: a budget 429 while
+    the tenant's request is still in prefill says when that request is expected to settle
+    to its steady bound (its first token), not when it ends."""
+    prompt = " ".join([PROMPT] * 6)
+    prompt_tokens = len(tokenizer(prompt)["input_ids"])
+    peak, steady = math.ceil(prompt_tokens / BLOCK_SIZE), math.ceil(16 / BLOCK_SIZE) + 1
+    assert steady < peak  # so two peaks exceed the budget, a settled one and a peak fit
+    budget = peak + steady
+    api_key = await ingress.add_tenant("acme", kv_budget_blocks=budget, eviction_budget_tokens=16)
+    replicas = ingress.replicas
+    # Warm up: the first token comes 4 s after arrival, the second 0.5 s later.
+    replicas.prefill_gate.clear()
+    replicas.gate.clear()
+    warm_up = asyncio.create_task(ingress.complete(api_key, prompt=prompt, max_tokens=40))
+    await asyncio.wait_for(replicas.arrived.wait(), 10)
+    ingress.clock.advance(4.0)
+    replicas.prefill_gate.set()
+    for _ in range(200):
+        if ingress.state.prefill_pace.seconds_per_token is not None:
+            break
+        await asyncio.sleep(0.01)
+    ingress.clock.advance(0.5)
+    replicas.gate.set()
+    assert (await warm_up).status_code == 200
+    assert ingress.state.prefill_pace.seconds_per_token == pytest.approx(4.0 / prompt_tokens)
+    assert ingress.state.pace.seconds_per_token == pytest.approx(0.5)
+    # One request in prefill holds its peak; the next must wait for it to settle (~4 s),
+    # not for its 40 tokens (~24 s).
+    replicas.prefill_gate.clear()
+    replicas.arrived.clear()
+    running = asyncio.create_task(ingress.complete(api_key, prompt=prompt, max_tokens=40))
+    await asyncio.wait_for(replicas.arrived.wait(), 10)
+    throttled = await ingress.complete(api_key, prompt=prompt, max_tokens=40)
+    assert throttled.status_code == 429
+    assert int(throttled.headers["Retry-After"]) in (3, 4)
+    replicas.prefill_gate.set()
+    assert (await running).status_code == 200
+
+
 async def test_opentelemetry_metrics_count_admissions_and_time_answers(ingress: Ingress) -> None:
     """Per tenant: admissions by outcome, time to first token, time per output token
     (measured on the ingress's clock between the chunks it streams)."""

@@ -61,7 +61,7 @@ class MetricsEndpoint:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         server_class = type("Server", (_Server,), {"address_family": family})
         app = guarded(make_wsgi_app(registry), token)
-        self._server = make_server(host, port, app, server_class, handler_class=_Quiet)
+        self._server: WSGIServer = make_server(host, port, app, server_class, handler_class=_Quiet)
         self.port = int(self._server.server_address[1])
         shown = f"[{host}]" if family == socket.AF_INET6 else host  # a URL's host part
         self.address = f"{shown}:{self.port}"

@@ -95,12 +95,18 @@ class TenantQuota(TenantLimits, _Tenant):
 
 class TenantUsage(_Frozen):
     """One tenant's footprint on one replica: `blocks` is its active KV there, `floor_blocks`
-    what evicting its requests to their budgets would bring it to (`reclaimable_blocks`)."""
+    what evicting its requests to their budgets would bring it to (`reclaimable_blocks`).
+
+    `shared_blocks`: prefix-cache blocks its requests hold but another request pays for (a
+    shared block is charged once, to its earliest current holder, whoever's tenant that
+    is); they are not in `blocks`. A block two of its own requests share counts once in
+    `blocks`, for the earlier one."""
 
     live_tokens: NonNegativeInt = 0
     blocks: NonNegativeInt = 0
     floor_blocks: NonNegativeInt = 0
     requests: NonNegativeInt = 0
+    shared_blocks: NonNegativeInt = 0
 
     @property
     def reclaimable_blocks(self) -> int:

@@ -1,7 +1,9 @@
 """``GET /admin/status`` and ``vtoken status``: replicas, tenants, KV held vs quota.
 
 Per tenant: its budget (``quota_blocks``), active KV (``kv_blocks``: what its running
-requests hold, summed over fresh reports), ``floor_blocks`` (what eviction to their
+requests hold, summed over fresh reports; a prefix-cache block shared by several requests
+is charged once, to its earliest current holder), ``shared_blocks`` (blocks its requests
+hold that another request pays for), ``floor_blocks`` (what eviction to their
 budgets would bring them to; admission charges this), ``reclaimable_blocks`` (the
 difference), its warm set in the current plan, and the plan's eviction pressure on it
 (replica id -> keep fraction; empty while it is within budget)."""
@@ -15,6 +17,7 @@ from controlplane.metrics_endpoint import KEEP_TARGET_S
 from controlplane.store import RedisStore, ReportSnapshot
 
 REPORT_MAX_AGE_S = 3.0
+_SUMMED = ("blocks", "floor_blocks", "requests", "live_tokens", "shared_blocks")
 
 
 async def cluster_status(store: RedisStore, now_s: float | None = None) -> dict[str, Any]:
@@ -56,13 +59,9 @@ async def cluster_status(store: RedisStore, now_s: float | None = None) -> dict[
     held: dict[str, dict[str, int]] = {}
     for report in snapshot.fresh.values():
         for tenant_id, usage in report.tenants.items():
-            entry = held.setdefault(
-                tenant_id, {"blocks": 0, "floor_blocks": 0, "requests": 0, "live_tokens": 0}
-            )
-            entry["blocks"] += usage.blocks
-            entry["floor_blocks"] += usage.floor_blocks
-            entry["requests"] += usage.requests
-            entry["live_tokens"] += usage.live_tokens
+            entry = held.setdefault(tenant_id, dict.fromkeys(_SUMMED, 0))
+            for name in _SUMMED:
+                entry[name] += getattr(usage, name)
     tenants = []
     for tenant_id, quota in sorted(quotas.items()):
         sums = held.get(tenant_id, {})
@@ -82,6 +81,7 @@ async def cluster_status(store: RedisStore, now_s: float | None = None) -> dict[
                 "reclaimable_blocks": max(0, blocks - floor),
                 "running_requests": sums.get("requests", 0),
                 "live_tokens": sums.get("live_tokens", 0),
+                "shared_blocks": sums.get("shared_blocks", 0),
                 "over_budget": bool(route and route.over_budget),
                 "replicas": [w.replica_id for w in route.replicas] if route else [],
                 "pressure": pressure,

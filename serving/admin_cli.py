@@ -191,7 +191,9 @@ def status(url: Url = DEFAULT_URL, admin_token: Token = "") -> None:
             str(r.get("preemptions", "-")),
         )
     tenants = Table(title="tenants")
-    columns = ("tenant", "budget", "active KV", "floor", "reclaimable", "running", "pressure")
+    columns = (
+        "tenant", "budget", "active KV", "floor", "reclaimable", "shared", "running", "pressure"
+    )  # fmt: skip
     for column in columns:
         tenants.add_column(column)
     for t in snapshot["tenants"]:
@@ -202,6 +204,7 @@ def status(url: Url = DEFAULT_URL, admin_token: Token = "") -> None:
             str(t["kv_blocks"]) + (" (over)" if t["over_budget"] else ""),
             str(t.get("floor_blocks", "-")),
             str(t.get("reclaimable_blocks", "-")),
+            str(t.get("shared_blocks", "-")),
             str(t["running_requests"]),
             ", ".join(f"{r[:8]} keep {f:.2f}" for r, f in sorted(pressure.items())) or "-",
         )

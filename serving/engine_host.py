@@ -127,6 +127,9 @@ def counters_from_snapshot(
     """The control plane's counters (its report schema) from the engine's ``EngineReport``:
     the one place the two meet; every total is the engine report's own. ``prefix_keys``:
     what the replica's prefix cache was given, most recent first."""
+    shared: dict[str, int] = {}
+    for request in report.requests:
+        shared[request.tenant] = shared.get(request.tenant, 0) + request.shared_blocks
     return EngineCounters(
         prefix_keys=tuple(prefix_keys),
         block_size=report.block_size,
@@ -153,6 +156,7 @@ def counters_from_snapshot(
                 blocks=usage.allocated_blocks,
                 floor_blocks=usage.floor_blocks,
                 requests=usage.num_requests,
+                shared_blocks=shared.get(tenant, 0),
             )
             for tenant, usage in report.tenants.items()
         },

@@ -79,3 +79,20 @@ async def test_prometheus_targets_keep_replicas_reporting_within_a_minute(
         {"targets": ["[fd00::6]:40000"], "labels": {"vtoken_model_id": "smollm2"}},
     ]
     assert set(await store.redis.hkeys(store.keys.metrics_targets)) == {"r1", "slow"}
+
+
+async def test_status_sums_each_tenants_shared_prefix_blocks_over_replicas(
+    store: RedisStore, clock: FakeClock
+) -> None:
+    """``shared_blocks``: what a tenant's requests hold that others pay for, per replica
+    summed; its active KV (``kv_blocks``) leaves them out."""
+    await store.put_quota(quota("member", budget=40))
+    on_r1 = report("r1", clock.now(), {"member": 5})
+    on_r2 = report("r2", clock.now(), {"member": 2})
+    for replica in (on_r1, on_r2):
+        usage = replica.tenants["member"].model_copy(update={"shared_blocks": 3})
+        replica = replica.model_copy(update={"tenants": {"member": usage}})
+        await store.publish_reports([replica], ttl_s=60)
+    status = await cluster_status(store, now_s=clock.now())
+    (member,) = status["tenants"]
+    assert (member["kv_blocks"], member["shared_blocks"]) == (7, 6)

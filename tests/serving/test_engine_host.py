@@ -157,16 +157,19 @@ def test_counters_map_the_engine_report_into_a_valid_report():
         requests=(
             request("r1", "a", 40, 2, 2),
             request("r2", "b", 100, 6, 4).model_copy(update={"floor_blocks": 3}),
+            # b's second request holds 3 prefix blocks r2 pays for, and 1 of its own
+            request("r3", "b", 100, 1, 1).model_copy(update={"shared_blocks": 3}),
         ),
     )
     counters = counters_from_snapshot(report, running=2)
     assert (counters.preemptions, counters.evictions_under_pressure) == (3, 5)
-    assert counters.tenants["b"].floor_blocks == 3 and counters.tenants["b"].reclaimable_blocks == 3
+    assert counters.tenants["b"].floor_blocks == 4 and counters.tenants["b"].reclaimable_blocks == 3
     assert counters.tenants["a"].reclaimable_blocks == 0  # no budget given: floor = ideal
     assert isinstance(counters, EngineCounters)
-    assert (counters.used_blocks, counters.live_tokens, counters.reclaimable_blocks) == (10, 140, 3)
-    assert counters.tenants["b"].blocks == 6 and counters.tenants["a"].requests == 1
-    assert (counters.blocks_reclaimed, counters.naive_equivalent_blocks) == (7, 16)
+    assert (counters.used_blocks, counters.live_tokens, counters.reclaimable_blocks) == (10, 240, 3)
+    assert counters.tenants["b"].blocks == 7 and counters.tenants["a"].requests == 1
+    assert (counters.tenants["b"].shared_blocks, counters.tenants["a"].shared_blocks) == (3, 0)
+    assert (counters.blocks_reclaimed, counters.naive_equivalent_blocks) == (7, 21)
     with pytest.raises(ValueError):  # tenants holding more than the pool says is used
         counters_from_snapshot(report.model_copy(update={"free_blocks": 99}), running=2)
 

@@ -202,7 +202,8 @@ def final_report(state: DemoState) -> dict[str, Any]:
     """Per tenant: budget, peak measured active KV, time above budget, requests ok /
     throttled (429 answers, each retried) / failed; per replica: peak blocks vs what
     Naive-Evict would hold, blocks reclaimed, preemptions and evictions forced by memory
-    or pressure (each one a preemption avoided)."""
+    or pressure (each one a preemption avoided), and what the repacks cost (bytes copied,
+    seconds spent copying)."""
     tenants = []
     for tenant in DEMO_TENANTS:
         tally = state.tallies[tenant.tenant_id]
@@ -230,6 +231,8 @@ def final_report(state: DemoState) -> dict[str, Any]:
             "naive_equivalent_blocks": state.peak_naive.get(r["id"], 0),
             "preemptions": r.get("preemptions", 0),
             "evictions_under_pressure": r.get("evictions_under_pressure", 0),
+            "repack_bytes": r.get("repack_bytes", 0),
+            "repack_seconds": r.get("repack_seconds", 0.0),
         }
         for r in state.last_status.get("replicas", [])
         if r.get("fresh")

@@ -27,7 +27,7 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -210,7 +210,11 @@ class IngressState:
             ids = await asyncio.to_thread(self.prompt_ids, body)  # tokenizing is CPU work
             request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             span.set_attribute(telemetry.ATTR_REQUEST_ID, request_id)
-            reservation = await self.admit(quota, request_id, len(ids), body.max_tokens, body.n)
+            salt = cache_salt(quota.tenant_id, quota.prefix_group)
+            keys = list(prefix_keys(ids, self.settings.block_size, salt))
+            reservation = await self.admit(
+                quota, request_id, len(ids), body.max_tokens, body.n, prefix_keys=keys
+            )
             generate = GenerateRequest(
                 request_id=request_id,
                 tenant_id=quota.tenant_id,
@@ -226,13 +230,7 @@ class IngressState:
                 logprobs=body.num_logprobs,
                 eviction_budget_tokens=quota.eviction_budget_tokens,
                 prefix_group=quota.prefix_group,
-                prefix_keys=list(
-                    prefix_keys(
-                        ids,
-                        self.settings.block_size,
-                        cache_salt(quota.tenant_id, quota.prefix_group),
-                    )
-                ),
+                prefix_keys=keys,
                 hold_to_blocks=self.hold_to_blocks(reservation, len(ids), body.max_tokens, body.n),
                 trace_context=inject_context(),
             )
@@ -263,9 +261,12 @@ class IngressState:
         prompt_tokens: int,
         max_tokens: int,
         n: int = 1,
+        prefix_keys: Sequence[str] = (),
     ) -> Reservation:
-        """The request's KV reservation, for all ``n`` sequences; 429 with ``Retry-After``
-        when the tenant must wait, 400 when the request can never fit its quota."""
+        """The request's KV reservation, for all ``n`` sequences (less, until its first
+        token, the prompt blocks it shares with the tenant's requests in flight:
+        ``prefix_keys``); 429 with ``Retry-After`` when the tenant must wait, 400 when the
+        request can never fit its quota."""
         decision = await redis_or_503(
             self.admission.admit(
                 quota,
@@ -275,6 +276,7 @@ class IngressState:
                 self.pace.seconds_per_token,
                 n=n,
                 seconds_per_prompt_token=self.prefill_pace.seconds_per_token,
+                prefix_keys=prefix_keys,
             )
         )
         self.metrics.admission(quota.tenant_id, decision.outcome.value)
@@ -333,9 +335,9 @@ class IngressState:
                         self.prefill_pace.observe(now - started, prompt_tokens)
                 if chunk.completion_tokens:  # a piece of this choice: its prefill is over
                     decoding.add(chunk.index)
-                if len(decoding) >= request.n and reservation.blocks > reservation.steady:
+                if len(decoding) >= request.n and reservation.blocks != reservation.steady:
                     # Every sequence has a token out, so no prefill is left: from here the
-                    # policy bounds the KV.
+                    # policy bounds the KV (and a shared prefix is counted again).
                     reservation = await self._settle(reservation)
                 if chunk.finish_reason is not None:
                     finished.add(chunk.index)

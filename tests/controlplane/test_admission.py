@@ -426,3 +426,49 @@ async def test_a_tenant_that_squeezes_to_floors_counts_its_requests_there(
     assert held == {"plain": 21, "deep": 2}  # 0.5 x 640 = 320 tokens + a block; 16 + a block
     assert await admission.reserved_blocks("deep") == 2
     await admission.check_invariants("deep")
+
+
+async def test_a_prompt_prefix_shared_with_a_request_in_flight_is_reserved_once(
+    admission: Admission, store: RedisStore, redis: aioredis.Redis, keys: KeySpace
+) -> None:
+    """Until its first token, a request does not reserve the leading prompt blocks another
+    of the tenant's requests in flight has (the engine charges a shared block to its
+    earliest holder); at its first token it is counted whole again."""
+    tenant = quota("acme", budget=10)
+    await store.put_quota(tenant)
+    prompt = [f"k{i}" for i in range(6)]  # 96 tokens: 6 full blocks of 16
+    first = await admission.admit(tenant, "a", 96, 16, prefix_keys=prompt)
+    assert first.reservation == Reservation("acme", "a", 7, 7)  # ceil(112 / 16)
+    # Same prompt: 5 blocks shared (vLLM recomputes the block of the last prompt token).
+    second = await admission.admit(tenant, "b", 96, 16, prefix_keys=prompt)
+    assert second.reservation == Reservation("acme", "b", 2, 7)
+    unkeyed = await admission.admit(tenant, "c", 96, 16)
+    assert unkeyed.reason == "kv_budget"  # 9 + 7 > 10: without keys, nothing is shared
+    forked = await admission.admit(tenant, "c", 96, 16, prefix_keys=[*prompt[:2], "x2"])
+    assert forked.reason == "kv_budget"  # 2 shared: 9 + 5 > 10
+    await admission.check_invariants("acme")
+    # The first token: counted whole (the discount held only while prefill could not
+    # move the charge).
+    settled = await admission.settle(second.reservation)
+    assert settled == Reservation("acme", "b", 7, 7)
+    assert await admission.reserved_blocks("acme") == 14
+    assert await admission.release(first.reservation)
+    refs = await redis.hgetall(keys.reservation_prefix_refs("acme"))
+    assert refs == {key: "1" for key in prompt}  # "b" still has them
+    assert await admission.release(settled)
+    assert await redis.hlen(keys.reservation_prefix_refs("acme")) == 0
+    assert await redis.hlen(keys.reservation_prefixes("acme")) == 0
+
+
+async def test_a_lapsed_reservation_drops_its_prefix_references(
+    redis: aioredis.Redis, keys: KeySpace, store: RedisStore
+) -> None:
+    admission = Admission(redis, AdmissionConfig(block_size=16, reservation_ttl_s=0.2), keys)
+    tenant = quota("acme", budget=10)
+    await store.put_quota(tenant)
+    assert (await admission.admit(tenant, "a", 96, 16, prefix_keys=["k0", "k1"])).admitted
+    await asyncio.sleep(0.3)  # its ingress died: the reservation lapses
+    alone = await admission.admit(tenant, "b", 96, 16, prefix_keys=["k0", "k1"])
+    assert alone.reservation == Reservation("acme", "b", 7, 7)  # nothing shared any more
+    assert await redis.hgetall(keys.reservation_prefix_refs("acme")) == {"k0": "1", "k1": "1"}
+    await admission.check_invariants("acme")

@@ -279,8 +279,8 @@ def kv_bounds(
     choices are ``n`` sequences: vLLM runs each as its own request holding its own KV
     (a prompt block the choices share through the prefix cache is charged once, to the
     first, so this over-counts it; ``Admission.admit`` discounts only blocks shared with
-    other requests), so both bounds are ``n`` times one sequence's. ``floor_tokens`` (a tenant that squeezes to
-    floors) lowers the steady bound to that floor plus one block."""
+    other requests), so both bounds are ``n`` times one sequence's. ``floor_tokens`` (a
+    tenant that squeezes to floors) lowers the steady bound to that floor plus one block."""
     if prompt_tokens < 0 or max_tokens < 0 or prompt_tokens + max_tokens == 0:
         raise ValueError(
             f"need prompt_tokens >= 0, max_tokens >= 0, not both 0 "
@@ -540,6 +540,6 @@ class Admission:
         assert set(prefixes) <= set(held), (prefixes, held)
         counted: dict[str, int] = {}
         for joined in prefixes.values():
-            for key in joined.split():
+            for key in str(joined).split():
                 counted[key] = counted.get(key, 0) + 1
         assert {key: int(n) for key, n in refs.items()} == counted, (refs, counted)

@@ -191,10 +191,10 @@ def status(url: Url = DEFAULT_URL, admin_token: Token = "") -> None:
             str(r.get("preemptions", "-")),
         )
     tenants = Table(title="tenants")
-    columns = (
+    tenant_columns = (
         "tenant", "budget", "active KV", "floor", "reclaimable", "shared", "running", "pressure"
     )  # fmt: skip
-    for column in columns:
+    for column in tenant_columns:
         tenants.add_column(column)
     for t in snapshot["tenants"]:
         pressure = t.get("pressure") or {}

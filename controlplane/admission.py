@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -44,26 +43,12 @@ local function now_ms()
 end
 """
 
-# Forget a request's prompt prefix: one reference less on each of its keys.
-_DROP_PREFIX = """
-local function drop_prefix(prefixes, refs, request_id)
-  local joined = redis.call('HGET', prefixes, request_id)
-  if not joined then return end
-  for key in string.gmatch(joined, '%S+') do
-    if redis.call('HINCRBY', refs, key, -1) <= 0 then redis.call('HDEL', refs, key) end
-  end
-  redis.call('HDEL', prefixes, request_id)
-end
-"""
-
-# KEYS: quotas, usage, reservations, deadlines, rate bucket, reservation starts, total,
-# reservation prefixes, prefix refs.
+# KEYS: quotas, usage, reservations, deadlines, rate bucket, reservation starts, total.
 # ARGV: tenant, request id, blocks, lease_ms, prompt_tokens, rate burst seconds, max_tokens,
-# steady blocks, most prompt blocks a cache hit can cover, then the prompt's prefix keys.
-# Returns {outcome, reason, retry_after_ms, blocks shared with requests in flight}.
+# steady blocks.
+# Returns {outcome, reason, retry_after_ms}.
 _ADMIT = (
     _NOW_MS
-    + _DROP_PREFIX
     + """
 local raw = redis.call('HGET', KEYS[1], ARGV[1])
 if not raw then return {'rejected', 'unknown_tenant', 0} end
@@ -84,7 +69,6 @@ if #expired > 0 then
     freed = freed + tonumber(redis.call('HGET', KEYS[3], request_id) or '0')
     redis.call('HDEL', KEYS[3], request_id)
     redis.call('HDEL', KEYS[6], request_id)
-    drop_prefix(KEYS[8], KEYS[9], request_id)
   end
   redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
   redis.call('DECRBY', KEYS[7], freed)
@@ -96,14 +80,6 @@ local max_concurrent = quota['max_concurrent_requests']
 if max_concurrent ~= cjson.null and redis.call('HLEN', KEYS[3]) >= max_concurrent then
   return {'throttled', 'max_concurrent_requests', -1}
 end
--- The leading prompt blocks another of the tenant's requests in flight has too: reserved
--- once, by that request (the engine charges a shared block to its earliest holder).
-local shared = 0
-for i = 10, #ARGV do
-  if shared >= tonumber(ARGV[9]) or redis.call('HEXISTS', KEYS[9], ARGV[i]) == 0 then break end
-  shared = shared + 1
-end
-blocks = blocks - shared
 local reserved = tonumber(redis.call('GET', KEYS[7]))
 local reported = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
 if math.max(reserved, reported) + blocks > quota['kv_budget_blocks'] then
@@ -125,22 +101,14 @@ if rate ~= cjson.null then
 end
 redis.call('HSET', KEYS[3], ARGV[2], blocks)
 redis.call('INCRBY', KEYS[7], blocks)
-if #ARGV >= 10 then
-  local keys = {}
-  for i = 10, #ARGV do
-    keys[#keys + 1] = ARGV[i]
-    redis.call('HINCRBY', KEYS[9], ARGV[i], 1)
-  end
-  redis.call('HSET', KEYS[8], ARGV[2], table.concat(keys, ' '))
-end
 redis.call('HSET', KEYS[6], ARGV[2],
   string.format('%d', now) .. ' ' .. ARGV[7] .. ' ' .. ARGV[5] .. ' ' .. ARGV[8])
 redis.call('ZADD', KEYS[4], now + tonumber(ARGV[4]), ARGV[2])
-return {'admitted', 'ok', 0, shared}
+return {'admitted', 'ok', 0}
 """
 )
 
-# KEYS: reservations, total. ARGV: request id, steady blocks. Sets only a held one.
+# KEYS: reservations, total. ARGV: request id, steady blocks. Shrinks only a held one.
 _SETTLE = """
 local held = redis.call('HGET', KEYS[1], ARGV[1])
 if not held then return 0 end
@@ -151,21 +119,16 @@ end
 return 1
 """
 
-# KEYS: reservations, deadlines, starts, total, reservation prefixes, prefix refs.
-# ARGV: request id. 1 iff it was held.
-_RELEASE = (
-    _DROP_PREFIX
-    + """
+# KEYS: reservations, deadlines, starts, total. ARGV: request id. 1 iff it was held.
+_RELEASE = """
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
-drop_prefix(KEYS[5], KEYS[6], ARGV[1])
 local held = redis.call('HGET', KEYS[1], ARGV[1])
 if not held then return 0 end
 redis.call('HDEL', KEYS[1], ARGV[1])
 if redis.call('EXISTS', KEYS[4]) == 1 then redis.call('DECRBY', KEYS[4], held) end
 return 1
 """
-)
 
 # KEYS: deadlines. ARGV: request id, lease_ms. 1 iff it was held and had not lapsed.
 _RENEW = (
@@ -278,9 +241,9 @@ def kv_bounds(
     longest sequence; a budget counts one block more (the step's new tokens). ``n``
     choices are ``n`` sequences: vLLM runs each as its own request holding its own KV
     (a prompt block the choices share through the prefix cache is charged once, to the
-    first, so this over-counts it; ``Admission.admit`` discounts only blocks shared with
-    other requests), so both bounds are ``n`` times one sequence's. ``floor_tokens`` (a
-    tenant that squeezes to floors) lowers the steady bound to that floor plus one block."""
+    first, so this over-counts it: admission does not use prefix matches), so both
+    bounds are ``n`` times one sequence's. ``floor_tokens`` (a tenant that squeezes to
+    floors) lowers the steady bound to that floor plus one block."""
     if prompt_tokens < 0 or max_tokens < 0 or prompt_tokens + max_tokens == 0:
         raise ValueError(
             f"need prompt_tokens >= 0, max_tokens >= 0, not both 0 "
@@ -327,25 +290,15 @@ class Admission:
         max_tokens: int,
         seconds_per_token: float | None = None,
         n: int = 1,
-        seconds_per_prompt_token: float | None = None,
-        prefix_keys: Sequence[str] = (),
+        seconds_to_first_token: float | None = None,
     ) -> AdmissionDecision:
         """Reserve the request's KV peak, or say why not (for all ``n`` sequences of a
         request asking for ``n`` choices: :func:`kv_bounds`).
 
         ``seconds_per_token`` (the measured time per output token, ``None`` when unknown)
-        and ``seconds_per_prompt_token`` (measured time from arrival to first token per
-        prompt token) let a ``kv_budget`` throttle say when enough of the tenant's running
-        requests will have settled or finished (:meth:`kv_retry_after_s`).
-
-        ``prefix_keys`` (the prompt's, ``controlplane.prefix.prefix_keys`` with the tenant's
-        salt): the leading prompt blocks another of the tenant's requests in flight also
-        has are not reserved again until the first token (the engine charges a shared
-        prefix-cache block to its earliest holder, so this request does not pay them while
-        that one runs); ``settle`` then sets the steady bound, undiscounted. A discount
-        that does not come true (the requests run on different replicas, or the sharer
-        ends first) lets the tenant's KV exceed its reservations by those blocks until
-        this request's first token.
+        and ``seconds_to_first_token`` (the measured time from arrival to first token) let a
+        ``kv_budget`` throttle say when enough of the tenant's running requests will have
+        settled or finished (:meth:`kv_retry_after_s`).
 
         `quota` is the caller's (possibly cached) copy; the script re-reads the stored one,
         so an admin change applies at once and a deleted tenant is rejected.
@@ -365,7 +318,8 @@ class Admission:
         tenant_id = quota.tenant_id
         with self._tracer.start_as_current_span(telemetry.SPAN_ADMISSION) as span:
             span.set_attribute(telemetry.ATTR_TENANT_ID, tenant_id)
-            result = await self._admit(
+            span.set_attribute(telemetry.ATTR_RESERVED_BLOCKS, blocks)
+            outcome, reason, retry_after_ms = await self._admit(
                 keys=[
                     self.keys.quotas,
                     self.keys.usage,
@@ -374,8 +328,6 @@ class Admission:
                     self.keys.rate_bucket(tenant_id),
                     self.keys.reservation_starts(tenant_id),
                     self.keys.reservation_total(tenant_id),
-                    self.keys.reservation_prefixes(tenant_id),
-                    self.keys.reservation_prefix_refs(tenant_id),
                 ],
                 args=[
                     tenant_id,
@@ -386,21 +338,15 @@ class Admission:
                     self.config.rate_burst_s,
                     max_tokens,
                     bounds.steady,
-                    max(0, (prompt_tokens - 1) // self.config.block_size),  # never the last
-                    *prefix_keys,
                 ],
             )
-            shared = int(result[3]) if len(result) > 3 else 0
-            outcome, reason, retry_after_ms = result[:3]
-            span.set_attribute(telemetry.ATTR_RESERVED_BLOCKS, blocks - shared)
-            span.set_attribute(telemetry.ATTR_SHARED_BLOCKS, shared)
             if reason == "kv_budget":
                 retry_after_s = await self.kv_retry_after_s(
-                    quota, blocks, seconds_per_token, seconds_per_prompt_token
+                    quota, blocks, seconds_per_token, seconds_to_first_token
                 )
                 retry_after_ms = int(1000 * retry_after_s)
             decision = self._decision(
-                Reservation(tenant_id, request_id, blocks - shared, bounds.steady),
+                Reservation(tenant_id, request_id, blocks, bounds.steady),
                 outcome,
                 reason,
                 retry_after_ms,
@@ -422,11 +368,9 @@ class Admission:
         return AdmissionDecision(kind, reason, 0.0, None)
 
     async def settle(self, reservation: Reservation) -> Reservation:
-        """Prefill is over: set a held reservation to its steady bound (a no-op when it was
-        released or lapsed, or is already there). That shrinks a prefill peak, and restores
-        a prefix discount (``admit(prefix_keys=...)``): past its first token a request is
-        counted whole. Returns the reservation as held."""
-        if reservation.blocks == reservation.steady:
+        """Prefill is over: shrink a held reservation to its steady bound (a no-op when it
+        was released or lapsed, or is already there). Returns the reservation as held."""
+        if reservation.blocks <= reservation.steady:
             return reservation
         tenant_id = reservation.tenant_id
         await self._settle(
@@ -447,8 +391,6 @@ class Admission:
                 self.keys.reservation_deadlines(tenant_id),
                 self.keys.reservation_starts(tenant_id),
                 self.keys.reservation_total(tenant_id),
-                self.keys.reservation_prefixes(tenant_id),
-                self.keys.reservation_prefix_refs(tenant_id),
             ],
             args=[reservation.request_id],
         )
@@ -459,21 +401,20 @@ class Admission:
         quota: TenantQuota,
         blocks: int,
         seconds_per_token: float | None,
-        seconds_per_prompt_token: float | None = None,
+        seconds_to_first_token: float | None = None,
     ) -> float:
         """When a request of ``blocks`` should fit the tenant's budget. Each held request
-        frees blocks twice: its first token is expected ``prompt_tokens *
-        seconds_per_prompt_token`` after its admission, when a reservation still at its
-        prefill peak settles to its steady bound; it ends ``max_tokens *
+        frees blocks twice: its first token is expected ``seconds_to_first_token`` after
+        its admission (the measured mean: queueing and prefill), when a reservation still
+        at its prefill peak settles to its steady bound; it ends ``max_tokens *
         seconds_per_token`` later and frees the rest. Walk these events in time order
         until the committed KV (``max(reserved, reported)``) plus ``blocks`` fits. Without
-        a prefill pace the first token is taken at admission and only ends count. Within
-        ``[throttle_retry_after_s, reservation_ttl_s]``; ``throttle_retry_after_s`` when
-        the pace is unknown or the held requests' ends do not make room."""
+        a first-token time the first token is taken at admission and only ends count.
+        Within ``[throttle_retry_after_s, reservation_ttl_s]``; ``throttle_retry_after_s``
+        when the pace is unknown or the held requests' ends do not make room."""
         floor, ceiling = self.config.throttle_retry_after_s, self.config.reservation_ttl_s
         if seconds_per_token is None or seconds_per_token <= 0:
             return floor
-        prefill_pace = seconds_per_prompt_token
         tenant_id = quota.tenant_id
         held = await self._redis.hgetall(self.keys.reservations(tenant_id))
         starts = await self._redis.hgetall(self.keys.reservation_starts(tenant_id))
@@ -482,11 +423,10 @@ class Admission:
         for request_id, value in held.items():
             start = (starts.get(request_id) or f"{now * 1000} 0").split()
             admitted_s, max_tokens = float(start[0]) / 1000, int(start[1])
-            prompt_tokens = int(start[2]) if len(start) > 2 else 0
             steady = int(start[3]) if len(start) > 3 else int(value)
             first_token_s = admitted_s
-            if prefill_pace is not None:
-                first_token_s += prompt_tokens * prefill_pace
+            if seconds_to_first_token is not None:
+                first_token_s += seconds_to_first_token
                 if int(value) > steady:  # still reserved at its prefill peak
                     frees.append((first_token_s, int(value) - steady))
                     value = str(steady)
@@ -535,11 +475,3 @@ class Admission:
         assert all(b >= 0 for b in blocks), held
         assert int(total or 0) == sum(blocks), (total, held)
         assert set(held) <= set(deadlines), (held, deadlines)
-        prefixes = await self._redis.hgetall(self.keys.reservation_prefixes(tenant_id))
-        refs = await self._redis.hgetall(self.keys.reservation_prefix_refs(tenant_id))
-        assert set(prefixes) <= set(held), (prefixes, held)
-        counted: dict[str, int] = {}
-        for joined in prefixes.values():
-            for key in str(joined).split():
-                counted[key] = counted.get(key, 0) + 1
-        assert {key: int(n) for key, n in refs.items()} == counted, (refs, counted)

@@ -85,16 +85,6 @@ class KeySpace:
         """Sorted set: request id -> deadline (ms since epoch) after which it lapses."""
         return f"{self.prefix}:resv-deadline:{tenant_id}"
 
-    def reservation_prefixes(self, tenant_id: str) -> str:
-        """Hash: request id -> the prefix keys of its prompt (space-separated), for the
-        requests admission counted in :meth:`reservation_prefix_refs`."""
-        return f"{self.prefix}:resv-prefix:{tenant_id}"
-
-    def reservation_prefix_refs(self, tenant_id: str) -> str:
-        """Hash: prefix key -> how many of the tenant's held reservations have it: the
-        prompt blocks its requests in flight share (``controlplane/prefix.py``)."""
-        return f"{self.prefix}:resv-prefix-refs:{tenant_id}"
-
     def rate_bucket(self, tenant_id: str) -> str:
         """Hash `tokens`, `at_ms`: the tenant's prompt-token bucket."""
         return f"{self.prefix}:rate:{tenant_id}"

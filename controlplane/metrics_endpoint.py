@@ -15,7 +15,7 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Callable, Iterable
-from socketserver import ThreadingMixIn
+from socketserver import TCPServer, ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -32,8 +32,18 @@ long step, or lost, is scraped (and shows ``up == 0``) rather than silently drop
 class _Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True
 
+    def server_bind(self) -> None:
+        """Bind without ``HTTPServer``'s reverse-DNS lookup of the address (``getfqdn``),
+        which can stall a replica's start where DNS is slow."""
+        TCPServer.server_bind(self)
+        host, port = self.server_address[:2]
+        self.server_name, self.server_port = str(host), int(port)
+        self.setup_environ()
+
 
 class _Quiet(WSGIRequestHandler):
+    timeout = 10  # s: a client that connects and sends nothing does not keep a thread
+
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
         pass
 

@@ -99,8 +99,9 @@ class TenantUsage(_Frozen):
 
     `shared_blocks`: prefix-cache blocks its requests hold but another request pays for (a
     shared block is charged once, to its earliest current holder, whoever's tenant that
-    is); they are not in `blocks`. A block two of its own requests share counts once in
-    `blocks`, for the earlier one."""
+    is), counted per request: a block three of its requests hold and another pays for
+    counts 3 times. They are not in `blocks`; a block two of its own requests share counts
+    once in `blocks`, for the earlier one."""
 
     live_tokens: NonNegativeInt = 0
     blocks: NonNegativeInt = 0

@@ -11,6 +11,7 @@ counters, and publishes its counters to Redis every ~100 ms.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -496,7 +497,8 @@ class ReplicaReporter:
                     )
                 except Exception as error:  # noqa: BLE001 - retried at the next period
                     logger.warning("replica: advertising metrics failed: %r", error)
-                await asyncio.sleep(METRICS_ADVERTISE_S)
+                with contextlib.suppress(TimeoutError):  # stops at once when asked to
+                    await asyncio.wait_for(self.stop.wait(), METRICS_ADVERTISE_S)
 
         await asyncio.gather(
             poll(), follow_plan(), advertise_metrics(), self.publisher.run(self.stop)

@@ -27,7 +27,7 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -158,7 +158,7 @@ class IngressState:
             meter or otel_metrics.get_meter(telemetry.TRACER_INGRESS)
         )
         self.pace = TokenPace()  # decode: seconds per output token
-        self.prefill_pace = TokenPace()  # arrival to first token, per prompt token
+        self.first_token = TokenPace()  # seconds from arrival to first token (one "token")
 
     # ----------------------------------------------------------------- request pipeline
     async def tenant(self, request: Request) -> TenantQuota:
@@ -210,11 +210,7 @@ class IngressState:
             ids = await asyncio.to_thread(self.prompt_ids, body)  # tokenizing is CPU work
             request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             span.set_attribute(telemetry.ATTR_REQUEST_ID, request_id)
-            salt = cache_salt(quota.tenant_id, quota.prefix_group)
-            keys = list(prefix_keys(ids, self.settings.block_size, salt))
-            reservation = await self.admit(
-                quota, request_id, len(ids), body.max_tokens, body.n, prefix_keys=keys
-            )
+            reservation = await self.admit(quota, request_id, len(ids), body.max_tokens, body.n)
             generate = GenerateRequest(
                 request_id=request_id,
                 tenant_id=quota.tenant_id,
@@ -230,7 +226,13 @@ class IngressState:
                 logprobs=body.num_logprobs,
                 eviction_budget_tokens=quota.eviction_budget_tokens,
                 prefix_group=quota.prefix_group,
-                prefix_keys=keys,
+                prefix_keys=list(
+                    prefix_keys(
+                        ids,
+                        self.settings.block_size,
+                        cache_salt(quota.tenant_id, quota.prefix_group),
+                    )
+                ),
                 hold_to_blocks=self.hold_to_blocks(reservation, len(ids), body.max_tokens, body.n),
                 trace_context=inject_context(),
             )
@@ -261,12 +263,9 @@ class IngressState:
         prompt_tokens: int,
         max_tokens: int,
         n: int = 1,
-        prefix_keys: Sequence[str] = (),
     ) -> Reservation:
-        """The request's KV reservation, for all ``n`` sequences (less, until its first
-        token, the prompt blocks it shares with the tenant's requests in flight:
-        ``prefix_keys``); 429 with ``Retry-After`` when the tenant must wait, 400 when the
-        request can never fit its quota."""
+        """The request's KV reservation, for all ``n`` sequences; 429 with ``Retry-After``
+        when the tenant must wait, 400 when the request can never fit its quota."""
         decision = await redis_or_503(
             self.admission.admit(
                 quota,
@@ -275,8 +274,7 @@ class IngressState:
                 max_tokens,
                 self.pace.seconds_per_token,
                 n=n,
-                seconds_per_prompt_token=self.prefill_pace.seconds_per_token,
-                prefix_keys=prefix_keys,
+                seconds_to_first_token=self.first_token.seconds_per_token,
             )
         )
         self.metrics.admission(quota.tenant_id, decision.outcome.value)
@@ -330,14 +328,13 @@ class IngressState:
                     if first_token_at is None:
                         first_token_at = now
                         self.request_metrics.first_token(request.tenant_id, now - started)
-                        # Queueing and prefill, per prompt token: when reservations settle.
-                        prompt_tokens = max(1, len(request.prompt_token_ids))
-                        self.prefill_pace.observe(now - started, prompt_tokens)
+                        # Queueing and prefill: when reservations settle.
+                        self.first_token.observe(now - started, 1)
                 if chunk.completion_tokens:  # a piece of this choice: its prefill is over
                     decoding.add(chunk.index)
-                if len(decoding) >= request.n and reservation.blocks != reservation.steady:
+                if len(decoding) >= request.n and reservation.blocks > reservation.steady:
                     # Every sequence has a token out, so no prefill is left: from here the
-                    # policy bounds the KV (and a shared prefix is counted again).
+                    # policy bounds the KV.
                     reservation = await self._settle(reservation)
                 if chunk.finish_reason is not None:
                     finished.add(chunk.index)
@@ -420,8 +417,8 @@ async def redis_or_503(call: Awaitable[T]) -> T:
 class TokenPace:
     """An exponential moving average of seconds per token. The ingress keeps two: time per
     output token of the answers it streams (over decode chunks; the first chunk, which
-    carries the prefill, is left out), and time from arrival to first token per prompt
-    token. ``seconds_per_token`` is ``None`` until a sample was seen."""
+    carries the prefill, is left out), and time from arrival to first token (per request:
+    one "token"). ``seconds_per_token`` is ``None`` until a sample was seen."""
 
     def __init__(self, weight: float = 0.1) -> None:
         self.weight = weight

@@ -346,29 +346,29 @@ async def test_kv_retry_after_counts_when_requests_in_prefill_settle(
     redis: aioredis.Redis, keys: KeySpace, store: RedisStore
 ) -> None:
     """A request reserved at its prefill peak frees most of it at its first token (it
-    settles to its steady bound), long before it ends: with a measured prefill pace the
-    throttled request is told to come back then, not at the end."""
+    settles to its steady bound), long before it ends: with a measured time to first token
+    the throttled request is told to come back then, not at the end."""
     config = AdmissionConfig(block_size=16, keep_ratio=0.2, throttle_retry_after_s=0.01)
     admission = Admission(redis, config, keys)
     tenant = quota("acme", budget=12)
     await store.put_quota(tenant)
     # 160-token prompt: peak 10 blocks; steady: ceil(0.2 * 256 / 16) + 1 = 5 blocks.
     assert (await admission.admit(tenant, "old", 160, 96)).admitted
-    decode, prefill = 0.05, 0.01  # s per output token, s per prompt token
+    decode, first_token = 0.05, 1.6  # s per output token, s from arrival to first token
     blocked = await admission.admit(
-        tenant, "next", 64, 32, seconds_per_token=decode, seconds_per_prompt_token=prefill
+        tenant, "next", 64, 32, seconds_per_token=decode, seconds_to_first_token=first_token
     )
     assert blocked.reason == "kv_budget"  # 10 + 4 > 12; after "old" settles: 5 + 4 <= 12
-    assert blocked.retry_after_s == pytest.approx(160 * prefill, abs=0.05)  # its first token
+    assert blocked.retry_after_s == pytest.approx(first_token, abs=0.05)
     ends_only = await admission.admit(tenant, "next", 64, 32, seconds_per_token=decode)
-    assert ends_only.retry_after_s == pytest.approx(96 * decode, abs=0.05)  # no prefill pace
+    assert ends_only.retry_after_s == pytest.approx(96 * decode, abs=0.05)  # no first-token time
     # A settled request frees nothing at its first token: only its end counts.
     await admission.settle(Reservation("acme", "old", 10, 5))
     too_big = await admission.admit(
-        tenant, "big", 160, 0, seconds_per_token=decode, seconds_per_prompt_token=prefill
+        tenant, "big", 160, 0, seconds_per_token=decode, seconds_to_first_token=first_token
     )
     assert too_big.reason == "kv_budget"  # 5 + 10 > 12: "old" must end
-    assert too_big.retry_after_s == pytest.approx(160 * prefill + 96 * decode, abs=0.05)
+    assert too_big.retry_after_s == pytest.approx(first_token + 96 * decode, abs=0.05)
     assert await admission.release(Reservation("acme", "old", 5, 5))
 
 
@@ -426,49 +426,3 @@ async def test_a_tenant_that_squeezes_to_floors_counts_its_requests_there(
     assert held == {"plain": 21, "deep": 2}  # 0.5 x 640 = 320 tokens + a block; 16 + a block
     assert await admission.reserved_blocks("deep") == 2
     await admission.check_invariants("deep")
-
-
-async def test_a_prompt_prefix_shared_with_a_request_in_flight_is_reserved_once(
-    admission: Admission, store: RedisStore, redis: aioredis.Redis, keys: KeySpace
-) -> None:
-    """Until its first token, a request does not reserve the leading prompt blocks another
-    of the tenant's requests in flight has (the engine charges a shared block to its
-    earliest holder); at its first token it is counted whole again."""
-    tenant = quota("acme", budget=10)
-    await store.put_quota(tenant)
-    prompt = [f"k{i}" for i in range(6)]  # 96 tokens: 6 full blocks of 16
-    first = await admission.admit(tenant, "a", 96, 16, prefix_keys=prompt)
-    assert first.reservation == Reservation("acme", "a", 7, 7)  # ceil(112 / 16)
-    # Same prompt: 5 blocks shared (vLLM recomputes the block of the last prompt token).
-    second = await admission.admit(tenant, "b", 96, 16, prefix_keys=prompt)
-    assert second.reservation == Reservation("acme", "b", 2, 7)
-    unkeyed = await admission.admit(tenant, "c", 96, 16)
-    assert unkeyed.reason == "kv_budget"  # 9 + 7 > 10: without keys, nothing is shared
-    forked = await admission.admit(tenant, "c", 96, 16, prefix_keys=[*prompt[:2], "x2"])
-    assert forked.reason == "kv_budget"  # 2 shared: 9 + 5 > 10
-    await admission.check_invariants("acme")
-    # The first token: counted whole (the discount held only while prefill could not
-    # move the charge).
-    settled = await admission.settle(second.reservation)
-    assert settled == Reservation("acme", "b", 7, 7)
-    assert await admission.reserved_blocks("acme") == 14
-    assert await admission.release(first.reservation)
-    refs = await redis.hgetall(keys.reservation_prefix_refs("acme"))
-    assert refs == {key: "1" for key in prompt}  # "b" still has them
-    assert await admission.release(settled)
-    assert await redis.hlen(keys.reservation_prefix_refs("acme")) == 0
-    assert await redis.hlen(keys.reservation_prefixes("acme")) == 0
-
-
-async def test_a_lapsed_reservation_drops_its_prefix_references(
-    redis: aioredis.Redis, keys: KeySpace, store: RedisStore
-) -> None:
-    admission = Admission(redis, AdmissionConfig(block_size=16, reservation_ttl_s=0.2), keys)
-    tenant = quota("acme", budget=10)
-    await store.put_quota(tenant)
-    assert (await admission.admit(tenant, "a", 96, 16, prefix_keys=["k0", "k1"])).admitted
-    await asyncio.sleep(0.3)  # its ingress died: the reservation lapses
-    alone = await admission.admit(tenant, "b", 96, 16, prefix_keys=["k0", "k1"])
-    assert alone.reservation == Reservation("acme", "b", 7, 7)  # nothing shared any more
-    assert await redis.hgetall(keys.reservation_prefix_refs("acme")) == {"k0": "1", "k1": "1"}
-    await admission.check_invariants("acme")

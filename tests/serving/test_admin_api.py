@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 
-from tests.serving.ingress_harness import PROMPT, Ingress, admin, bearer
+from tests.serving.ingress_harness import Ingress, admin, bearer
 
 STRONG = "chosen-" + secrets.token_urlsafe(32)
 
@@ -86,12 +86,10 @@ async def test_deleting_a_tenant_revokes_its_keys_and_drops_its_reservations(
 ) -> None:
     old_key = await ingress.add_tenant("acme", kv_budget_blocks=8)
     ingress.replicas.gate.clear()
-    long_prompt = " ".join([PROMPT] * 3)  # full blocks: admission keeps its prefix keys
-    running = asyncio.create_task(ingress.complete(old_key, prompt=long_prompt))
+    running = asyncio.create_task(ingress.complete(old_key))
     await asyncio.wait_for(ingress.replicas.arrived.wait(), 10)
     redis, keys = ingress.state.store.redis, ingress.keys
     assert await redis.hlen(keys.reservations("acme")) == 1
-    assert await redis.hlen(keys.reservation_prefixes("acme")) == 1
     deleted = await ingress.client.delete("/admin/tenants/acme", headers=admin())
     assert deleted.status_code == 200, deleted.text
     assert deleted.json() == {"deleted": "acme", "revoked_keys": 1, "removed_reservations": 1}
@@ -101,8 +99,6 @@ async def test_deleting_a_tenant_revokes_its_keys_and_drops_its_reservations(
         keys.reservation_deadlines("acme"),
         keys.tenant_api_keys("acme"),
         keys.reservation_total("acme"),
-        keys.reservation_prefixes("acme"),
-        keys.reservation_prefix_refs("acme"),
     ):
         assert not await redis.exists(name), name
     new_key = await ingress.add_tenant("acme", kv_budget_blocks=8)  # the same id again

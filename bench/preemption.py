@@ -7,7 +7,9 @@ together, each generating ``--new-tokens`` tokens greedily, on a pool of ``--num
 - ``vanilla``: vLLM without a vToken config (it preempts and later recomputes requests);
 - ``eager``: vToken, H2O at ``--keep`` evicting every request to its budget every step;
 - ``on_demand``: vToken, the same H2O, evicting running requests only when the next step
-  or the head of the waiting queue needs blocks, instead of vLLM preempting one.
+  or the head of the waiting queue needs blocks, instead of vLLM preempting one; when
+  even their budgets do not fit, below them, down to their floors (``squeeze_below_budget``);
+- ``on_demand_at_budget``: the same, stopping at the budgets (vLLM preempts from there).
 
 Per engine: ``preemptions`` and ``recomputed_tokens`` (the computed tokens a preempted
 request loses and must recompute), ``evictions_under_pressure`` (request-steps squeezed,
@@ -27,7 +29,7 @@ from typing import Annotated, Any
 
 import typer
 
-ENGINES = ("vanilla", "eager", "on_demand")
+ENGINES = ("vanilla", "eager", "on_demand", "on_demand_at_budget")
 BLOCK_SIZE = 32
 
 
@@ -79,7 +81,8 @@ def run_engine(
         else {
             "policy": "h2o",
             "keep_ratio": keep,
-            "eviction": engine,
+            "eviction": "eager" if engine == "eager" else "on_demand",
+            "squeeze_below_budget": engine == "on_demand",
         }
     )
     llm = make_llm(

@@ -80,6 +80,12 @@ class VTokenConfig(PolicySpec):
       running requests to their budgets (most blocks above budget first) so that the next
       step and the head of the waiting queue fit, instead of vLLM preempting one. Policies
       that decide at one step only (``holds_budget_every_step`` false) keep their timing;
+    - ``squeeze_below_budget`` (``on_demand`` only): when the running requests' next step
+      still does not fit with every decoding request at its budget, squeeze them further,
+      each to the same fraction of its budget but never under its floor (what its policy
+      protects at its budget: sinks, the recent window), before vLLM preempts one: a
+      request keeps less context instead of being recomputed from scratch. Off, vLLM
+      preempts as soon as every request is at its budget;
     - ``score_layers``: which layers feed the attention statistics of scored policies;
     - ``prefix_pin_tokens``: the leading tokens of every request that eviction never takes
       (added to its policy's sinks); with vLLM's prefix caching on, their full blocks stay
@@ -97,6 +103,7 @@ class VTokenConfig(PolicySpec):
 
     mode: ReclaimMode = ReclaimMode.VTOKEN
     eviction: Literal["eager", "on_demand"] = "eager"
+    squeeze_below_budget: bool = True
     score_layers: Literal["all"] | list[int] = "all"
     prefix_pin_tokens: int = Field(default=0, ge=0)
     pin_cache_hits: bool = False

@@ -200,6 +200,7 @@ class VTokenScheduler:
         self.num_evictions_under_pressure = 0
         # request-steps evicted to stay within what admission counts (``hold_blocks``)
         self.num_evictions_to_bound = 0
+        self.num_evictions_below_budget = 0  # request-steps squeezed under their budgets
         self.pressure: dict[str, float] = {}  # tenant -> keep fraction (the controller's)
         self.allowance: dict[str, int] = {}  # tenant -> most blocks it may hold here
         self.step_times = StepTimes()
@@ -369,19 +370,23 @@ class VTokenScheduler:
             if record.kv.tenant in self.pressure and record.pressure_anchor is None:
                 record.pressure_anchor = record.kv.table.num_live  # new under pressure
         self._refresh_shared()
-        always, for_room = self._to_squeeze(decoding, requests, num_waiting_blocks)
+        always, for_room, below = self._to_squeeze(decoding, requests, num_waiting_blocks)
         for request_id in decoding:
             record = self.requests[request_id]
             attention = attention_of.get(request_id, StepAttention())
             # Not squeezed: a step with a budget of everything it holds (the policy observes
             # and counts the step, nothing is evicted).
-            squeeze = request_id in always or request_id in for_room
+            squeeze = request_id in always or request_id in for_room or request_id in below
             budget = self._budget(record) if squeeze else record.kv.table.num_live
+            budget = min(budget, below.get(request_id, budget))
             self._protect_shared(record)  # a policy may evict on its own (a fixed window)
             evicted = self.manager.evict(request_id, budget, attention)
             if len(evicted):
                 self._unpublish_changed(record)
-            if len(evicted) and (request_id in for_room or record.kv.tenant in self.pressure):
+            under_pressure = request_id in for_room or request_id in below
+            if len(evicted) and request_id in below:
+                self.num_evictions_below_budget += 1
+            if len(evicted) and (under_pressure or record.kv.tenant in self.pressure):
                 self.num_evictions_under_pressure += 1
             elif len(evicted) and request_id in always and self._above_hold(record):
                 self.num_evictions_to_bound += 1
@@ -467,10 +472,11 @@ class VTokenScheduler:
 
     def _to_squeeze(
         self, decoding: list[str], requests: dict[str, Any], num_waiting_blocks: int
-    ) -> tuple[set[str], set[str]]:
-        """This step's decoding requests that evict now: ``(always, for room)``."""
+    ) -> tuple[set[str], set[str], dict[str, int]]:
+        """This step's decoding requests that evict now: ``(always, for room, below)``;
+        ``below`` maps a request squeezed under its budget to the live tokens it keeps."""
         if self.config.eviction == "eager":
-            return set(decoding), set()
+            return set(decoding), set(), {}
         always = set()
         for request_id in decoding:
             record = self.requests[request_id]
@@ -481,20 +487,91 @@ class VTokenScheduler:
             held = self._above_hold(record)
             if own_timing or record.capped or held or record.kv.tenant in self.pressure:
                 always.add(request_id)
+        # Room is counted for the next step: a request squeezed onto a block boundary opens
+        # a block again with its next token, so evicting it there gives nothing back.
         need = (
             num_waiting_blocks
             + self.blocks_needed_next_step(requests)
             - self.pool.num_free_blocks
-            - sum(self.blocks_above_budget(r) for r in always)
+            - sum(self._room(r) for r in always)
         )
         for_room = self._over_allowance([r for r in decoding if r not in always], always)
-        need -= sum(self.blocks_above_budget(r) for r in for_room)
-        for request_id in self.squeeze_order([r for r in decoding if r not in always | for_room]):
+        need -= sum(self._room(r) for r in for_room)
+        rest = [r for r in decoding if r not in always | for_room]
+        room = {request_id: self._room(request_id) for request_id in rest}
+        for request_id in sorted((r for r in rest if room[r] > 0), key=lambda r: -room[r]):
             if need <= 0:
                 break
             for_room.add(request_id)
-            need -= self.blocks_above_budget(request_id)
-        return always, for_room
+            need -= room[request_id]
+        # Only the running requests' own next step, not the waiting queue, squeezes anyone
+        # below budget: that is where vLLM would preempt one.
+        below = self.below_budget(decoding, need - num_waiting_blocks)
+        return always, for_room, below
+
+    def below_budget(self, decoding: list[str], need: int) -> dict[str, int]:
+        """Decoding requests squeezed under their budgets so that the next step needs
+        ``need`` blocks fewer (``on_demand`` with ``squeeze_below_budget``, once every request
+        that could give room at its budget does): each keeps the same fraction of its
+        policy's budget, the largest of 0.9, 0.8, ... 0 that frees enough, and never less
+        than its *floor*: what its policy protects at its budget (sinks, the recent
+        window) plus the prefix it does not pay for. Request id -> live tokens it keeps;
+        empty when nothing is needed. When even the floors do not free enough, everyone
+        goes to its floor and vLLM preempts."""
+        if need <= 0 or not self.config.squeeze_below_budget:
+            return {}
+        if self.config.mode is ReclaimMode.NAIVE:
+            return {}  # eviction frees no block there
+        ranges = {}  # request id -> (floor, its policy's budget, prefix kept outside it)
+        for request_id in decoding:
+            record = self.requests[request_id]
+            policy = record.kv.policy
+            if not self._evicts_to_budget(record):
+                continue
+            assert policy is not None
+            kept = max(record.shared_elsewhere * self.block_size, self._pinned_hit(record))
+            budget = max(0, self._budget(record) - kept)
+            ranges[request_id] = (kept + max(1, policy.num_protected(budget)), budget, kept)
+        at_budget = {r: self._room(r) for r in ranges}  # counted in ``need`` already
+
+        def kept_at(fraction: float) -> dict[str, int]:
+            return {
+                request_id: max(floor, kept + int(fraction * budget))
+                for request_id, (floor, budget, kept) in ranges.items()
+            }
+
+        for tenths in range(9, -1, -1):
+            targets = kept_at(tenths / 10)
+            if sum(self._room(r, t) - at_budget[r] for r, t in targets.items()) >= need:
+                break
+        return {r: t for r, t in targets.items() if t < self._budget(self.requests[r])}
+
+    def _room(self, request_id: str, budget: int | None = None) -> int:
+        """Blocks the next step needs fewer of if the decoding request evicts to ``budget``
+        live tokens (default: its budget) now and repacks: it holds them with its next
+        token in fewer blocks. 0 for a policy that would not evict if asked now, and in
+        naive mode (eviction frees no block there)."""
+        record = self.requests[request_id]
+        if not self._evicts_to_budget(record) or self.config.mode is ReclaimMode.NAIVE:
+            return 0
+        table = record.kv.table
+        budget = self._budget(record) if budget is None else budget
+        now = len(table.block_ids) + table.num_blocks_needed(1)
+        after = cdiv(self._tokens_at(request_id, budget) + 1, self.block_size)
+        return max(0, now - after)
+
+    def _tokens_at(self, request_id: str, budget: int) -> int:
+        """Live tokens the request keeps after eviction to ``budget`` (what its policy
+        protects at that budget, if more)."""
+        record = self.requests[request_id]
+        policy, table = record.kv.policy, record.kv.table
+        assert policy is not None
+        return min(table.num_live, max(budget, policy.num_protected(budget)))
+
+    def _blocks_at(self, request_id: str, budget: int) -> int:
+        """Blocks the request keeps after eviction to ``budget`` live tokens and a repack."""
+        held = len(self.requests[request_id].kv.table.block_ids)
+        return min(held, cdiv(self._tokens_at(request_id, budget), self.block_size))
 
     def _over_allowance(self, decoding: list[str], always: set[str]) -> set[str]:
         """Decoding requests to evict to budget so that each tenant fits its allowance."""
@@ -540,14 +617,10 @@ class VTokenScheduler:
         budget or what its policy protects at that budget, if more. 0 for a policy that
         would not evict if asked now, and in naive mode (eviction frees no block there)."""
         record = self.requests[request_id]
-        policy = record.kv.policy
         if not self._evicts_to_budget(record) or self.config.mode is ReclaimMode.NAIVE:
             return 0
-        assert policy is not None
-        table, budget = record.kv.table, self._budget(record)
-        keep = max(budget, policy.num_protected(budget))
-        kept = cdiv(min(table.num_live, keep), self.block_size)
-        return max(0, len(table.block_ids) - kept)
+        held = len(record.kv.table.block_ids)
+        return max(0, held - self._blocks_at(request_id, self._budget(record)))
 
     def squeeze_order(self, request_ids: list[str]) -> list[str]:
         """Requests with blocks above their budget, most first (ties keep the given order)."""

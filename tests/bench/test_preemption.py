@@ -21,9 +21,10 @@ def test_on_demand_replaces_preemptions_with_evictions(tiny_llama_path):
     prompts = token_prompts([100] * 4, seed=2)
     rows = {
         engine: run_engine(tiny_llama_path, engine, prompts, 17, 60, 0.5, skip_tokenizer_init=True)
-        for engine in ("vanilla", "on_demand")
+        for engine in ("vanilla", "on_demand", "on_demand_at_budget")
     }
     vanilla, on_demand = rows["vanilla"], rows["on_demand"]
+    assert rows["on_demand_at_budget"].completed == 4
     assert vanilla.completed == on_demand.completed == 4
     assert vanilla.preemptions > 0 and vanilla.recomputed_tokens >= 100
     assert vanilla.evictions_under_pressure == 0 and vanilla.mean_live_tokens_at_end is None

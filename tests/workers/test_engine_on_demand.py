@@ -4,6 +4,8 @@ requests are evicted to their budgets (and repacked) instead of vLLM preempting 
 - no memory pressure: nothing is evicted and the tokens equal vanilla vLLM's;
 - a pool too small for its requests: ``on_demand`` finishes every request with no
   preemption, where the same engine that never evicts (policy ``none``) preempts;
+- a pool too small even for the requests' budgets: they are squeezed below them, never
+  under their floors, where the engine that stops at budgets preempts;
 - the tokens of an on-demand run equal the transformers reference engine replaying the
   same evictions (SmolLM2-135M), so squeezing running requests keeps attention exact.
 """
@@ -83,23 +85,59 @@ def test_a_small_pool_evicts_running_requests_instead_of_preempting(tiny_llama_p
     assert state.pool.num_free_blocks == state.pool.num_blocks
 
 
-def test_squeezed_tokens_equal_the_reference_engine(smollm2_path):
+def test_budgets_that_do_not_fit_are_squeezed_below_instead_of_preempted(tiny_llama_path):
+    """Four requests of 100 + 60 tokens on 10 blocks of 32: at keep 0.5 their budgets end
+    at 80 tokens (3 blocks) each, 12 blocks in all, so with every request at its budget
+    vLLM must preempt; squeezed below budget (never under H2O's recent half of it, 40
+    tokens) they fit, and nothing is preempted."""
+    prompts = token_prompts([100, 100, 100, 100], seed=11)
+    kwargs = {"max_model_len": 256, "skip_tokenizer_init": True, "num_blocks": 11}
+    at_budget = H2O_ON_DEMAND | {"squeeze_below_budget": False}
+    llm, tokens = _squeezed_run(tiny_llama_path, at_budget, prompts, 60, **kwargs)
+    assert all(len(t) == 60 for t in tokens)
+    assert engine_state(llm).num_preemptions > 0
+    del llm
+    llm, tokens = _squeezed_run(tiny_llama_path, H2O_ON_DEMAND, prompts, 60, **kwargs)
+    assert all(len(t) == 60 for t in tokens)
+    state = engine_state(llm)
+    assert state.num_preemptions == 0 and state.num_evictions_below_budget > 0
+    final = [state.finished[internal_request_id(state, r)].report for r in "0123"]
+    assert min(report.live_tokens for report in final) < 80  # someone went below budget
+    assert all(report.live_tokens >= 40 for report in final)  # none under its floor
+    assert state.pool.num_free_blocks == state.pool.num_blocks
+
+
+@pytest.mark.parametrize(
+    ("num_prompts", "new_tokens", "num_blocks"),
+    [(3, 40, 12), (4, 60, 11)],
+    ids=["to_budget", "below_budget"],
+)
+def test_squeezed_tokens_equal_the_reference_engine(
+    smollm2_path, num_prompts, new_tokens, num_blocks
+):
+    """Prompts of 100 tokens at keep 0.5. 3 of them + 40 tokens on 12 blocks: squeezing to
+    budgets suffices; 4 + 60 tokens on 11 blocks (budgets of 3 blocks each at the end):
+    they must go below budget."""
     from workers.hf_sim import HFSimEngine
 
     reference = HFSimEngine(str(smollm2_path))
     from bench.fragmentation import natural_prompts
 
-    prompts = natural_prompts(reference.tokenizer, 3, 100)
-    kwargs = {"max_model_len": 256, "num_blocks": 12}
-    llm, tokens = _squeezed_run(str(smollm2_path), H2O_ON_DEMAND, prompts, 40, **kwargs)
+    prompts = natural_prompts(reference.tokenizer, num_prompts, 100)
+    kwargs = {"max_model_len": 256, "num_blocks": num_blocks}
+    run = _squeezed_run(str(smollm2_path), H2O_ON_DEMAND, prompts, new_tokens, **kwargs)
+    llm, tokens = run
     state = engine_state(llm)
     assert state.num_preemptions == 0 and state.num_evictions_under_pressure > 0
-    evictions = _evictions(llm, ["0", "1", "2"])
+    evictions = _evictions(llm, [str(i) for i in range(num_prompts)])
     assert any(step.size for steps in evictions for step in steps), "vacuous: no pressure"
+    assert (state.num_evictions_below_budget > 0) == (num_prompts == 4)
     del llm
     for prompt, expected, evicted in zip(prompts, tokens, evictions, strict=True):
         manager = VTokenManager(StandaloneBlockPool(64), BLOCK_SIZE)
-        result = reference.generate(prompt, 40, Replay(steps=evicted), lambda n: n, [manager])
+        result = reference.generate(
+            prompt, new_tokens, Replay(steps=evicted), lambda n: n, [manager]
+        )
         assert result.token_ids == expected
 
 

@@ -254,6 +254,66 @@ def test_a_request_never_holds_more_than_admission_counts(hold):
     assert state.snapshot().num_evictions_to_bound == state.num_evictions_to_bound
 
 
+def _decode_on_a_full_pool(squeeze_below_budget: bool, steps: int = 40):
+    """Two H2O requests (keep 0.5) of 16-token prompts on 8 blocks of 4, decoding one token
+    a step: their budgets (half their length each) outgrow the pool from about 32 tokens
+    each. Returns the state, the step whose allocation was refused (where vLLM preempts;
+    ``None``: none was) and, per step, each request's (live tokens, budget)."""
+    pool, manager = FakeBlockPool(9), FakeBlockManager()
+    config = VTokenConfig(
+        policy="h2o",
+        keep_ratio=0.5,
+        eviction="on_demand",
+        squeeze_below_budget=squeeze_below_budget,
+        check_invariants=True,
+    )
+    state = VTokenScheduler(config, pool, manager)
+    requests = {r: FakeRequest(r, 16) for r in ("a", "b")}
+    for request in requests.values():
+        run_prefill(state, request)
+
+    def scores() -> StepScores:
+        return StepScores(
+            {
+                r: StepAttention(step_scores=np.linspace(1, 2, record.kv.table.num_slots))
+                for r, record in state.requests.items()
+            }
+        )
+
+    state.after_step({r: 16 for r in requests}, requests, scores())
+    seen = []
+    for step in range(steps):
+        for request in requests.values():
+            if state.allocate(request, 1) is None:
+                return state, step, seen
+            request.num_computed_tokens += 1
+        state.after_step({r: 1 for r in requests}, requests, scores())
+        seen.append(
+            {
+                r: (record.kv.table.num_live, state._budget(record))
+                for r, record in state.requests.items()
+            }
+        )
+    return state, None, seen
+
+
+def test_on_demand_squeezes_below_budget_before_vllm_would_preempt():
+    """With every request at its budget and the next step still short of blocks, an
+    on-demand engine evicts further, never under what H2O protects at its budget (its
+    recent half), instead of leaving vLLM to preempt; switched off, the pool runs out."""
+    _, refused_at, _ = _decode_on_a_full_pool(squeeze_below_budget=False)
+    assert refused_at is not None  # vLLM would preempt here
+    state, refused_at, seen = _decode_on_a_full_pool(squeeze_below_budget=True)
+    assert refused_at is None
+    below = [(live, budget) for step in seen for live, budget in step.values() if live < budget]
+    assert below, "vacuous: nobody was squeezed below budget"
+    policy = state.requests["a"].kv.policy
+    assert all(live >= policy.num_protected(budget) for live, budget in below)
+    assert state.num_evictions_below_budget > 0 and state.num_preemptions == 0
+    # Squeezed no deeper than needed: the pool still runs nearly full.
+    assert state.pool.num_free_blocks <= 2
+
+
 def test_a_bad_hold_value_is_ignored() -> None:
     pool, manager = FakeBlockPool(64), FakeBlockManager()
     state = VTokenScheduler(VTokenConfig(policy="h2o", keep_ratio=0.2), pool, manager)

@@ -13,7 +13,8 @@ together, each generating ``--new-tokens`` tokens greedily, on a pool of ``--num
 
 Per engine: ``preemptions`` and ``recomputed_tokens`` (the computed tokens a preempted
 request loses and must recompute), ``evictions_under_pressure`` (request-steps squeezed,
-``on_demand``), ``completed`` requests, ``tokens_per_s`` (generated tokens over the wall
+``on_demand``), ``evictions_below_budget`` (those squeezed under their budgets),
+``completed`` requests, ``tokens_per_s`` (generated tokens over the wall
 time of the run), and the mean live tokens per request at the end (how much each engine
 evicted: what the speed costs in kept context). One process, engines one after another.
 """
@@ -39,6 +40,7 @@ class Row:
     preemptions: int
     recomputed_tokens: int
     evictions_under_pressure: int
+    evictions_below_budget: int
     completed: int
     tokens_per_s: float
     mean_live_tokens_at_end: float | None
@@ -116,6 +118,7 @@ def run_engine(
         preemptions=counter.preemptions,
         recomputed_tokens=counter.recomputed_tokens,
         evictions_under_pressure=state.num_evictions_under_pressure if state else 0,
+        evictions_below_budget=state.num_evictions_below_budget if state else 0,
         completed=sum(o.finished for o in outputs),
         tokens_per_s=round(generated / elapsed, 2),
         mean_live_tokens_at_end=round(sum(live_at_end) / len(live_at_end), 1)

@@ -139,6 +139,9 @@ class EngineCounters(_Frozen):
     """Blocks the running requests would hold under Naive-Evict (same decisions)."""
     evictions_to_bound: NonNegativeInt = 0
     """Request-steps evicted to stay within what admission counts them at."""
+    evictions_below_budget: NonNegativeInt = 0
+    """Request-steps squeezed under their budgets instead of a preemption (among the
+    evictions under pressure)."""
     evicted_tokens: NonNegativeInt = 0
     """Tokens evicted since the engine started (finished requests' too)."""
     repack_moves: NonNegativeInt = 0

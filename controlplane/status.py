@@ -42,6 +42,7 @@ async def cluster_status(store: RedisStore, now_s: float | None = None) -> dict[
             "preemptions": report.preemptions,
             "evictions_under_pressure": report.evictions_under_pressure,
             "evictions_to_bound": report.evictions_to_bound,
+            "evictions_below_budget": report.evictions_below_budget,
             "max_step_s": round(report.max_step_s, 3),
             "repack_bytes": report.repack_bytes,
             "repack_seconds": round(report.repack_seconds, 3),

@@ -148,6 +148,7 @@ def counters_from_snapshot(
         recent_steps=report.recent_steps,
         evicted_tokens=report.evicted_tokens_total,
         evictions_to_bound=report.num_evictions_to_bound,
+        evictions_below_budget=report.num_evictions_below_budget,
         repack_moves=report.repack_moves_total,
         repack_bytes=report.repack_bytes_total,
         repack_seconds=report.repack_seconds_total,

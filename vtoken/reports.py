@@ -103,6 +103,9 @@ class EngineReport(BaseModel):
     num_evictions_under_pressure: Count = 0
     num_evictions_to_bound: Count = 0
     """Request-steps evicted to stay within what admission counts them at."""
+    num_evictions_below_budget: Count = 0
+    """Request-steps squeezed under their budgets so that vLLM need not preempt (among the
+    evictions under pressure)."""
     blocks_reclaimed: Count = 0
     evicted_tokens_total: Count = 0
     repack_moves_total: Count = 0

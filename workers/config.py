@@ -77,15 +77,19 @@ class VTokenConfig(PolicySpec):
       a block-granular manager would still hold (Naive-Evict, ``vtoken/manager.py``);
     - ``eviction``: ``eager`` evicts every request to its budget after every step (the
       paper's benchmarks); ``on_demand`` keeps tokens until memory is needed, then evicts
-      running requests to their budgets (most blocks above budget first) so that the next
+      running requests to their budgets (those whose eviction gives the next step the most
+      blocks first) so that the next
       step and the head of the waiting queue fit, instead of vLLM preempting one. Policies
       that decide at one step only (``holds_budget_every_step`` false) keep their timing;
     - ``squeeze_below_budget`` (``on_demand`` only): when the running requests' next step
       still does not fit with every decoding request at its budget, squeeze them further,
-      each to the same fraction of its budget but never under its floor (what its policy
-      protects at its budget: sinks, the recent window), before vLLM preempts one: a
+      a block at a time from the one keeping the largest share of its budget, only as
+      many blocks as the step needs, never under its floor, before vLLM preempts one: a
       request keeps less context instead of being recomputed from scratch. Off, vLLM
       preempts as soon as every request is at its budget;
+    - ``squeeze_floor``: a request's floor for that squeeze, as a fraction of its policy's
+      budget (its policy still keeps its sinks and pinned prefix; the policy chooses which
+      tokens stay, among them a recent window sized on the smaller budget);
     - ``score_layers``: which layers feed the attention statistics of scored policies;
     - ``prefix_pin_tokens``: the leading tokens of every request that eviction never takes
       (added to its policy's sinks); with vLLM's prefix caching on, their full blocks stay
@@ -104,6 +108,7 @@ class VTokenConfig(PolicySpec):
     mode: ReclaimMode = ReclaimMode.VTOKEN
     eviction: Literal["eager", "on_demand"] = "eager"
     squeeze_below_budget: bool = True
+    squeeze_floor: float = Field(default=0.5, ge=0.0, le=1.0)
     score_layers: Literal["all"] | list[int] = "all"
     prefix_pin_tokens: int = Field(default=0, ge=0)
     pin_cache_hits: bool = False

@@ -65,6 +65,7 @@ slots and a repack moves tokens across blocks. So, per request:
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
@@ -86,6 +87,18 @@ MAX_FINISHED_RECORDS = 4096
 STEP_WINDOW_S = 2.0  # reports carry the longest steps that ended this recently
 RECENT_STEPS = 16  # how many of them
 _EMPTY = np.zeros(0, dtype=np.int64)
+
+
+def _ends_with_this_step(request: Any) -> bool:
+    """Whether a decoding vLLM ``Request`` reaches its ``max_tokens`` with the token this
+    step samples (vLLM's stop check runs after the vToken step hook). Stop tokens and
+    strings are not foreseen: such a request counts as going on."""
+    max_tokens = getattr(request, "max_tokens", None)
+    num_output = getattr(request, "num_output_tokens", None)
+    if not isinstance(max_tokens, int) or not isinstance(num_output, int):
+        return False
+    decoding = request.num_computed_tokens >= request.num_tokens
+    return decoding and num_output + 1 >= max_tokens
 
 
 @dataclass(slots=True)
@@ -351,8 +364,10 @@ class VTokenScheduler:
         request only feeds its policy this step's attention, unless memory is needed:
         ``num_waiting_blocks`` (what the head of vLLM's waiting queue needs to start), the
         blocks running prefills still need, and a block for every decoding request whose
-        next token opens one, beyond the free blocks; then :meth:`squeeze_order` picks who
-        evicts to budget now. Always evicting, in both modes: requests under controller
+        next token opens one, beyond the free blocks; then those whose eviction to budget
+        gives the next step the most blocks (:meth:`_room`) evict now, and if the running
+        requests' own next step still does not fit, :meth:`below_budget` squeezes them
+        under their budgets. Always evicting, in both modes: requests under controller
         pressure (``set_pressure``), requests under a tenant's per-request cap (admission
         counted on it), and policies that decide at one step only.
         """
@@ -370,6 +385,8 @@ class VTokenScheduler:
             if record.kv.tenant in self.pressure and record.pressure_anchor is None:
                 record.pressure_anchor = record.kv.table.num_live  # new under pressure
         self._refresh_shared()
+        for request_id in decoding:  # what room estimates read (sinks) is this step's
+            self._protect_shared(self.requests[request_id])
         always, for_room, below = self._to_squeeze(decoding, requests, num_waiting_blocks)
         for request_id in decoding:
             record = self.requests[request_id]
@@ -512,39 +529,50 @@ class VTokenScheduler:
     def below_budget(self, decoding: list[str], need: int) -> dict[str, int]:
         """Decoding requests squeezed under their budgets so that the next step needs
         ``need`` blocks fewer (``on_demand`` with ``squeeze_below_budget``, once every request
-        that could give room at its budget does): each keeps the same fraction of its
-        policy's budget, the largest of 0.9, 0.8, ... 0 that frees enough, and never less
-        than its *floor*: what its policy protects at its budget (sinks, the recent
-        window) plus the prefix it does not pay for. Request id -> live tokens it keeps;
-        empty when nothing is needed. When even the floors do not free enough, everyone
-        goes to its floor and vLLM preempts."""
+        that could give room at its budget does). Block by block, the request keeping the
+        largest share of its budget gives one up, so shares stay level and no more is taken
+        than ``need``; a request keeps whatever its remaining blocks hold with its next
+        token. None goes under its *floor*: ``squeeze_floor`` of its policy's budget (and
+        never under what its policy protects at that budget: sinks, pinned prefixes, a
+        fixed recent window), plus the prefix it does not pay for. Request id -> live
+        tokens it keeps; empty when nothing is needed. When the floors do not free enough,
+        vLLM preempts."""
         if need <= 0 or not self.config.squeeze_below_budget:
             return {}
         if self.config.mode is ReclaimMode.NAIVE:
             return {}  # eviction frees no block there
-        ranges = {}  # request id -> (floor, its policy's budget, prefix kept outside it)
+        size = self.block_size
+        blocks, floors, budgets = {}, {}, {}  # next step's blocks at budget; floor; budget
         for request_id in decoding:
             record = self.requests[request_id]
             policy = record.kv.policy
             if not self._evicts_to_budget(record):
                 continue
             assert policy is not None
-            kept = max(record.shared_elsewhere * self.block_size, self._pinned_hit(record))
-            budget = max(0, self._budget(record) - kept)
-            ranges[request_id] = (kept + max(1, policy.num_protected(budget)), budget, kept)
-        at_budget = {r: self._room(r) for r in ranges}  # counted in ``need`` already
+            budget = self._budget(record)
+            kept = max(record.shared_elsewhere * size, self._pinned_hit(record))
+            own = max(0, budget - kept)
+            floor = max(kept + math.ceil(self.config.squeeze_floor * own), 1)
+            floors[request_id] = max(floor, policy.num_protected(own))  # sinks: pinned prefix
+            blocks[request_id] = cdiv(self._tokens_at(request_id, budget) + 1, size)
+            budgets[request_id] = max(budget, 1)
+        taken = dict.fromkeys(blocks, 0)
 
-        def kept_at(fraction: float) -> dict[str, int]:
-            return {
-                request_id: max(floor, kept + int(fraction * budget))
-                for request_id, (floor, budget, kept) in ranges.items()
-            }
+        def can_give(request_id: str) -> bool:  # a block, keeping its floor, and really
+            target = (blocks[request_id] - taken[request_id] - 1) * size - 1
+            return target >= floors[request_id] and self._tokens_at(request_id, target) <= target
 
-        for tenths in range(9, -1, -1):
-            targets = kept_at(tenths / 10)
-            if sum(self._room(r, t) - at_budget[r] for r, t in targets.items()) >= need:
+        for _ in range(need):
+            able = [r for r in blocks if can_give(r)]
+            if not able:
                 break
-        return {r: t for r, t in targets.items() if t < self._budget(self.requests[r])}
+            request_id = max(able, key=lambda r: ((blocks[r] - taken[r]) / budgets[r], r))
+            taken[request_id] += 1
+        return {
+            request_id: (blocks[request_id] - count) * size - 1
+            for request_id, count in taken.items()
+            if count
+        }
 
     def _room(self, request_id: str, budget: int | None = None) -> int:
         """Blocks the next step needs fewer of if the decoding request evicts to ``budget``
@@ -605,6 +633,8 @@ class VTokenScheduler:
         needed = 0
         for request_id, record in self.requests.items():
             request = requests.get(request_id)
+            if request is not None and _ends_with_this_step(request):
+                continue  # its blocks come back instead
             table = record.kv.table
             remaining = 0 if request is None else request.num_tokens - request.num_computed_tokens
             if self.max_step_tokens is not None:
@@ -719,6 +749,7 @@ class VTokenScheduler:
             blocks_reclaimed=self.manager.num_blocks_reclaimed,
             num_evictions_under_pressure=self.num_evictions_under_pressure,
             num_evictions_to_bound=self.num_evictions_to_bound,
+            num_evictions_below_budget=self.num_evictions_below_budget,
             recent_max_step_s=self.step_times.recent_max_s(),
             recent_steps=self.step_times.recent_longest(),
             evicted_tokens_total=self.manager.num_evicted_tokens,

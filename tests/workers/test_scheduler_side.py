@@ -254,14 +254,14 @@ def test_a_request_never_holds_more_than_admission_counts(hold):
     assert state.snapshot().num_evictions_to_bound == state.num_evictions_to_bound
 
 
-def _decode_on_a_full_pool(squeeze_below_budget: bool, steps: int = 40):
-    """Two H2O requests (keep 0.5) of 16-token prompts on 8 blocks of 4, decoding one token
-    a step: their budgets (half their length each) outgrow the pool from about 32 tokens
+def _decode_on_a_full_pool(squeeze_below_budget: bool, steps: int = 40, policy: str = "h2o"):
+    """Two requests (keep 0.5) of 16-token prompts on 8 blocks of 4, decoding one token a
+    step: their budgets (half their length each) outgrow the pool from about 32 tokens
     each. Returns the state, the step whose allocation was refused (where vLLM preempts;
     ``None``: none was) and, per step, each request's (live tokens, budget)."""
     pool, manager = FakeBlockPool(9), FakeBlockManager()
     config = VTokenConfig(
-        policy="h2o",
+        policy=policy,
         keep_ratio=0.5,
         eviction="on_demand",
         squeeze_below_budget=squeeze_below_budget,
@@ -287,7 +287,10 @@ def _decode_on_a_full_pool(squeeze_below_budget: bool, steps: int = 40):
             if state.allocate(request, 1) is None:
                 return state, step, seen
             request.num_computed_tokens += 1
+        squeezed = state.num_evictions_below_budget
         state.after_step({r: 1 for r in requests}, requests, scores())
+        if state.num_evictions_below_budget > squeezed:  # no deeper than the step needs
+            assert state.pool.num_free_blocks <= 1
         seen.append(
             {
                 r: (record.kv.table.num_live, state._budget(record))
@@ -297,21 +300,81 @@ def _decode_on_a_full_pool(squeeze_below_budget: bool, steps: int = 40):
     return state, None, seen
 
 
-def test_on_demand_squeezes_below_budget_before_vllm_would_preempt():
+@pytest.mark.parametrize("policy", ["h2o", "random", "streaming_llm"])
+def test_on_demand_squeezes_below_budget_before_vllm_would_preempt(policy):
     """With every request at its budget and the next step still short of blocks, an
-    on-demand engine evicts further, never under what H2O protects at its budget (its
-    recent half), instead of leaving vLLM to preempt; switched off, the pool runs out."""
-    _, refused_at, _ = _decode_on_a_full_pool(squeeze_below_budget=False)
-    assert refused_at is not None  # vLLM would preempt here
-    state, refused_at, seen = _decode_on_a_full_pool(squeeze_below_budget=True)
-    assert refused_at is None
+    on-demand engine evicts further, a block at a time and never under its floor (half its
+    budget by default, whatever its policy protects), instead of leaving vLLM to preempt;
+    switched off, the pool runs out at once. Floors eventually do not fit either: then
+    the allocation is refused (vLLM preempts)."""
+    _, refused_without, _ = _decode_on_a_full_pool(False, policy=policy)
+    assert refused_without is not None  # vLLM would preempt here
+    state, refused_at, seen = _decode_on_a_full_pool(True, steps=200, policy=policy)
+    assert refused_at is not None and refused_at > refused_without + 10
     below = [(live, budget) for step in seen for live, budget in step.values() if live < budget]
     assert below, "vacuous: nobody was squeezed below budget"
-    policy = state.requests["a"].kv.policy
-    assert all(live >= policy.num_protected(budget) for live, budget in below)
-    assert state.num_evictions_below_budget > 0 and state.num_preemptions == 0
-    # Squeezed no deeper than needed: the pool still runs nearly full.
-    assert state.pool.num_free_blocks <= 2
+    assert all(2 * live >= budget for live, budget in below)  # squeeze_floor 0.5
+    assert min(2 * live - budget for live, budget in below) < 2 * BLOCK_SIZE  # floor reached
+    assert state.num_evictions_below_budget > 0
+
+
+def _at_budget_state(num_requests: int, num_tokens: int, num_blocks: int = 128, **config):
+    """Decoding H2O requests (keep 0.5) already at their budgets, nothing free beyond."""
+    pool, manager = FakeBlockPool(num_blocks), FakeBlockManager()
+    settings = {"policy": "h2o", "keep_ratio": 0.5, "eviction": "on_demand"} | config
+    state = VTokenScheduler(VTokenConfig(**settings), pool, manager)
+    requests = {}
+    for i in range(num_requests):
+        request = requests[f"r{i}"] = FakeRequest(f"r{i}", num_tokens)
+        run_prefill(state, request)
+        keep = state._budget(state.requests[request.request_id])
+        state.manager.evict_ids(request.request_id, np.arange(num_tokens - keep))
+        state._reclaim(state.requests[request.request_id])
+    return state, requests
+
+
+def test_below_budget_takes_only_the_blocks_the_step_needs():
+    state, requests = _at_budget_state(4, 200)  # budgets 100 tokens: 25 blocks of 4 each
+    decoding = list(requests)
+    before = {r: state._room(r) for r in decoding}
+    for need in (1, 3):
+        below = state.below_budget(decoding, need)
+        assert sum(state._room(r, t) - before[r] for r, t in below.items()) == need
+        assert len(below) == need  # one block each from the fullest shares
+        # each keeps what its remaining blocks hold with the next token
+        assert all((t + 1) % BLOCK_SIZE == 0 for t in below.values())
+    assert state.below_budget(decoding, 0) == {}
+
+
+def test_the_waiting_queue_never_squeezes_below_budget():
+    state, requests = _at_budget_state(3, 40, num_blocks=40)
+    free = state.pool.num_free_blocks
+    always, for_room, below = state._to_squeeze(list(requests), requests, free + 20)
+    assert below == {} and not always and not for_room  # at budget: nothing gives room
+    always, for_room, below = state._to_squeeze(list(requests), requests, 0)
+    assert below == {}  # the running requests fit
+
+
+def test_a_request_with_a_pinned_hit_can_still_be_squeezed_below_budget():
+    """Its pinned prefix sits in its policy's sinks and outside its budget: counted once in
+    its floor, so the tokens above it can still go."""
+    pool, manager = FakeBlockPool(64), FakeBlockManager()
+    config = VTokenConfig(policy="h2o", keep_ratio=0.5, eviction="on_demand", pin_cache_hits=True)
+    state = VTokenScheduler(config, pool, manager)
+    first = FakeRequest("a", 12)
+    run_prefill(state, first)
+    manager.num_cached_block["a"] = 3
+    hit = manager.req_to_blocks["a"][:2]  # 8 tokens
+    state.free("a")
+    second = FakeRequest("b", 64)
+    assert state.allocate(second, 56, hit_blocks=hit) is not None
+    second.num_computed_tokens = 64
+    state._protect_shared(state.requests["b"])
+    budget = state._budget(state.requests["b"])  # 8 pinned + 0.5 x 56
+    assert budget == 36
+    below = state.below_budget(["b"], 2)
+    assert below and state._room("b", below["b"]) - state._room("b") == 2
+    assert 8 + 14 <= below["b"] < budget  # the pin and half its own budget stay
 
 
 def test_a_bad_hold_value_is_ignored() -> None:

@@ -83,10 +83,11 @@ class VTokenConfig(PolicySpec):
       that decide at one step only (``holds_budget_every_step`` false) keep their timing;
     - ``squeeze_below_budget`` (``on_demand`` only): when the running requests' next step
       still does not fit with every decoding request at its budget, squeeze them further,
-      a block at a time from the one keeping the largest share of its budget, only as
-      many blocks as the step needs, never under its floor, before vLLM preempts one: a
-      request keeps less context instead of being recomputed from scratch. Off, vLLM
-      preempts as soon as every request is at its budget;
+      a block at a time from the one keeping the largest share of its budget (tenants
+      above their allowance first), only as many blocks as the step needs, never under its
+      floor, instead of vLLM preempting one: a request keeps less context instead of being
+      recomputed from scratch. When the floors cannot free enough, nobody is squeezed and
+      vLLM preempts. Off, vLLM preempts as soon as every request is at its budget;
     - ``squeeze_floor``: a request's floor for that squeeze, as a fraction of its policy's
       budget (its policy still keeps its sinks and pinned prefix; the policy chooses which
       tokens stay, among them a recent window sized on the smaller budget);

@@ -65,6 +65,7 @@ slots and a repack moves tokens across blocks. So, per request:
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections import OrderedDict, deque
@@ -97,6 +98,8 @@ def _ends_with_this_step(request: Any) -> bool:
     num_output = getattr(request, "num_output_tokens", None)
     if not isinstance(max_tokens, int) or not isinstance(num_output, int):
         return False
+    if getattr(request, "resumable", False):
+        return False  # a streaming-input request keeps its blocks for its next input
     decoding = request.num_computed_tokens >= request.num_tokens
     return decoding and num_output + 1 >= max_tokens
 
@@ -506,12 +509,15 @@ class VTokenScheduler:
                 always.add(request_id)
         # Room is counted for the next step: a request squeezed onto a block boundary opens
         # a block again with its next token, so evicting it there gives nothing back.
+        ending = {r for r in decoding if _ends_with_this_step(requests[r])}
         need = (
             num_waiting_blocks
             + self.blocks_needed_next_step(requests)
             - self.pool.num_free_blocks
-            - sum(self._room(r) for r in always)
+            - sum(self._blocks_returning(r) for r in ending)
+            - sum(self._room(r) for r in always - ending)
         )
+        decoding = [r for r in decoding if r not in ending]  # nothing to gain from them
         for_room = self._over_allowance([r for r in decoding if r not in always], always)
         need -= sum(self._room(r) for r in for_room)
         rest = [r for r in decoding if r not in always | for_room]
@@ -530,19 +536,22 @@ class VTokenScheduler:
         """Decoding requests squeezed under their budgets so that the next step needs
         ``need`` blocks fewer (``on_demand`` with ``squeeze_below_budget``, once every request
         that could give room at its budget does). Block by block, the request keeping the
-        largest share of its budget gives one up, so shares stay level and no more is taken
-        than ``need``; a request keeps whatever its remaining blocks hold with its next
-        token. None goes under its *floor*: ``squeeze_floor`` of its policy's budget (and
-        never under what its policy protects at that budget: sinks, pinned prefixes, a
-        fixed recent window), plus the prefix it does not pay for. Request id -> live
-        tokens it keeps; empty when nothing is needed. When the floors do not free enough,
-        vLLM preempts."""
+        largest share of its own budget gives one up (requests of tenants above their
+        allowance here first), so shares stay level and no more is taken than ``need``; a
+        request keeps whatever its remaining blocks hold with its next token. None goes
+        under its *floor*: ``squeeze_floor`` of its own budget plus the prefix it does not
+        pay for or pinned (and never under what its policy protects). Request id -> live
+        tokens it keeps; empty when nothing is needed, or when the floors cannot free
+        ``need`` blocks: vLLM preempts then, and the preempted request's blocks are the
+        room, so squeezing the others too would only cost them context."""
         if need <= 0 or not self.config.squeeze_below_budget:
             return {}
         if self.config.mode is ReclaimMode.NAIVE:
             return {}  # eviction frees no block there
         size = self.block_size
-        blocks, floors, budgets = {}, {}, {}  # next step's blocks at budget; floor; budget
+        over = self._tenants_over_allowance()
+        heap: list[tuple[int, float, str]] = []  # (not over allowance, -share, id)
+        blocks, floors, kept, own = {}, {}, {}, {}  # next step's blocks at budget, ...
         for request_id in decoding:
             record = self.requests[request_id]
             policy = record.kv.policy
@@ -550,29 +559,56 @@ class VTokenScheduler:
                 continue
             assert policy is not None
             budget = self._budget(record)
-            kept = max(record.shared_elsewhere * size, self._pinned_hit(record))
-            own = max(0, budget - kept)
-            floor = max(kept + math.ceil(self.config.squeeze_floor * own), 1)
-            floors[request_id] = max(floor, policy.num_protected(own))  # sinks: pinned prefix
+            kept[request_id] = max(record.shared_elsewhere * size, self._pinned_hit(record))
+            own[request_id] = max(1, budget - kept[request_id])
+            floor = kept[request_id] + math.ceil(self.config.squeeze_floor * own[request_id])
+            floors[request_id] = max(floor, policy.num_protected(own[request_id]), 1)
             blocks[request_id] = cdiv(self._tokens_at(request_id, budget) + 1, size)
-            budgets[request_id] = max(budget, 1)
         taken = dict.fromkeys(blocks, 0)
 
-        def can_give(request_id: str) -> bool:  # a block, keeping its floor, and really
-            target = (blocks[request_id] - taken[request_id] - 1) * size - 1
-            return target >= floors[request_id] and self._tokens_at(request_id, target) <= target
+        def target(request_id: str) -> int:  # live tokens if it gives one more block
+            return (blocks[request_id] - taken[request_id] - 1) * size - 1
 
-        for _ in range(need):
-            able = [r for r in blocks if can_give(r)]
-            if not able:
-                break
-            request_id = max(able, key=lambda r: ((blocks[r] - taken[r]) / budgets[r], r))
+        def push(request_id: str) -> None:
+            goal = target(request_id)
+            if goal < floors[request_id] or self._tokens_at(request_id, goal) > goal:
+                return  # at its floor, or its policy would keep more than the block holds
+            share = (goal + size - kept[request_id]) / own[request_id]
+            heapq.heappush(
+                heap, (self.requests[request_id].kv.tenant not in over, -share, request_id)
+            )
+
+        for request_id in blocks:
+            push(request_id)
+        given = 0
+        while heap and given < need:
+            request_id = heapq.heappop(heap)[2]
             taken[request_id] += 1
+            given += 1
+            push(request_id)
+        if given < need:
+            return {}
         return {
             request_id: (blocks[request_id] - count) * size - 1
             for request_id, count in taken.items()
             if count
         }
+
+    def _blocks_returning(self, request_id: str) -> int:
+        """Blocks back in the pool when the request ends: those nobody else holds."""
+        return sum(1 for block in self.stm.req_to_blocks[request_id] if block.ref_cnt == 1)
+
+    def _held_per_tenant(self) -> dict[str, int]:
+        """Blocks each tenant's requests hold here, shared blocks counted once."""
+        held: dict[str, int] = {}
+        for record in self.requests.values():  # ``shared_elsewhere``: _refresh_shared
+            tenant = record.kv.tenant
+            held[tenant] = held.get(tenant, 0) + record.kv.num_held_blocks - record.shared_elsewhere
+        return held
+
+    def _tenants_over_allowance(self) -> set[str]:
+        held = self._held_per_tenant()
+        return {t for t, limit in self.allowance.items() if held.get(t, 0) > limit}
 
     def _room(self, request_id: str, budget: int | None = None) -> int:
         """Blocks the next step needs fewer of if the decoding request evicts to ``budget``
@@ -605,11 +641,7 @@ class VTokenScheduler:
         """Decoding requests to evict to budget so that each tenant fits its allowance."""
         if not self.allowance:
             return set()
-        held: dict[str, int] = {}
-        for record in self.requests.values():  # shared blocks count once (_refresh_shared)
-            tenant = record.kv.tenant
-            charged = record.kv.num_held_blocks - record.shared_elsewhere
-            held[tenant] = held.get(tenant, 0) + charged
+        held = self._held_per_tenant()
         for request_id in always:  # they evict this step anyway
             tenant = self.requests[request_id].kv.tenant
             held[tenant] = held.get(tenant, 0) - self.blocks_above_budget(request_id)

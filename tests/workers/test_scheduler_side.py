@@ -375,6 +375,74 @@ def test_a_request_with_a_pinned_hit_can_still_be_squeezed_below_budget():
     below = state.below_budget(["b"], 2)
     assert below and state._room("b", below["b"]) - state._room("b") == 2
     assert 8 + 14 <= below["b"] < budget  # the pin and half its own budget stay
+    # 4 blocks: down to 6 blocks (23 tokens and the next), just above its floor of 22
+    assert state.below_budget(["b"], 4) == {"b": 23}
+    assert state.below_budget(["b"], 5) == {}  # not without going under its floor
+
+
+def test_no_squeeze_when_the_floors_cannot_free_enough():
+    """vLLM preempts then, and the preempted request's blocks are the room: squeezing the
+    others as well would only cost them context."""
+    state, requests = _at_budget_state(2, 40)  # budgets 20 tokens: floors 10
+    assert state.below_budget(list(requests), 2)
+    assert state.below_budget(list(requests), 100) == {}
+
+
+@dataclass
+class EndingRequest(FakeRequest):
+    max_tokens: int = 100
+    num_output_tokens: int = 0
+    resumable: bool = False
+
+
+def _full_pool_at_budget(ending: EndingRequest):
+    """Four decoding requests at their budgets (20 tokens: 5 full blocks each) and a
+    request holding the rest of the pool: the next step needs a block for each."""
+    pool, manager = FakeBlockPool(26), FakeBlockManager()
+    config = VTokenConfig(policy="h2o", keep_ratio=0.5, eviction="on_demand")
+    state = VTokenScheduler(config, pool, manager)
+    requests = {r.request_id: r for r in [ending] + [FakeRequest(f"r{i}", 40) for i in (1, 2, 3)]}
+    for request in requests.values():
+        run_prefill(state, request)
+        state.manager.evict_ids(request.request_id, np.arange(20))
+        state._reclaim(state.requests[request.request_id])
+    filler = FakeRequest("fill", 19)  # 5 blocks, room in them for its next token
+    run_prefill(state, filler)
+    assert pool.get_num_free_blocks() == 0
+    return state, requests | {"fill": filler}
+
+
+def test_a_request_ending_with_this_step_gives_its_blocks_instead_of_squeezing_others():
+    going_on = EndingRequest("r0", 40, max_tokens=100, num_output_tokens=0)
+    state, requests = _full_pool_at_budget(going_on)
+    decoding = ["r0", "r1", "r2", "r3"]
+    assert state._to_squeeze(decoding, requests, 0)[2]  # 4 blocks short: squeezed below
+    ending = EndingRequest("r0", 40, max_tokens=5, num_output_tokens=4)
+    state, requests = _full_pool_at_budget(ending)
+    always, for_room, below = state._to_squeeze(decoding, requests, 0)
+    assert (always, for_room, below) == (set(), set(), {})  # its 5 blocks cover the 3
+    resumable = EndingRequest("r0", 40, max_tokens=5, num_output_tokens=4, resumable=True)
+    state, requests = _full_pool_at_budget(resumable)
+    assert state._to_squeeze(decoding, requests, 0)[2]  # it keeps its blocks
+
+
+def test_a_tenant_over_its_allowance_goes_below_budget_first():
+    pool, manager = FakeBlockPool(128), FakeBlockManager()
+    config = VTokenConfig(policy="h2o", keep_ratio=0.5, eviction="on_demand")
+    state = VTokenScheduler(config, pool, manager)
+    requests = {}
+    # Equal shares: without the allowance the first id ("a1", tenant y) would give first.
+    for request_id, tenant in (("a1", "y"), ("x1", "x"), ("x2", "x")):
+        params = SimpleNamespace(extra_args={"tenant": tenant})
+        request = requests[request_id] = FakeRequest(request_id, 40, sampling_params=params)
+        run_prefill(state, request)
+        state.manager.evict_ids(request_id, np.arange(20))
+        state._reclaim(state.requests[request_id])
+    state.allowance = {"x": 6, "y": 100}  # x holds 10
+    below = state.below_budget(list(requests), 2)
+    assert set(below) == {"x1", "x2"}
+    state.allowance = {}
+    assert "a1" in state.below_budget(list(requests), 2)  # level shares otherwise
 
 
 def test_a_bad_hold_value_is_ignored() -> None:

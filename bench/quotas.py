@@ -330,6 +330,7 @@ async def drive(
         ),
         "preemptions": sum(r.get("preemptions", 0) for r in replicas),
         "evictions_under_pressure": sum(r.get("evictions_under_pressure", 0) for r in replicas),
+        "evictions_below_budget": sum(r.get("evictions_below_budget", 0) for r in replicas),
         "evictions_to_bound": sum(r.get("evictions_to_bound", 0) for r in replicas),
     }
 

@@ -231,6 +231,7 @@ def final_report(state: DemoState) -> dict[str, Any]:
             "naive_equivalent_blocks": state.peak_naive.get(r["id"], 0),
             "preemptions": r.get("preemptions", 0),
             "evictions_under_pressure": r.get("evictions_under_pressure", 0),
+            "evictions_below_budget": r.get("evictions_below_budget", 0),
             "repack_bytes": r.get("repack_bytes", 0),
             "repack_seconds": r.get("repack_seconds", 0.0),
         }

@@ -51,6 +51,7 @@ def counters() -> EngineCounters:
             "preemptions": 3,
             "blocks_reclaimed": 40,
             "evictions_under_pressure": 5,
+            "evictions_below_budget": 4,
             "evicted_tokens": 900,
             "repack_moves": 410,
             "repack_bytes": 410 * 2304,
@@ -99,6 +100,7 @@ def test_replica_kv_per_state_and_per_tenant(reader: InMemoryMetricReader):
     assert points[telemetry.METRIC_REPLICA_PREEMPTIONS] == [(replica, 3)]
     assert points[telemetry.METRIC_REPLICA_BLOCKS_RECLAIMED] == [(replica, 40)]
     assert points[telemetry.METRIC_REPLICA_EVICTIONS_UNDER_PRESSURE] == [(replica, 5)]
+    assert points[telemetry.METRIC_REPLICA_EVICTIONS_BELOW_BUDGET] == [(replica, 4)]
     assert points[telemetry.METRIC_REPLICA_EVICTED_TOKENS] == [(replica, 900)]
     assert points[telemetry.METRIC_REPLICA_REPACK_MOVES] == [(replica, 410)]
     assert points[telemetry.METRIC_REPLICA_REPACK_BYTES] == [(replica, 410 * 2304)]

@@ -86,8 +86,9 @@ class VTokenConfig(PolicySpec):
       a block at a time from the one keeping the largest share of its budget (tenants
       above their allowance first), only as many blocks as the step needs, never under its
       floor, instead of vLLM preempting one: a request keeps less context instead of being
-      recomputed from scratch. When the floors cannot free enough, nobody is squeezed and
-      vLLM preempts. Off, vLLM preempts as soon as every request is at its budget;
+      recomputed from scratch. When the floors cannot free enough, vLLM preempts its
+      newest request and the others give only what that leaves short. Off, vLLM preempts
+      as soon as every request is at its budget;
     - ``squeeze_floor``: a request's floor for that squeeze, as a fraction of its policy's
       budget (its policy still keeps its sinks and pinned prefix; the policy chooses which
       tokens stay, among them a recent window sized on the smaller budget);

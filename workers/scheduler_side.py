@@ -518,7 +518,8 @@ class VTokenScheduler:
             - sum(self._room(r) for r in always - ending)
         )
         decoding = [r for r in decoding if r not in ending]  # nothing to gain from them
-        for_room = self._over_allowance([r for r in decoding if r not in always], always)
+        excess = self._excess_over_allowance(always, ending)
+        for_room = self._over_allowance([r for r in decoding if r not in always], excess)
         need -= sum(self._room(r) for r in for_room)
         rest = [r for r in decoding if r not in always | for_room]
         room = {request_id: self._room(request_id) for request_id in rest}
@@ -529,28 +530,62 @@ class VTokenScheduler:
             need -= room[request_id]
         # Only the running requests' own next step, not the waiting queue, squeezes anyone
         # below budget: that is where vLLM would preempt one.
-        below = self.below_budget(decoding, need - num_waiting_blocks)
+        for request_id in for_room:
+            tenant = self.requests[request_id].kv.tenant
+            if tenant in excess:
+                excess[tenant] -= self.blocks_above_budget(request_id)
+        victim = self._likely_victim(requests, ending)
+        below = self.below_budget(decoding, need - num_waiting_blocks, excess, victim)
         return always, for_room, below
 
-    def below_budget(self, decoding: list[str], need: int) -> dict[str, int]:
+    def below_budget(
+        self,
+        decoding: list[str],
+        need: int,
+        excess: Mapping[str, int] | None = None,
+        victim: tuple[str, int] | None = None,
+    ) -> dict[str, int]:
         """Decoding requests squeezed under their budgets so that the next step needs
         ``need`` blocks fewer (``on_demand`` with ``squeeze_below_budget``, once every request
-        that could give room at its budget does). Block by block, the request keeping the
-        largest share of its own budget gives one up (requests of tenants above their
-        allowance here first), so shares stay level and no more is taken than ``need``; a
-        request keeps whatever its remaining blocks hold with its next token. None goes
-        under its *floor*: ``squeeze_floor`` of its own budget plus the prefix it does not
-        pay for or pinned (and never under what its policy protects). Request id -> live
-        tokens it keeps; empty when nothing is needed, or when the floors cannot free
-        ``need`` blocks: vLLM preempts then, and the preempted request's blocks are the
-        room, so squeezing the others too would only cost them context."""
+        that could give room at its budget does). Block by block, the request that would
+        keep the largest share of its own budget gives one up (requests of tenants still
+        above their allowance here, ``excess`` in blocks, first), so shares stay level and
+        no more is taken than ``need``; a request keeps whatever its remaining blocks hold
+        with its next token. None goes under its *floor*: ``squeeze_floor`` of its own
+        budget plus the prefix it does not pay for or pinned (and never under what its
+        policy protects). Request id -> live tokens it keeps.
+
+        When the floors cannot free ``need`` blocks, vLLM preempts ``victim`` (its id and
+        the blocks its preemption gives the step): the others then give only what that
+        leaves short, if they can, and nothing if it covers the step (squeezing them as
+        well would only cost them context)."""
         if need <= 0 or not self.config.squeeze_below_budget:
             return {}
         if self.config.mode is ReclaimMode.NAIVE:
             return {}  # eviction frees no block there
+        order, start = self._give_order(decoding, need, dict(excess or {}))
+        if len(order) < need:
+            if victim is None:
+                return {}
+            victim_id, victim_blocks = victim
+            others = [r for r in decoding if r != victim_id]
+            order, start = self._give_order(others, need, dict(excess or {}))
+            if len(order) + victim_blocks >= need:
+                order = order[: max(0, need - victim_blocks)]
+            # else vLLM preempts more than the victim: each block given spares some of that
+        taken: dict[str, int] = {}
+        for request_id in order:
+            taken[request_id] = taken.get(request_id, 0) + 1
+        return {r: start[r] - count * self.block_size for r, count in taken.items()}
+
+    def _give_order(
+        self, decoding: list[str], need: int, excess: dict[str, int]
+    ) -> tuple[list[str], dict[str, int]]:
+        """Who gives each block, in order, up to ``need`` blocks (see :meth:`below_budget`),
+        and each candidate's live tokens before giving (what its next step's blocks at
+        budget hold with its next token)."""
         size = self.block_size
-        over = self._tenants_over_allowance()
-        heap: list[tuple[int, float, str]] = []  # (not over allowance, -share, id)
+        heap: list[tuple[bool, float, str]] = []  # (tenant within allowance, -share, id)
         blocks, floors, kept, own = {}, {}, {}, {}  # next step's blocks at budget, ...
         for request_id in decoding:
             record = self.requests[request_id]
@@ -564,35 +599,43 @@ class VTokenScheduler:
             floor = kept[request_id] + math.ceil(self.config.squeeze_floor * own[request_id])
             floors[request_id] = max(floor, policy.num_protected(own[request_id]), 1)
             blocks[request_id] = cdiv(self._tokens_at(request_id, budget) + 1, size)
-        taken = dict.fromkeys(blocks, 0)
-
-        def target(request_id: str) -> int:  # live tokens if it gives one more block
-            return (blocks[request_id] - taken[request_id] - 1) * size - 1
+        start = {r: b * size - 1 for r, b in blocks.items()}
 
         def push(request_id: str) -> None:
-            goal = target(request_id)
+            goal = (blocks[request_id] - 1) * size - 1  # live tokens after one more block
             if goal < floors[request_id] or self._tokens_at(request_id, goal) > goal:
                 return  # at its floor, or its policy would keep more than the block holds
-            share = (goal + size - kept[request_id]) / own[request_id]
-            heapq.heappush(
-                heap, (self.requests[request_id].kv.tenant not in over, -share, request_id)
-            )
+            share = (goal - kept[request_id]) / own[request_id]
+            within = excess.get(self.requests[request_id].kv.tenant, 0) <= 0
+            heapq.heappush(heap, (within, -share, request_id))
 
         for request_id in blocks:
             push(request_id)
-        given = 0
-        while heap and given < need:
-            request_id = heapq.heappop(heap)[2]
-            taken[request_id] += 1
-            given += 1
+        order: list[str] = []
+        while heap and len(order) < need:
+            within, _, request_id = heapq.heappop(heap)
+            tenant = self.requests[request_id].kv.tenant
+            if within != (excess.get(tenant, 0) <= 0):  # its tenant came within since
+                heapq.heappush(heap, (not within, _, request_id))
+                continue
+            order.append(request_id)
+            blocks[request_id] -= 1
+            if tenant in excess:
+                excess[tenant] -= 1
             push(request_id)
-        if given < need:
-            return {}
-        return {
-            request_id: (blocks[request_id] - count) * size - 1
-            for request_id, count in taken.items()
-            if count
-        }
+        return order, start
+
+    def _likely_victim(self, requests: dict[str, Any], ending: set[str]) -> tuple[str, int] | None:
+        """The request vLLM would preempt if the next step does not fit (its scheduler takes
+        the last running one, first come first served) and the blocks that gives the
+        step: what only it holds and what its own next step would have opened."""
+        for request_id in reversed(self.requests):
+            if request_id in ending or request_id not in requests:
+                continue
+            return request_id, self._blocks_returning(request_id) + self._next_step_blocks(
+                request_id, requests
+            )
+        return None
 
     def _blocks_returning(self, request_id: str) -> int:
         """Blocks back in the pool when the request ends: those nobody else holds."""
@@ -606,9 +649,19 @@ class VTokenScheduler:
             held[tenant] = held.get(tenant, 0) + record.kv.num_held_blocks - record.shared_elsewhere
         return held
 
-    def _tenants_over_allowance(self) -> set[str]:
+    def _excess_over_allowance(self, always: set[str], ending: set[str]) -> dict[str, int]:
+        """Blocks each tenant with an allowance here holds above it once this step's
+        requests that always evict (to budget) and those ending with it gave theirs back."""
+        if not self.allowance:
+            return {}
         held = self._held_per_tenant()
-        return {t for t, limit in self.allowance.items() if held.get(t, 0) > limit}
+        for request_id in always | ending:
+            tenant = self.requests[request_id].kv.tenant
+            if request_id in ending:
+                held[tenant] = held.get(tenant, 0) - self._blocks_returning(request_id)
+            else:
+                held[tenant] = held.get(tenant, 0) - self.blocks_above_budget(request_id)
+        return {t: held.get(t, 0) - limit for t, limit in self.allowance.items()}
 
     def _room(self, request_id: str, budget: int | None = None) -> int:
         """Blocks the next step needs fewer of if the decoding request evicts to ``budget``
@@ -637,42 +690,38 @@ class VTokenScheduler:
         held = len(self.requests[request_id].kv.table.block_ids)
         return min(held, cdiv(self._tokens_at(request_id, budget), self.block_size))
 
-    def _over_allowance(self, decoding: list[str], always: set[str]) -> set[str]:
-        """Decoding requests to evict to budget so that each tenant fits its allowance."""
-        if not self.allowance:
-            return set()
-        held = self._held_per_tenant()
-        for request_id in always:  # they evict this step anyway
-            tenant = self.requests[request_id].kv.tenant
-            held[tenant] = held.get(tenant, 0) - self.blocks_above_budget(request_id)
+    def _over_allowance(self, decoding: list[str], excess: Mapping[str, int]) -> set[str]:
+        """Decoding requests to evict to budget so that each tenant fits its allowance
+        (``excess``: :meth:`_excess_over_allowance`)."""
         chosen: set[str] = set()
-        for tenant, limit in self.allowance.items():
-            excess = held.get(tenant, 0) - limit
-            if excess <= 0:
+        for tenant, over in excess.items():
+            excess_left = over
+            if excess_left <= 0:
                 continue
             mine = [r for r in decoding if self.requests[r].kv.tenant == tenant]
             for request_id in self.squeeze_order(mine):
-                if excess <= 0:
+                if excess_left <= 0:
                     break
                 chosen.add(request_id)
-                excess -= self.blocks_above_budget(request_id)
+                excess_left -= self.blocks_above_budget(request_id)
         return chosen
 
     def blocks_needed_next_step(self, requests: dict[str, Any]) -> int:
         """Blocks the running requests may open next step: a prompt still in prefill its next
         chunk (at most the step's token budget), a decoding request one block at a block
         boundary."""
-        needed = 0
-        for request_id, record in self.requests.items():
-            request = requests.get(request_id)
-            if request is not None and _ends_with_this_step(request):
-                continue  # its blocks come back instead
-            table = record.kv.table
-            remaining = 0 if request is None else request.num_tokens - request.num_computed_tokens
-            if self.max_step_tokens is not None:
-                remaining = min(remaining, self.max_step_tokens)  # one chunk per step
-            needed += table.num_blocks_needed(max(remaining, 1))
-        return needed
+        return sum(self._next_step_blocks(request_id, requests) for request_id in self.requests)
+
+    def _next_step_blocks(self, request_id: str, requests: dict[str, Any]) -> int:
+        """Blocks one running request may open next step (0 if it ends with this one)."""
+        request = requests.get(request_id)
+        if request is not None and _ends_with_this_step(request):
+            return 0  # its blocks come back instead
+        table = self.requests[request_id].kv.table
+        remaining = 0 if request is None else request.num_tokens - request.num_computed_tokens
+        if self.max_step_tokens is not None:
+            remaining = min(remaining, self.max_step_tokens)  # one chunk per step
+        return table.num_blocks_needed(max(remaining, 1))
 
     def blocks_above_budget(self, request_id: str) -> int:
         """Blocks eviction to its budget (then a repack) would give back now: it keeps its

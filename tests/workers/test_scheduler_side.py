@@ -426,6 +426,48 @@ def test_a_request_ending_with_this_step_gives_its_blocks_instead_of_squeezing_o
     assert state._to_squeeze(decoding, requests, 0)[2]  # it keeps its blocks
 
 
+def test_a_request_ending_with_this_step_counts_out_of_its_tenants_allowance():
+    pool, manager = FakeBlockPool(128), FakeBlockManager()
+    config = VTokenConfig(policy="h2o", keep_ratio=0.5, eviction="on_demand")
+    state = VTokenScheduler(config, pool, manager)
+    params = SimpleNamespace(extra_args={"tenant": "x"})
+    ending = EndingRequest("x0", 40, max_tokens=3, num_output_tokens=2, sampling_params=params)
+    requests = {"x0": ending, "x1": FakeRequest("x1", 40, sampling_params=params)}
+    for request in requests.values():
+        run_prefill(state, request)  # 10 blocks each, nothing evicted: memory is plenty
+    state.allowance = {"x": 15}  # x0's 10 blocks come back with this step: x fits
+    assert state._to_squeeze(["x0", "x1"], requests, 0) == (set(), set(), {})
+    ending.max_tokens = 100
+    assert state._to_squeeze(["x0", "x1"], requests, 0)[1]  # going on: x is over
+
+
+def test_the_smaller_budget_is_not_the_first_to_give():
+    """One block from a 9-token budget costs it 2 tokens of 9; from a 40-token one, 1 of
+    40: shares are compared after giving."""
+    pool, manager = FakeBlockPool(64), FakeBlockManager()
+    config = VTokenConfig(policy="h2o", keep_ratio=0.5, eviction="on_demand")
+    state = VTokenScheduler(config, pool, manager)
+    for request_id, length in (("a", 18), ("b", 80)):
+        run_prefill(state, FakeRequest(request_id, length))
+        state.manager.evict_ids(request_id, np.arange(length - length // 2))
+        state._reclaim(state.requests[request_id])
+    assert state.below_budget(["a", "b"], 1) == {"b": 39}
+
+
+def test_short_of_floors_the_others_give_only_what_vllms_victim_leaves_short():
+    state, requests = _at_budget_state(2, 40)  # 3 blocks each above their floors
+    decoding = list(requests)
+    assert state.below_budget(decoding, 7) == {}  # 6 < 7, no victim known: nothing
+    below = state.below_budget(decoding, 7, victim=("v", 3))  # the victim gives 3
+    assert sum(state._room(r, t) - state._room(r) for r, t in below.items()) == 4
+    assert state.below_budget(decoding, 7, victim=("v", 8)) == {}  # the victim covers it
+    everything = state.below_budget(decoding, 20, victim=("v", 3))  # more preemptions
+    assert sum(state._room(r, t) - state._room(r) for r, t in everything.items()) == 6
+    # The newest running request is the one vLLM's scheduler would preempt.
+    assert state._likely_victim(requests, set()) == ("r1", 5 + 1)
+    assert state._likely_victim(requests, {"r1"}) == ("r0", 5 + 1)
+
+
 def test_a_tenant_over_its_allowance_goes_below_budget_first():
     pool, manager = FakeBlockPool(128), FakeBlockManager()
     config = VTokenConfig(policy="h2o", keep_ratio=0.5, eviction="on_demand")
@@ -439,8 +481,13 @@ def test_a_tenant_over_its_allowance_goes_below_budget_first():
         state.manager.evict_ids(request_id, np.arange(20))
         state._reclaim(state.requests[request_id])
     state.allowance = {"x": 6, "y": 100}  # x holds 10
-    below = state.below_budget(list(requests), 2)
+    excess = state._excess_over_allowance(set(), set())
+    assert excess == {"x": 4, "y": -95}
+    below = state.below_budget(list(requests), 2, excess)
     assert set(below) == {"x1", "x2"}
+    # Once within its allowance the tenant gives no more than its share.
+    below = state.below_budget(list(requests), 2, {"x": 1})
+    assert below.keys() == {"a1", "x1"}  # equal shares after x1 gave: the first id
     state.allowance = {}
     assert "a1" in state.below_budget(list(requests), 2)  # level shares otherwise
 

@@ -534,7 +534,7 @@ class VTokenScheduler:
             tenant = self.requests[request_id].kv.tenant
             if tenant in excess:
                 excess[tenant] -= self.blocks_above_budget(request_id)
-        victim = self._likely_victim(requests, ending)
+        victim = self._likely_victim(requests, ending, always | for_room)
         below = self.below_budget(decoding, need - num_waiting_blocks, excess, victim)
         return always, for_room, below
 
@@ -600,6 +600,7 @@ class VTokenScheduler:
             floors[request_id] = max(floor, policy.num_protected(own[request_id]), 1)
             blocks[request_id] = cdiv(self._tokens_at(request_id, budget) + 1, size)
         start = {r: b * size - 1 for r, b in blocks.items()}
+        held = {r: cdiv(self._tokens_at(r, self._budget(self.requests[r])), size) for r in blocks}
 
         def push(request_id: str) -> None:
             goal = (blocks[request_id] - 1) * size - 1  # live tokens after one more block
@@ -620,21 +621,31 @@ class VTokenScheduler:
                 continue
             order.append(request_id)
             blocks[request_id] -= 1
-            if tenant in excess:
-                excess[tenant] -= 1
+            if tenant in excess:  # in blocks held: the first one given may be a next step's
+                now = cdiv(blocks[request_id] * size - 1, size)
+                excess[tenant] -= held[request_id] - now
+                held[request_id] = now
             push(request_id)
         return order, start
 
-    def _likely_victim(self, requests: dict[str, Any], ending: set[str]) -> tuple[str, int] | None:
+    def _likely_victim(
+        self, requests: dict[str, Any], ending: set[str], evicting: set[str] | None = None
+    ) -> tuple[str, int] | None:
         """The request vLLM would preempt if the next step does not fit (its scheduler takes
-        the last running one, first come first served) and the blocks that gives the
-        step: what only it holds and what its own next step would have opened."""
+        the last running one under first-come-first-served scheduling, the one assumed
+        here) and the blocks that gives the step: what only it holds and what its own next
+        step would have opened, less what its eviction this step (``evicting``) already
+        gives."""
         for request_id in reversed(self.requests):
             if request_id in ending or request_id not in requests:
                 continue
-            return request_id, self._blocks_returning(request_id) + self._next_step_blocks(
+            if not self.requests[request_id].kv.table.block_ids:
+                continue  # an allocation that failed: still waiting, not running
+            blocks = self._blocks_returning(request_id) + self._next_step_blocks(
                 request_id, requests
             )
+            evicts = evicting is not None and request_id in evicting
+            return request_id, blocks - (self._room(request_id) if evicts else 0)
         return None
 
     def _blocks_returning(self, request_id: str) -> int:

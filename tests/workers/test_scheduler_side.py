@@ -468,6 +468,33 @@ def test_short_of_floors_the_others_give_only_what_vllms_victim_leaves_short():
     assert state._likely_victim(requests, {"r1"}) == ("r0", 5 + 1)
 
 
+def test_the_victim_counts_what_it_gives_after_its_own_eviction():
+    """A prompt in prefill needs 14 blocks next step, the pool is full; r2, the newest (so
+    vLLM's victim), evicts to budget for room this step (5 blocks): preempting it then gives
+    only its 6 remaining blocks, so r0 and r1 give all 6 they can above their floors and
+    one preemption suffices."""
+    pool, manager = FakeBlockPool(31), FakeBlockManager()
+    config = VTokenConfig(policy="h2o", keep_ratio=0.5, eviction="on_demand")
+    state = VTokenScheduler(config, pool, manager)
+    prompt = FakeRequest("rP", 96)
+    assert state.allocate(prompt, 40) is not None
+    prompt.num_computed_tokens = 40
+    requests = {"rP": prompt}
+    for request_id in ("r0", "r1", "r2"):
+        request = requests[request_id] = FakeRequest(request_id, 40)
+        run_prefill(state, request)
+        if request_id != "r2":
+            state.manager.evict_ids(request_id, np.arange(20))
+            state._reclaim(state.requests[request_id])
+    assert pool.get_num_free_blocks() == 0
+    always, for_room, below = state._to_squeeze(["r0", "r1", "r2"], requests, 0)
+    assert for_room == {"r2"} and below == {"r0": 11, "r1": 11}
+    assert state._likely_victim(requests, set(), {"r2"}) == ("r2", 11 - 5)
+    # A request whose first allocation failed is waiting, not vLLM's victim.
+    assert state.allocate(FakeRequest("w", 64), 64) is None
+    assert state._likely_victim(requests | {"w": FakeRequest("w", 64)}, set())[0] == "r2"
+
+
 def test_a_tenant_over_its_allowance_goes_below_budget_first():
     pool, manager = FakeBlockPool(128), FakeBlockManager()
     config = VTokenConfig(policy="h2o", keep_ratio=0.5, eviction="on_demand")
@@ -486,8 +513,10 @@ def test_a_tenant_over_its_allowance_goes_below_budget_first():
     below = state.below_budget(list(requests), 2, excess)
     assert set(below) == {"x1", "x2"}
     # Once within its allowance the tenant gives no more than its share.
-    below = state.below_budget(list(requests), 2, {"x": 1})
-    assert below.keys() == {"a1", "x1"}  # equal shares after x1 gave: the first id
+    # Over by 1 held block: x1's first block given is its next step's (20 tokens fill 5
+    # blocks), so x gives again; x1's second frees a held one, then shares are level.
+    below = state.below_budget(list(requests), 4, {"x": 1})
+    assert below == {"x1": 15, "x2": 19, "a1": 19}
     state.allowance = {}
     assert "a1" in state.below_budget(list(requests), 2)  # level shares otherwise
 

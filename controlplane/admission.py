@@ -159,11 +159,17 @@ class AdmissionConfig:
     `rate_burst_s` sizes the prompt-token bucket in seconds of rate;
     `floor_tokens` is what the engines' policy keeps whatever its budget (sinks, a fixed
     recent window), when it evicts whenever asked: a tenant with `squeeze_to_floor` has its
-    requests counted at that floor plus a block (`None`: no floor to count them at)."""
+    requests counted at that floor plus a block (`None`: no floor to count them at);
+    `protected_tokens` and `protected_fraction`: what the engines' policy keeps whatever a
+    request's budget `B` is, at most `protected_tokens + ceil(protected_fraction * B)`
+    tokens (its sinks or the engines' pinned prefix, a fixed recent window, a recent window
+    sized on the budget): a request's steady bound is never under it (:func:`kv_bounds`)."""
 
     block_size: int = 16
     keep_ratio: float | None = None
     floor_tokens: int | None = None
+    protected_tokens: int = 0
+    protected_fraction: float = 0.0
     reservation_ttl_s: float = 600.0
     throttle_retry_after_s: float = 1.0
     rate_burst_s: float = 1.0
@@ -179,6 +185,8 @@ class AdmissionConfig:
             raise ValueError("keep_ratio must be in (0, 1]")
         if self.floor_tokens is not None and self.floor_tokens < 0:
             raise ValueError("floor_tokens must be >= 0")
+        if self.protected_tokens < 0 or not 0 <= self.protected_fraction <= 1:
+            raise ValueError("protected_tokens must be >= 0 and protected_fraction in [0, 1]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +240,8 @@ def kv_bounds(
     keep_ratio: float | None = None,
     n: int = 1,
     floor_tokens: int | None = None,
+    protected_tokens: int = 0,
+    protected_fraction: float = 0.0,
 ) -> KVBounds:
     """The request's :class:`KVBounds`; ``ValueError`` on negative sizes, an empty request
     or ``n < 1``.
@@ -242,8 +252,11 @@ def kv_bounds(
     choices are ``n`` sequences: vLLM runs each as its own request holding its own KV
     (a prompt block the choices share through the prefix cache is charged once, to the
     first, so this over-counts it: admission does not use prefix matches), so both
-    bounds are ``n`` times one sequence's. ``floor_tokens`` (a tenant that squeezes to
-    floors) lowers the steady bound to that floor plus one block."""
+    bounds are ``n`` times one sequence's. A budget ``B`` counts at least what the policy
+    protects whatever its budget, ``protected_tokens + ceil(protected_fraction * B)``
+    (sinks, a pinned prefix, recent windows: the engine keeps them past the budget).
+    ``floor_tokens`` (a tenant that squeezes to floors) lowers the steady bound to that
+    floor plus one block."""
     if prompt_tokens < 0 or max_tokens < 0 or prompt_tokens + max_tokens == 0:
         raise ValueError(
             f"need prompt_tokens >= 0, max_tokens >= 0, not both 0 "
@@ -257,7 +270,8 @@ def kv_bounds(
     if budget is None and keep_ratio is not None:
         budget = math.ceil(keep_ratio * longest)
     if budget is not None:
-        steady = min(steady, math.ceil(budget / block_size) + 1)
+        kept = max(budget, protected_tokens + math.ceil(protected_fraction * budget))
+        steady = min(steady, math.ceil(kept / block_size) + 1)
     if floor_tokens is not None:
         steady = min(steady, math.ceil(floor_tokens / block_size) + 1)
     return KVBounds(prefill_peak=n * math.ceil(prompt_tokens / block_size), steady=n * steady)
@@ -313,6 +327,8 @@ class Admission:
             self.config.keep_ratio,
             n=n,
             floor_tokens=self.config.floor_tokens if quota.squeeze_to_floor else None,
+            protected_tokens=self.config.protected_tokens,
+            protected_fraction=self.config.protected_fraction,
         )
         blocks = bounds.peak
         tenant_id = quota.tenant_id

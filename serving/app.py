@@ -99,9 +99,9 @@ class AppArgs(AdminTokenSource):
 
 def policy_keep_ratio(vtoken: dict[str, Any]) -> float | None:
     """The engines' keep ratio when their policy evicts to it whenever asked (admission
-    bounds a request without a tenant cap by it after prefill); ``None`` otherwise (policy
-    ``none``, an absolute budget, a policy that compresses once, tokens protected whatever
-    the ratio, or naive mode).
+    bounds a request without a tenant cap by it after prefill, counting what the policy
+    protects past it: :func:`policy_protection`); ``None`` otherwise (policy ``none``, an
+    absolute budget, a policy that compresses once, or naive mode).
 
     In ``on_demand`` mode a request keeps more than its ratio while memory is free; that
     excess is reclaimable, and the controller's pressure takes it back as soon as the
@@ -113,24 +113,43 @@ def policy_keep_ratio(vtoken: dict[str, Any]) -> float | None:
     policy = config.make_policy()
     if not (policy.holds_budget_every_step and policy.needs_budget):
         return None
-    if config.mode != "vtoken" or policy.num_protected(0):
-        # Naive-Evict frees no block by evicting; sinks or a fixed recent window can keep
-        # more than keep x length: only the request's own length bounds it then.
+    if config.mode != "vtoken":  # Naive-Evict frees no block by evicting
         return None
     return config.keep_ratio
 
 
+def policy_protection(vtoken: dict[str, Any]) -> tuple[int, float]:
+    """``(tokens, fraction)``: the engines keep at most ``tokens + ceil(fraction * B)`` of
+    a request's tokens that its policy protects whatever its budget ``B`` is: its sinks,
+    or the engines' pinned prefix (``prefix_pin_tokens``, which replaces fewer sinks), a
+    fixed recent window, a recent window sized on the budget (a gate's and the policy it
+    wraps, added). Admission counts a request at no less (``kv_bounds``); forgetting it
+    let a pinned system prompt hold twice what admission counted."""
+    from workers.config import VTokenConfig
+
+    config = VTokenConfig.model_validate(vtoken)
+    policy = config.make_policy()
+    tokens = max(policy.sinks, config.prefix_pin_tokens) + policy.recent
+    fraction = policy.recent_fraction
+    inner = getattr(policy, "inner", None)  # a gate (PAGE) protects its policy's tokens too
+    if inner is not None:
+        tokens += inner.sinks + inner.recent
+        fraction += inner.recent_fraction
+    return tokens, min(1.0, fraction)
+
+
 def policy_floor_tokens(vtoken: dict[str, Any]) -> int | None:
-    """What the engines' policy keeps whatever its budget (sinks, a fixed recent window),
-    when it evicts to any budget whenever asked; ``None`` otherwise (nothing to squeeze a
-    request toward: ``squeeze_to_floor`` tenants are counted at their budgets then)."""
+    """What the engines' policy keeps whatever its budget (sinks or the pinned prefix, a
+    fixed recent window), when it evicts to any budget whenever asked; ``None`` otherwise
+    (nothing to squeeze a request toward: ``squeeze_to_floor`` tenants are counted at their
+    budgets then)."""
     from workers.config import VTokenConfig
 
     config = VTokenConfig.model_validate(vtoken)
     policy = config.make_policy()
     if config.mode != "vtoken" or not (policy.holds_budget_every_step and policy.needs_budget):
         return None
-    return policy.num_protected(0)
+    return policy_protection(vtoken)[0]
 
 
 def build_app(args: dict[str, Any], *, admin_token: str | None = None) -> Application:
@@ -203,6 +222,9 @@ def build_app(args: dict[str, Any], *, admin_token: str | None = None) -> Applic
             policy_floor_tokens(engine_settings.vtoken) if config.admission == "active_kv" else None
         ),
     }
+    if config.admission == "active_kv":
+        protected = policy_protection(engine_settings.vtoken)
+        ingress_settings["protected_tokens"], ingress_settings["protected_fraction"] = protected
     ingress = Ingress.options(  # type: ignore[attr-defined]
         max_ongoing_requests=config.ingress_max_ongoing_requests
     )

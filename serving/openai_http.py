@@ -99,6 +99,8 @@ class IngressSettings:
     key_prefix: str = "vtoken"
     keep_ratio: float | None = None  # the engines' policy budget (admission's steady bound)
     floor_tokens: int | None = None  # what the policy always keeps (squeeze_to_floor tenants)
+    protected_tokens: int = 0  # what the policy keeps past any budget B: these tokens ...
+    protected_fraction: float = 0.0  # ... plus this share of B (admission's steady bound)
     reservation_ttl_s: float = 600.0  # a running request renews it every third of this
     max_n: int = DEFAULT_MAX_N  # choices one request may ask for (each is a sequence's KV)
 
@@ -145,6 +147,8 @@ class IngressState:
                 block_size=settings.block_size,
                 keep_ratio=settings.keep_ratio,
                 floor_tokens=settings.floor_tokens,
+                protected_tokens=settings.protected_tokens,
+                protected_fraction=settings.protected_fraction,
                 reservation_ttl_s=settings.reservation_ttl_s,
             ),
             keys,

@@ -39,6 +39,14 @@ def test_kv_bounds() -> None:
     # Without a tenant cap the engines' keep ratio bounds it: 0.5 x 2000 tokens + a block.
     assert kv_bounds(1000, 1000, 16, None, keep_ratio=0.5) == KVBounds(63, 64)
     assert kv_bounds(1000, 1000, 16, 64, keep_ratio=0.5).steady == 5  # the cap wins
+    # What the policy keeps past its budget counts: 512 pinned + half of the 400 budget
+    assert kv_bounds(1000, 1000, 16, None, 0.2).steady == 26
+    assert kv_bounds(1000, 1000, 16, None, 0.2, protected_tokens=512, protected_fraction=0.5) == (
+        KVBounds(63, 46)
+    )
+    assert kv_bounds(1000, 1000, 16, 64, protected_tokens=40).steady == 5  # under the cap
+    assert kv_bounds(1000, 1000, 16, 64, protected_tokens=100).steady == 8
+    assert kv_bounds(100, 10, 16, 64, protected_tokens=5000).steady == 7  # never above its length
     with pytest.raises(ValueError, match="prompt_tokens"):
         kv_bounds(-1, 5, 16, None)
     with pytest.raises(ValueError, match="not both 0"):

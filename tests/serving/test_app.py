@@ -24,8 +24,8 @@ from serving.app import AppArgs, build_app, policy_keep_ratio
         ({"policy": "streaming_llm", "policy_args": {"sinks": 4, "recent": 60}}, None),
         ({"policy": "h2o", "budget_tokens": 256}, None),  # an absolute budget, no ratio
         ({"policy": "h2o", "keep_ratio": 0.2, "mode": "naive"}, None),  # frees no block
-        # 64 sinks are kept whatever the ratio: keep x length does not bound the request
-        ({"policy": "random", "policy_args": {"sinks": 64}, "keep_ratio": 0.1}, None),
+        # 64 sinks are kept whatever the ratio: admission adds them (policy_protection)
+        ({"policy": "random", "policy_args": {"sinks": 64}, "keep_ratio": 0.1}, 0.1),
         ({"policy": "h2o", "keep_ratio": 0.2, "policy_args": {"recent_fraction": 0.5}}, 0.2),
     ],
 )
@@ -33,6 +33,34 @@ def test_admission_learns_the_engines_keep_ratio_only_when_the_policy_evicts_to_
     vtoken, expected
 ):
     assert policy_keep_ratio(vtoken) == expected
+
+
+@pytest.mark.parametrize(
+    ("vtoken", "expected"),
+    [
+        ({"policy": "h2o", "keep_ratio": 0.5}, (0, 0.5)),  # H2O's recent half of its budget
+        ({"policy": "h2o", "keep_ratio": 0.5, "prefix_pin_tokens": 512}, (512, 0.5)),
+        (
+            {
+                "policy": "h2o",
+                "keep_ratio": 0.5,
+                "policy_args": {"sinks": 4},
+                "prefix_pin_tokens": 2,
+            },
+            (4, 0.5),
+        ),
+        (
+            {"policy": "random", "keep_ratio": 0.1, "policy_args": {"sinks": 4, "recent": 60}},
+            (64, 0),
+        ),
+        ({"policy": "page", "keep_ratio": 0.2, "policy_args": {"sinks": 3, "recent": 5}}, (8, 0)),
+        ({"policy": "none", "prefix_pin_tokens": 64}, (64, 0.0)),
+    ],
+)
+def test_admission_learns_what_the_policy_keeps_past_any_budget(vtoken, expected):
+    from serving.app import policy_protection
+
+    assert policy_protection(vtoken) == expected
 
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from kernels.intmath import cdiv
 from vtoken.policy import StepAttention
 from vtoken.repack_planner import ReclaimMode
 from vtoken.reports import DEFAULT_TENANT
@@ -252,6 +253,66 @@ def test_a_request_never_holds_more_than_admission_counts(hold):
     assert state.num_evictions_under_pressure == 0
     assert (state.num_evictions_to_bound > 1) == bool(hold)
     assert state.snapshot().num_evictions_to_bound == state.num_evictions_to_bound
+
+
+@pytest.mark.parametrize(
+    "vtoken",
+    [
+        {"policy": "h2o", "keep_ratio": 0.2},
+        {"policy": "h2o", "keep_ratio": 0.2, "prefix_pin_tokens": 16},  # a system prompt
+        {"policy": "h2o", "keep_ratio": 0.2, "policy_args": {"sinks": 8}},
+        {
+            "policy": "h2o",
+            "keep_ratio": 0.3,
+            "prefix_pin_tokens": 20,
+            "policy_args": {"recent_fraction": 0.25, "sinks": 4},
+        },
+        {"policy": "random", "keep_ratio": 0.1, "policy_args": {"sinks": 4, "recent": 6}},
+    ],
+    ids=["h2o", "h2o-pinned", "h2o-sinks", "h2o-pinned-over-sinks", "random-window"],
+)
+def test_admission_counts_at_least_what_the_engine_keeps(vtoken):
+    """The contract between the ingress and the engine: what admission counts a request at
+    once its prefill ends (``kv_bounds`` from the engines' keep ratio and what their policy
+    protects, sent as ``vtoken_hold_to_blocks``) is never below what the engine holds, at
+    any step to ``max_tokens``: a pinned prefix, sinks and recent windows, which the policy
+    keeps past its budget, included (a pinned prefix counted at the budget alone held
+    twice what admission counted)."""
+    from controlplane.admission import kv_bounds
+    from serving.app import policy_keep_ratio, policy_protection
+
+    prompt, max_tokens = 40, 24
+    keep_ratio = policy_keep_ratio(vtoken)
+    assert keep_ratio is not None  # every case here is counted below its worst case
+    tokens, fraction = policy_protection(vtoken)
+    bounds = kv_bounds(
+        prompt, max_tokens, BLOCK_SIZE, None, keep_ratio,
+        protected_tokens=tokens, protected_fraction=fraction,
+    )  # fmt: skip
+    hold = bounds.steady
+    assert hold < cdiv(prompt + max_tokens, BLOCK_SIZE)  # a bound that makes it evict
+    pool, manager = FakeBlockPool(64), FakeBlockManager()
+    config = VTokenConfig.model_validate({**vtoken, "eviction": "on_demand"})
+    state = VTokenScheduler(config, pool, manager)
+    extra = {"tenant": "acme", "vtoken_hold_to_blocks": hold}
+    request = FakeRequest("r", prompt, sampling_params=SimpleNamespace(extra_args=extra))
+    run_prefill(state, request)
+    rng = np.random.default_rng(0)
+
+    def scores() -> StepScores:
+        slots = state.requests["r"].kv.table.num_slots
+        return StepScores({"r": StepAttention(step_scores=rng.random(slots))})
+
+    state.after_step({"r": prompt}, {"r": request}, scores())
+    record = state.requests["r"]
+    held = [record.kv.num_held_blocks]
+    for _ in range(max_tokens - 1):
+        assert state.allocate(request, 1) is not None
+        request.num_computed_tokens += 1
+        state.after_step({"r": 1}, {"r": request}, scores())
+        held.append(record.kv.num_held_blocks)
+    assert max(held) <= hold, (hold, held)
+    assert state.num_evictions_to_bound > 0  # the bound was reached: the check means something
 
 
 def _decode_on_a_full_pool(squeeze_below_budget: bool, steps: int = 40, policy: str = "h2o"):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import StrEnum
 
 import torch
@@ -253,7 +254,20 @@ def batch_attention_scores(
     )
     backend = ScoresBackend(backend) if backend else _default_backend(kv_cache, layout)
     if backend is not ScoresBackend.TRITON:
+        batches: list[_DecodeBatch] = []
+        if backend is ScoresBackend.TORCH and layout is not KVLayout.CPU_ATTN_AMX:
+            batches = _decode_batches(
+                query_lens, seq_lens, block_tables, query_starts, query.shape[1],
+                layout.block_size(kv_cache),
+            )  # fmt: skip
+        for batch in batches:
+            mass = batch.mass(query, kv_cache, layout, scale)
+            for row, r in enumerate(batch.requests):
+                out[:, key_offsets[r] : key_offsets[r + 1]] = mass[row, :, : batch.lengths[row]]
+        single = {r for batch in batches for r in batch.requests}
         for r in range(num_requests):
+            if r in single:
+                continue
             rows = query[query_starts[r] : query_starts[r] + query_lens[r]]
             out[:, key_offsets[r] : key_offsets[r + 1]] = attention_scores(
                 rows, kv_cache, block_tables[r], int(seq_lens[r]), layout,
@@ -268,6 +282,146 @@ def batch_attention_scores(
     ]  # fmt: skip
     _triton_scores(query, kv_cache, block_tables, requests, out, layout, scale)
     return out
+
+
+def _decode_chunks(
+    requests: Sequence[int], seq_lens: Sequence[int], num_q_heads: int
+) -> list[list[int]]:
+    """Decode requests in groups whose padded logits stay under ``MAX_LOGITS`` (padding
+    to the group's longest key count: requests of similar lengths go together)."""
+    order = sorted(requests, key=lambda r: int(seq_lens[r]))
+    chunks: list[list[int]] = []
+    for r in order:
+        size = (len(chunks[-1]) + 1) * num_q_heads * int(seq_lens[r]) if chunks else 0
+        if chunks and size <= score_spans.MAX_LOGITS:
+            chunks[-1].append(r)
+        else:
+            chunks.append([r])
+    return chunks
+
+
+@dataclass(frozen=True, slots=True)
+class _DecodeBatch:
+    """Requests with one query row each (a decode step) scored together on CPU: one
+    gather, one batched matmul and one softmax for all of them, padded to the longest,
+    instead of a handful of small torch calls per request (which cost more than the
+    math). Built once per step; :meth:`mass` runs per layer."""
+
+    requests: list[int]  # indices into the step's requests
+    lengths: list[int]
+    blocks: torch.Tensor  # [R * num_blocks] int64, padded rows repeat their first block
+    rows: torch.Tensor  # [R] the requests' query rows
+    hidden: torch.Tensor  # [R, 1, 1, num_blocks * block_size] bool: keys past a length
+
+    @classmethod
+    def build(
+        cls,
+        requests: list[int],
+        block_tables: torch.Tensor,
+        query_starts: Sequence[int],
+        seq_lens: Sequence[int],
+        block_size: int,
+    ) -> _DecodeBatch:
+        lengths = [int(seq_lens[r]) for r in requests]
+        num_blocks = cdiv(max(lengths), block_size)
+        device = block_tables.device
+        blocks = block_tables[torch.tensor(requests, device=device), :num_blocks].long()
+        # Rows shorter than the longest end in blocks that are not theirs: read their first
+        # block again there (those logits are masked).
+        used = torch.tensor([cdiv(n, block_size) for n in lengths], device=device)
+        beyond = torch.arange(num_blocks, device=device).view(1, -1) >= used.view(-1, 1)
+        blocks = torch.where(beyond, blocks[:, :1], blocks)
+        keys = torch.arange(num_blocks * block_size, device=device)
+        hidden = keys.view(1, -1) >= torch.tensor(lengths, device=device).view(-1, 1)
+        rows = torch.tensor([int(query_starts[r]) for r in requests], device=device)
+        return cls(requests, lengths, blocks.view(-1), rows, hidden.view(len(requests), 1, 1, -1))
+
+    def mass(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, layout: KVLayout, scale: float
+    ) -> torch.Tensor:
+        """``[R, num_kv_heads, num_blocks * block_size]`` float32 (0 past a length)."""
+        num_requests, block_size = len(self.requests), layout.block_size(kv_cache)
+        # Whole blocks as [head, dim, token]: cpu_attn's own order, one run per block and head.
+        keys = layout.keys_values(indexable(kv_cache))[0].permute(0, 2, 3, 1)
+        keys = keys.index_select(0, self.blocks).view(kv_cache.dtype).float()
+        num_kv_heads, head_dim = keys.shape[1], keys.shape[2]
+        keys = keys.view(num_requests, -1, num_kv_heads, head_dim, block_size)
+        group = query.shape[1] // num_kv_heads
+        queries = query[self.rows].float().view(num_requests, 1, num_kv_heads, group, head_dim)
+        logits = torch.matmul(queries * scale, keys)  # [R, blocks, kv_heads, group, block_size]
+        logits = logits.permute(0, 2, 3, 1, 4).reshape(num_requests, num_kv_heads, group, -1)
+        logits.masked_fill_(self.hidden, float("-inf"))
+        return logits.softmax(dim=-1).sum(dim=2)
+
+
+def _decode_batches(
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    block_tables: torch.Tensor,
+    query_starts: Sequence[int],
+    num_q_heads: int,
+    block_size: int,
+) -> list[_DecodeBatch]:
+    decode = [r for r in range(len(seq_lens)) if query_lens[r] == 1]
+    return [
+        _DecodeBatch.build(chunk, block_tables, query_starts, seq_lens, block_size)
+        for chunk in _decode_chunks(decode, seq_lens, num_q_heads)
+    ]
+
+
+def summed_attention_mass(
+    layers: Sequence[tuple[torch.Tensor, torch.Tensor, float]],
+    block_tables: torch.Tensor,
+    query_starts: Sequence[int],
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    layout: KVLayout,
+    *,
+    backend: ScoresBackend | None = None,
+) -> torch.Tensor:
+    """``batch_attention_scores`` of one step's requests in several layers, summed over
+    the layers and the KV heads: float32 ``[sum(seq_lens)]`` on the caches' device.
+
+    ``layers``: ``(query, kv_cache, scale)`` per layer, the step's queries as in
+    ``batch_attention_scores`` (same requests, rows and block tables in every layer). On
+    CPU the decode requests' gathers and masks are planned once for all layers.
+    """
+    if not layers:
+        raise ValueError("need at least one layer")
+    query, kv_cache, _ = layers[0]
+    _check_batch_args(query, kv_cache, block_tables, query_starts, query_lens, seq_lens, layout)
+    backend = ScoresBackend(backend) if backend else _default_backend(kv_cache, layout)
+    key_offsets = [0]
+    for seq_len in seq_lens:
+        key_offsets.append(key_offsets[-1] + int(seq_len))
+    total = torch.zeros(key_offsets[-1], dtype=torch.float32, device=kv_cache.device)
+    if backend is not ScoresBackend.TORCH or layout is KVLayout.CPU_ATTN_AMX:
+        for query, kv_cache, scale in layers:
+            total += batch_attention_scores(
+                query, kv_cache, block_tables, query_starts, query_lens, seq_lens, layout,
+                scale=scale, backend=backend, check=False,
+            ).sum(0)  # fmt: skip
+        return total
+    batches = _decode_batches(
+        query_lens, seq_lens, block_tables, query_starts, query.shape[1],
+        layout.block_size(kv_cache),
+    )  # fmt: skip
+    sums = [torch.zeros(len(b.requests), b.hidden.shape[-1]) for b in batches]
+    batched = {r for b in batches for r in b.requests}
+    for query, kv_cache, scale in layers:
+        for batch, summed in zip(batches, sums, strict=True):
+            summed += batch.mass(query, kv_cache, layout, scale).sum(dim=1)
+        for r in range(len(seq_lens)):
+            if r not in batched:
+                rows = query[query_starts[r] : query_starts[r] + query_lens[r]]
+                total[key_offsets[r] : key_offsets[r + 1]] += attention_scores(
+                    rows, kv_cache, block_tables[r], int(seq_lens[r]), layout,
+                    scale=scale, backend=backend, check=False,
+                ).sum(0)  # fmt: skip
+    for batch, summed in zip(batches, sums, strict=True):
+        for row, r in enumerate(batch.requests):
+            total[key_offsets[r] : key_offsets[r + 1]] = summed[row, : batch.lengths[row]]
+    return total
 
 
 def _effective_scale(query: torch.Tensor, scale: float | None, k_scale: float) -> float:

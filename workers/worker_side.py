@@ -27,7 +27,7 @@ import torch
 import kernels
 from kernels import KVLayout
 from kernels.async_repack import SideStreamRepacker
-from kernels.attention_scores import attention_probabilities, attention_scores
+from kernels.attention_scores import attention_probabilities, summed_attention_mass
 from kernels.layout import distinct_layer_caches
 from kernels.repack_cpu import load_library
 from vtoken.policy import ScoreNeeds, StepAttention
@@ -138,55 +138,63 @@ class VTokenWorker:
         layers = [self.captured[i] for i in sorted(self.captured)]
         if not layers:
             raise RuntimeError("vToken: no attention layer reported its queries this step")
-        attention = {
-            r.request_id: self._request_attention(layers, r)
-            for r in requests
-            if r.request_id in self.score_needs and r.query_len > 0
-        }
+        scored = [r for r in requests if r.request_id in self.score_needs and r.query_len > 0]
+        mass_only = [r for r in scored if not self._needs_rows(r.request_id)]
+        attention = self._attention_mass(layers, mass_only) if mass_only else {}
+        for request in scored:
+            if request.request_id not in attention:
+                attention[request.request_id] = self._full_attention(layers, request)
         self.captured.clear()
         return StepScores(attention, repack_bytes, repack_s)
 
-    def _request_attention(
-        self, layers: list[CapturedQuery], request: ScoredRequest
-    ) -> StepAttention:
+    def _needs_rows(self, request_id: str) -> bool:
+        """Whether the request's policy reads more than the per-key mass (query rows of a
+        window, per-head statistics)."""
+        needs = self.score_needs[request_id]
+        return bool(needs.query_window or needs.per_head)
+
+    def _attention_mass(
+        self, layers: list[CapturedQuery], requests: list[ScoredRequest]
+    ) -> dict[str, StepAttention]:
+        """Per-key attention mass of the requests whose policies need only that: one score
+        call per layer for all of them (one batched kernel on CUDA, one padded matmul for
+        the decode rows on CPU), summed over layers and heads on the device, one copy to
+        the host (:func:`kernels.attention_scores.summed_attention_mass`)."""
+        table = np.zeros((len(requests), max(len(r.block_ids) for r in requests)), np.int32)
+        for row, request in enumerate(requests):
+            table[row, : len(request.block_ids)] = request.block_ids
+        block_tables = torch.from_numpy(table).to(layers[0].kv_cache.device)
+        seq_lens = [r.seq_len for r in requests]
+        total = summed_attention_mass(
+            [(layer.query, layer.kv_cache, layer.scale) for layer in layers],
+            block_tables,
+            [r.query_start for r in requests],
+            [r.query_len for r in requests],
+            seq_lens,
+            self.layout,
+        )
+        num_q_heads = layers[0].query.shape[1]
+        scores = (total / (num_q_heads * len(layers))).cpu().numpy()
+        bounds = np.cumsum([0, *seq_lens])
+        return {
+            request.request_id: StepAttention(step_scores=scores[bounds[i] : bounds[i + 1]])
+            for i, request in enumerate(requests)
+        }
+
+    def _full_attention(self, layers: list[CapturedQuery], request: ScoredRequest) -> StepAttention:
+        """Per-query probabilities, for window rows and per-head statistics."""
         rows = slice(request.query_start, request.query_start + request.query_len)
         block_table = torch.from_numpy(request.block_ids.astype(np.int64))
-        needs = self.score_needs[request.request_id]
-        if not (needs.query_window or needs.per_head):
-            # Only the per-key mass: the score kernel, summed over KV heads.
-            total = torch.zeros(request.seq_len, dtype=torch.float32)
-            num_q_heads = layers[0].query.shape[1]
-            for layer in layers:
-                mass = attention_scores(
-                    layer.query[rows],
-                    layer.kv_cache,
-                    block_table.to(layer.kv_cache.device),
-                    request.seq_len,
-                    self.layout,
-                    scale=layer.scale,
-                )
-                total += mass.sum(0).cpu()
-            return StepAttention(step_scores=(total / (num_q_heads * len(layers))).numpy())
-        return self._full_attention(layers, rows, block_table, request.seq_len, needs)
-
-    def _full_attention(
-        self,
-        layers: list[CapturedQuery],
-        rows: slice,
-        block_table: torch.Tensor,
-        seq_len: int,
-        needs: ScoreNeeds,
-    ) -> StepAttention:
-        """Per-query probabilities, for window rows and per-head statistics."""
         probabilities = (  # one layer at a time: [num_q_heads, q_len, seq_len]
             attention_probabilities(
                 layer.query[rows],
                 layer.kv_cache,
                 block_table.to(layer.kv_cache.device),
-                seq_len,
+                request.seq_len,
                 self.layout,
                 scale=layer.scale,
             ).cpu()
             for layer in layers
         )
+        needs = self.score_needs[request.request_id]
         return reduce_attention(probabilities, needs)

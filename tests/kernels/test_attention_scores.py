@@ -124,3 +124,89 @@ def test_probabilities_are_causal_softmaxes(layout: KVLayout, case: tuple[int, .
     scores = attention_scores(query, cache, block_table, seq_len, layout, scale=0.2)
     summed = got.sum(1).view(scores.shape[0], -1, seq_len).sum(1)
     torch.testing.assert_close(summed, scores, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("layout", [KVLayout.BHNC, KVLayout.CPU_ATTN])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("max_logits", [None, 2000])
+def test_batched_decode_rows_match_the_reference(
+    layout: KVLayout, dtype: torch.dtype, max_logits: int | None, monkeypatch
+) -> None:
+    """The torch backend scores a step's decode requests (one query row each) in one padded
+    batch: each request's mass equals the reference's over its own keys, whatever the
+    lengths around it (block edges, a request shorter than one block, a prefill between
+    them), also when the batch is split into several chunks (``max_logits``)."""
+    from kernels import attention_scores as module
+    from kernels import score_spans
+    from kernels.attention_scores import batch_attention_scores
+
+    batched: list[list[int]] = []
+    original = module._decode_batches
+
+    def spy(*args):
+        batches = original(*args)
+        batched.extend(list(b.requests) for b in batches)
+        return batches
+
+    monkeypatch.setattr(module, "_decode_batches", spy)
+    if max_logits is not None:
+        monkeypatch.setattr(score_spans, "MAX_LOGITS", max_logits)
+    torch.manual_seed(1)
+    block_size, head_dim, num_q_heads, num_kv_heads = 16, 64, 9, 3
+    seq_lens = [17, 95, 5, 48, 64, 33]
+    query_lens = [1, 1, 1, 4, 1, 1]  # request 3 is a prefill chunk: scored on its own
+    max_blocks = max(-(-n // block_size) for n in seq_lens)
+    num_blocks = len(seq_lens) * max_blocks + 1
+    cache = layout.new_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, DEVICE)
+    cache.normal_()
+    order = torch.randperm(num_blocks)
+    # Unused columns of a row hold other requests' blocks (a padded table is not zeroed).
+    tables = order[: len(seq_lens) * max_blocks].view(len(seq_lens), max_blocks).int()
+    starts = [sum(query_lens[:r]) for r in range(len(seq_lens))]
+    query = torch.randn(sum(query_lens), num_q_heads, head_dim).to(dtype)
+    got = batch_attention_scores(
+        query, cache, tables, starts, query_lens, seq_lens, layout, backend=ScoresBackend.TORCH
+    )
+    offset = 0
+    for r, seq_len in enumerate(seq_lens):
+        rows = query[starts[r] : starts[r] + query_lens[r]]
+        expected = reference_attention_scores(rows, cache, tables[r], seq_len, layout)
+        torch.testing.assert_close(
+            got[:, offset : offset + seq_len], expected, atol=SCORE_TOLERANCE[dtype], rtol=1e-4
+        )
+        offset += seq_len
+    assert sorted(r for chunk in batched for r in chunk) == [0, 1, 2, 4, 5]
+    assert (len(batched) > 1) == (max_logits is not None)
+
+
+@pytest.mark.parametrize("layout", [KVLayout.BHNC, KVLayout.CPU_ATTN])
+def test_mass_summed_over_layers_matches_the_reference(layout: KVLayout) -> None:
+    """``summed_attention_mass`` (what the engine reads each step) is the reference mass
+    of every request summed over the layers and KV heads: decode rows batched, a prefill
+    chunk on its own, each layer with its own cache, queries and scale."""
+    from kernels.attention_scores import summed_attention_mass
+
+    torch.manual_seed(2)
+    block_size, head_dim, num_q_heads, num_kv_heads = 16, 64, 6, 2
+    seq_lens, query_lens = [40, 7, 33, 64], [1, 3, 1, 1]
+    max_blocks = 4
+    tables = torch.randperm(20)[: len(seq_lens) * max_blocks].view(-1, max_blocks).int()
+    starts = [sum(query_lens[:r]) for r in range(len(seq_lens))]
+    layers = []
+    for scale in (0.1, 0.125, 0.2):
+        cache = layout.new_cache(20, block_size, num_kv_heads, head_dim, torch.float32, DEVICE)
+        layers.append((torch.randn(sum(query_lens), num_q_heads, head_dim), cache.normal_(), scale))
+    got = summed_attention_mass(layers, tables, starts, query_lens, seq_lens, layout)
+    expected = torch.cat(
+        [
+            sum(
+                reference_attention_scores(
+                    query[starts[r] : starts[r] + query_lens[r]], cache, tables[r], seq_lens[r],
+                    layout, scale=scale,
+                ).sum(0)
+                for query, cache, scale in layers
+            )
+            for r in range(len(seq_lens))
+        ]
+    )  # fmt: skip
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

@@ -249,10 +249,11 @@ def kv_bounds(
     The steady bound is the smallest of prompt + max_tokens, the tenant's per-request cap
     (``eviction_budget_tokens``) and, without a cap, the engines' own ``keep_ratio`` of the
     longest sequence; a budget counts one block more (the step's new tokens). ``n``
-    choices are ``n`` sequences: vLLM runs each as its own request holding its own KV
-    (a prompt block the choices share through the prefix cache is charged once, to the
-    first, so this over-counts it: admission does not use prefix matches), so both
-    bounds are ``n`` times one sequence's. A budget ``B`` counts at least what the policy
+    choices are ``n`` sequences: vLLM runs each as its own request holding its own KV,
+    so both bounds are ``n`` times one sequence's, and at its worst case: the choices share
+    the prompt's blocks through the prefix cache, and a block another request reads is
+    never evicted, so the first choice keeps its whole prompt past its budget (the
+    prompt is charged once, so this over-counts it). A budget ``B`` counts at least what the policy
     protects whatever its budget, ``protected_tokens + ceil(protected_fraction * B)``
     (sinks, a pinned prefix, recent windows: the engine keeps them past the budget).
     ``floor_tokens`` (a tenant that squeezes to floors) lowers the steady bound to that
@@ -264,6 +265,9 @@ def kv_bounds(
         )
     if n < 1:
         raise ValueError(f"need n >= 1 sequences (got {n})")
+    if n > 1:  # the choices share the prompt's blocks, which none evicts while others read
+        worst = math.ceil((prompt_tokens + max_tokens) / block_size)
+        return KVBounds(prefill_peak=n * math.ceil(prompt_tokens / block_size), steady=n * worst)
     longest = prompt_tokens + max_tokens
     steady = math.ceil(longest / block_size)
     budget = eviction_budget_tokens

@@ -257,8 +257,8 @@ def batch_attention_scores(
         batches: list[_DecodeBatch] = []
         if backend is ScoresBackend.TORCH and layout is not KVLayout.CPU_ATTN_AMX:
             batches = _decode_batches(
-                query_lens, seq_lens, block_tables, query_starts, query.shape[1],
-                layout.block_size(kv_cache),
+                query_lens, seq_lens, block_tables, query_starts, query.shape[1], kv_cache,
+                layout,
             )  # fmt: skip
         for batch in batches:
             mass = batch.mass(query, kv_cache, layout, scale)
@@ -285,14 +285,15 @@ def batch_attention_scores(
 
 
 def _decode_chunks(
-    requests: Sequence[int], seq_lens: Sequence[int], num_q_heads: int
+    requests: Sequence[int], seq_lens: Sequence[int], per_key: int
 ) -> list[list[int]]:
-    """Decode requests in groups whose padded logits stay under ``MAX_LOGITS`` (padding
+    """Decode requests in groups whose padded buffers (``per_key`` float32 elements per
+    key: the gathered keys or the logits, the larger) stay under ``MAX_LOGITS`` (padding
     to the group's longest key count: requests of similar lengths go together)."""
     order = sorted(requests, key=lambda r: int(seq_lens[r]))
     chunks: list[list[int]] = []
     for r in order:
-        size = (len(chunks[-1]) + 1) * num_q_heads * int(seq_lens[r]) if chunks else 0
+        size = (len(chunks[-1]) + 1) * per_key * int(seq_lens[r]) if chunks else 0
         if chunks and size <= score_spans.MAX_LOGITS:
             chunks[-1].append(r)
         else:
@@ -360,17 +361,20 @@ def _decode_batches(
     block_tables: torch.Tensor,
     query_starts: Sequence[int],
     num_q_heads: int,
-    block_size: int,
+    kv_cache: torch.Tensor,
+    layout: KVLayout,
 ) -> list[_DecodeBatch]:
     decode = [r for r in range(len(seq_lens)) if query_lens[r] == 1]
+    per_key = max(num_q_heads, layout.num_kv_heads(kv_cache) * layout.head_dim(kv_cache))
+    block_size = layout.block_size(kv_cache)
     return [
         _DecodeBatch.build(chunk, block_tables, query_starts, seq_lens, block_size)
-        for chunk in _decode_chunks(decode, seq_lens, num_q_heads)
+        for chunk in _decode_chunks(decode, seq_lens, per_key)
     ]
 
 
 def summed_attention_mass(
-    layers: Sequence[tuple[torch.Tensor, torch.Tensor, float]],
+    layers: Sequence[tuple[torch.Tensor, torch.Tensor, float | None]],
     block_tables: torch.Tensor,
     query_starts: Sequence[int],
     query_lens: Sequence[int],
@@ -382,9 +386,11 @@ def summed_attention_mass(
     """``batch_attention_scores`` of one step's requests in several layers, summed over
     the layers and the KV heads: float32 ``[sum(seq_lens)]`` on the caches' device.
 
-    ``layers``: ``(query, kv_cache, scale)`` per layer, the step's queries as in
-    ``batch_attention_scores`` (same requests, rows and block tables in every layer). On
-    CPU the decode requests' gathers and masks are planned once for all layers.
+    ``layers``: ``(query, kv_cache, scale)`` per layer (``scale`` ``None``: ``head_dim **
+    -0.5``), the step's queries as in ``batch_attention_scores`` (same requests, rows and
+    block tables in every layer). On CPU the decode requests' gathers and masks are
+    planned once for all layers, in chunks whose gathered keys and logits each stay under
+    ``score_spans.MAX_LOGITS`` float32 elements.
     """
     if not layers:
         raise ValueError("need at least one layer")
@@ -403,12 +409,12 @@ def summed_attention_mass(
             ).sum(0)  # fmt: skip
         return total
     batches = _decode_batches(
-        query_lens, seq_lens, block_tables, query_starts, query.shape[1],
-        layout.block_size(kv_cache),
-    )  # fmt: skip
-    sums = [torch.zeros(len(b.requests), b.hidden.shape[-1]) for b in batches]
+        query_lens, seq_lens, block_tables, query_starts, query.shape[1], kv_cache, layout
+    )
+    sums = [torch.zeros(len(b.requests), b.hidden.shape[-1], device=total.device) for b in batches]
     batched = {r for b in batches for r in b.requests}
-    for query, kv_cache, scale in layers:
+    for query, kv_cache, layer_scale in layers:
+        scale = _effective_scale(query, layer_scale, 1.0)
         for batch, summed in zip(batches, sums, strict=True):
             summed += batch.mass(query, kv_cache, layout, scale).sum(dim=1)
         for r in range(len(seq_lens)):

@@ -3,6 +3,7 @@ controller. ``build_app`` is the Serve config's ``import_path`` target."""
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
@@ -118,16 +119,25 @@ def policy_keep_ratio(vtoken: dict[str, Any]) -> float | None:
     return config.keep_ratio
 
 
+NOTHING_FREED = (2**31 - 1, 0.0)  # protection in naive mode: a request counts its length
+
+
 def policy_protection(vtoken: dict[str, Any]) -> tuple[int, float]:
     """``(tokens, fraction)``: the engines keep at most ``tokens + ceil(fraction * B)`` of
     a request's tokens that its policy protects whatever its budget ``B`` is: its sinks,
     or the engines' pinned prefix (``prefix_pin_tokens``, which replaces fewer sinks), a
     fixed recent window, a recent window sized on the budget (a gate's and the policy it
-    wraps, added). Admission counts a request at no less (``kv_bounds``); forgetting it
-    let a pinned system prompt hold twice what admission counted."""
+    wraps, added). A request under a tenant's cap may run under ``policies.CAP_POLICY``
+    instead (``serving.engine_host.request_spec``): its recent share counts too. Admission
+    counts a request at no less (``kv_bounds``); forgetting it let a pinned system prompt
+    hold twice what admission counted. In naive mode eviction frees no block, so
+    everything counts (:data:`NOTHING_FREED`)."""
+    from policies import CAP_POLICY
     from workers.config import VTokenConfig
 
     config = VTokenConfig.model_validate(vtoken)
+    if config.mode != "vtoken":  # Naive-Evict frees no block by evicting: not even a cap's
+        return NOTHING_FREED
     policy = config.make_policy()
     tokens = max(policy.sinks, config.prefix_pin_tokens) + policy.recent
     fraction = policy.recent_fraction
@@ -135,21 +145,27 @@ def policy_protection(vtoken: dict[str, Any]) -> tuple[int, float]:
     if inner is not None:
         tokens += inner.sinks + inner.recent
         fraction += inner.recent_fraction
-    return tokens, min(1.0, fraction)
+    # The cap policy keeps the pinned prefix (<= tokens) and its own recent share.
+    return tokens, min(1.0, max(fraction, CAP_POLICY().recent_fraction))
 
 
 def policy_floor_tokens(vtoken: dict[str, Any]) -> int | None:
-    """What the engines' policy keeps whatever its budget (sinks or the pinned prefix, a
-    fixed recent window), when it evicts to any budget whenever asked; ``None`` otherwise
-    (nothing to squeeze a request toward: ``squeeze_to_floor`` tenants are counted at their
-    budgets then)."""
+    """The fewest tokens the engines' policy can be squeezed to, when it evicts to any
+    budget whenever asked; ``None`` otherwise (nothing to squeeze a request toward:
+    ``squeeze_to_floor`` tenants are counted at their budgets then).
+
+    What the policy protects grows with the budget (``policy_protection``: ``P + f x B``),
+    so the floor is the budget that covers its own protection: ``ceil(P / (1 - f))``."""
     from workers.config import VTokenConfig
 
     config = VTokenConfig.model_validate(vtoken)
     policy = config.make_policy()
     if config.mode != "vtoken" or not (policy.holds_budget_every_step and policy.needs_budget):
         return None
-    return policy_protection(vtoken)[0]
+    tokens, fraction = policy_protection(vtoken)
+    if fraction >= 1:
+        return None
+    return math.ceil(tokens / (1 - fraction))
 
 
 def build_app(args: dict[str, Any], *, admin_token: str | None = None) -> Application:
@@ -222,9 +238,9 @@ def build_app(args: dict[str, Any], *, admin_token: str | None = None) -> Applic
             policy_floor_tokens(engine_settings.vtoken) if config.admission == "active_kv" else None
         ),
     }
-    if config.admission == "active_kv":
-        protected = policy_protection(engine_settings.vtoken)
-        ingress_settings["protected_tokens"], ingress_settings["protected_fraction"] = protected
+    # Whatever the admission mode, a tenant's cap bounds its requests (worst_case too).
+    protected = policy_protection(engine_settings.vtoken)
+    ingress_settings["protected_tokens"], ingress_settings["protected_fraction"] = protected
     ingress = Ingress.options(  # type: ignore[attr-defined]
         max_ongoing_requests=config.ingress_max_ongoing_requests
     )

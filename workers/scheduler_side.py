@@ -408,7 +408,7 @@ class VTokenScheduler:
                 self.num_evictions_below_budget += 1
             if len(evicted) and (under_pressure or record.kv.tenant in self.pressure):
                 self.num_evictions_under_pressure += 1
-            elif len(evicted) and request_id in always and self._above_hold(record):
+            elif len(evicted) and request_id in always and self._outgrows_hold(record, requests):
                 self.num_evictions_to_bound += 1
             if self.config.record_evictions:
                 record.evictions.append(evicted)
@@ -457,13 +457,13 @@ class VTokenScheduler:
         for request_id, record in self.requests.items():
             record.shared_elsewhere = elsewhere.get(request_id, 0)
 
-    @staticmethod
-    def _above_hold(record: ScheduledRequest) -> bool:
-        """Whether the request holds more than ``hold_blocks`` of the blocks it pays for
-        (after an eviction, until the repack that follows gives its blocks back)."""
+    def _outgrows_hold(self, record: ScheduledRequest, requests: dict[str, Any]) -> bool:
+        """Whether the request would hold more than ``hold_blocks`` of the blocks it pays
+        for with the blocks its next step opens (admission's bound counts that step)."""
         if record.hold_blocks is None:
             return False
-        return record.kv.num_held_blocks - record.shared_elsewhere > record.hold_blocks
+        paid = record.kv.num_held_blocks - record.shared_elsewhere
+        return paid + self._next_step_blocks(record.kv.request_id, requests) > record.hold_blocks
 
     def _budget(self, record: ScheduledRequest) -> int:
         """Live tokens the request may keep after this step.
@@ -504,7 +504,7 @@ class VTokenScheduler:
             own_timing = policy is not None and not policy.holds_budget_every_step
             # Admission counts it at ``hold_blocks`` from the end of its prefill: it gives
             # back what lies above that at once, not when memory or its tenant runs short.
-            held = self._above_hold(record)
+            held = self._outgrows_hold(record, requests)
             if own_timing or record.capped or held or record.kv.tenant in self.pressure:
                 always.add(request_id)
         # Room is counted for the next step: a request squeezed onto a block boundary opens

@@ -53,14 +53,16 @@ def test_kv_bounds() -> None:
         kv_bounds(0, 0, 16, None)
 
 
-def test_kv_bounds_of_n_sequences_are_n_times_one() -> None:
-    """vLLM runs each of n choices as its own request with its own KV (no prefix cache
-    under vToken): the prompt is held n times in prefill, the steady bound n times after."""
+def test_kv_bounds_of_n_sequences_are_n_times_one_at_its_worst_case() -> None:
+    """vLLM runs each of n choices as its own request with its own KV: the prompt is held
+    n times in prefill; after it, n times one sequence's worst case, because the choices
+    share the prompt's blocks through the prefix cache and a block another request reads
+    is never evicted (a budget would undercount the first choice's whole prompt)."""
     for args in ((10, 7, 16, None), (1000, 1000, 16, 64), (1000, 1000, 16, None, 0.5)):
         one = kv_bounds(*args)
         three = kv_bounds(*args, n=3)
-        assert three == KVBounds(3 * one.prefill_peak, 3 * one.steady)
-        assert three.peak == 3 * one.peak
+        worst = kv_bounds(args[0], args[1], args[2], None)
+        assert three == KVBounds(3 * one.prefill_peak, 3 * worst.steady)
     with pytest.raises(ValueError, match="n >= 1"):
         kv_bounds(10, 6, 16, None, n=0)
 
@@ -69,23 +71,24 @@ async def test_a_request_for_three_choices_reserves_three_sequences(
     redis: aioredis.Redis, keys: KeySpace, store: RedisStore
 ) -> None:
     """200-token prompt, 64 new tokens, cap 48 tokens, block size 32: one sequence peaks at
-    7 blocks (its prompt) and settles at 3; n=3 reserves 21 and settles at 9."""
+    7 blocks (its prompt) and settles at 3; n=3 reserves three worst cases, 27 blocks."""
     admission = Admission(redis, AdmissionConfig(block_size=32), keys)
-    tenant = quota("acme", budget=30).model_copy(update={"eviction_budget_tokens": 48})
+    tenant = quota("acme", budget=40).model_copy(update={"eviction_budget_tokens": 48})
     await store.put_quota(tenant)
     one = (await admission.admit(tenant, "one", 200, 64)).reservation
     three = (await admission.admit(tenant, "three", 200, 64, n=3)).reservation
     assert one is not None and three is not None
-    assert (three.blocks, three.steady) == (3 * one.blocks, 3 * one.steady) == (21, 9)
-    assert await admission.reserved_blocks("acme") == 28
-    # 28 + 3 x 7 > 30: a second request for three choices waits; once the three settle
-    # (their prefills are over), a single choice fits again.
+    assert (one.blocks, one.steady) == (7, 3)
+    assert (three.blocks, three.steady) == (27, 27)
+    assert await admission.reserved_blocks("acme") == 34
+    # 34 + 27 > 40: a second request for three choices waits; once the single choice
+    # settles (its prefill is over), another single one fits.
     assert (await admission.admit(tenant, "more", 200, 64, n=3)).reason == "kv_budget"
-    await admission.settle(three)
-    assert await admission.reserved_blocks("acme") == 16
-    assert (await admission.admit(tenant, "fits", 200, 64)).admitted  # 16 + 7 <= 30
+    await admission.settle(one)
+    assert await admission.reserved_blocks("acme") == 30
+    assert (await admission.admit(tenant, "fits", 200, 64)).admitted  # 30 + 7 <= 40
     # A request whose n sequences alone exceed the budget can never be held.
-    too_many = await admission.admit(tenant, "never", 200, 64, n=5)  # 35 > 30
+    too_many = await admission.admit(tenant, "never", 200, 64, n=5)  # 45 > 40
     assert (too_many.outcome, too_many.reason) == (AdmissionOutcome.REJECTED, "exceeds_budget")
 
 

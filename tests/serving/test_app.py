@@ -49,18 +49,29 @@ def test_admission_learns_the_engines_keep_ratio_only_when_the_policy_evicts_to_
             },
             (4, 0.5),
         ),
-        (
+        (  # under a tenant's cap a request may run under the cap policy (H2O): its recent half
             {"policy": "random", "keep_ratio": 0.1, "policy_args": {"sinks": 4, "recent": 60}},
-            (64, 0),
+            (64, 0.5),
         ),
-        ({"policy": "page", "keep_ratio": 0.2, "policy_args": {"sinks": 3, "recent": 5}}, (8, 0)),
-        ({"policy": "none", "prefix_pin_tokens": 64}, (64, 0.0)),
+        ({"policy": "page", "keep_ratio": 0.2, "policy_args": {"sinks": 3, "recent": 5}}, (8, 0.5)),
+        ({"policy": "none", "prefix_pin_tokens": 64}, (64, 0.5)),
+        ({"policy": "scissorhands", "keep_ratio": 0.3, "prefix_pin_tokens": 8}, (8, 0.5)),
     ],
 )
 def test_admission_learns_what_the_policy_keeps_past_any_budget(vtoken, expected):
     from serving.app import policy_protection
 
     assert policy_protection(vtoken) == expected
+
+
+def test_in_naive_mode_a_capped_request_counts_its_whole_length():
+    """Naive-Evict frees no block by evicting, so a tenant's cap lowers nothing."""
+    from controlplane.admission import kv_bounds
+    from serving.app import policy_protection
+
+    tokens, fraction = policy_protection({"policy": "h2o", "keep_ratio": 0.2, "mode": "naive"})
+    bounds = kv_bounds(40, 24, 4, 12, protected_tokens=tokens, protected_fraction=fraction)
+    assert bounds.steady == kv_bounds(40, 24, 4, None).steady == 16
 
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -132,12 +143,15 @@ def test_served_engines_evict_on_demand_unless_told_otherwise():
 
 
 def test_the_floor_admission_counts_squeezing_tenants_at_is_what_the_policy_always_keeps():
+    """The budget that covers its own protection: H2O keeps sinks (or a pinned prefix)
+    plus half its budget as a recent window, so a budget under twice the sinks is not
+    what the request keeps."""
     from serving.app import policy_floor_tokens
 
     assert policy_floor_tokens({"policy": "h2o", "keep_ratio": 0.2}) == 0
-    assert (
-        policy_floor_tokens({"policy": "h2o", "keep_ratio": 0.2, "policy_args": {"sinks": 4}}) == 4
-    )
+    h2o_sinks = {"policy": "h2o", "keep_ratio": 0.2, "policy_args": {"sinks": 4}}
+    assert policy_floor_tokens(h2o_sinks) == 8
+    assert policy_floor_tokens({"policy": "h2o", "keep_ratio": 0.2, "prefix_pin_tokens": 20}) == 40
     assert policy_floor_tokens({"policy": "none"}) is None  # never evicts
     assert policy_floor_tokens({"policy": "h2o", "keep_ratio": 0.2, "mode": "naive"}) is None
 

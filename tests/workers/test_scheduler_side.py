@@ -256,37 +256,67 @@ def test_a_request_never_holds_more_than_admission_counts(hold):
 
 
 @pytest.mark.parametrize(
-    "vtoken",
+    ("vtoken", "cap", "floor"),
     [
-        {"policy": "h2o", "keep_ratio": 0.2},
-        {"policy": "h2o", "keep_ratio": 0.2, "prefix_pin_tokens": 16},  # a system prompt
-        {"policy": "h2o", "keep_ratio": 0.2, "policy_args": {"sinks": 8}},
-        {
-            "policy": "h2o",
-            "keep_ratio": 0.3,
-            "prefix_pin_tokens": 20,
-            "policy_args": {"recent_fraction": 0.25, "sinks": 4},
-        },
-        {"policy": "random", "keep_ratio": 0.1, "policy_args": {"sinks": 4, "recent": 6}},
+        ({"policy": "h2o", "keep_ratio": 0.2}, None, False),
+        ({"policy": "h2o", "keep_ratio": 0.2, "prefix_pin_tokens": 16}, None, False),
+        ({"policy": "h2o", "keep_ratio": 0.2, "policy_args": {"sinks": 8}}, None, False),
+        (
+            {
+                "policy": "h2o",
+                "keep_ratio": 0.3,
+                "prefix_pin_tokens": 20,
+                "policy_args": {"recent_fraction": 0.25, "sinks": 4},
+            },
+            None,
+            False,
+        ),
+        (
+            {"policy": "random", "keep_ratio": 0.1, "policy_args": {"sinks": 4, "recent": 6}},
+            None,
+            False,
+        ),
+        # a tenant's cap: the engine's policy cannot hold it, the cap policy (H2O) runs
+        ({"policy": "none", "prefix_pin_tokens": 24}, 32, False),
+        (
+            {
+                "policy": "streaming_llm",
+                "policy_args": {"sinks": 4, "recent": 8},
+                "prefix_pin_tokens": 12,
+            },
+            24,
+            False,
+        ),
+        ({"policy": "h2o", "keep_ratio": 0.5, "prefix_pin_tokens": 8}, 20, False),
+        # a tenant squeezed to floors
+        ({"policy": "h2o", "keep_ratio": 0.2, "policy_args": {"sinks": 20}}, None, True),
+        ({"policy": "h2o", "keep_ratio": 0.2, "prefix_pin_tokens": 20}, None, True),
     ],
-    ids=["h2o", "h2o-pinned", "h2o-sinks", "h2o-pinned-over-sinks", "random-window"],
-)
-def test_admission_counts_at_least_what_the_engine_keeps(vtoken):
+    ids=[
+        "h2o", "h2o-pinned", "h2o-sinks", "h2o-pinned-over-sinks", "random-window",
+        "none-capped-pinned", "streaming-capped-pinned", "h2o-capped-pinned",
+        "h2o-sinks-floor", "h2o-pinned-floor",
+    ],
+)  # fmt: skip
+def test_admission_counts_at_least_what_the_engine_keeps(vtoken, cap, floor):
     """The contract between the ingress and the engine: what admission counts a request at
-    once its prefill ends (``kv_bounds`` from the engines' keep ratio and what their policy
-    protects, sent as ``vtoken_hold_to_blocks``) is never below what the engine holds, at
-    any step to ``max_tokens``: a pinned prefix, sinks and recent windows, which the policy
-    keeps past its budget, included (a pinned prefix counted at the budget alone held
-    twice what admission counted)."""
+    once its prefill ends (``kv_bounds`` from the engines' keep ratio, a tenant's cap or
+    floor, and what the policy protects, sent as ``vtoken_hold_to_blocks``) is never below
+    what the engine holds, at any step to ``max_tokens``: a pinned prefix, sinks and recent
+    windows, which the policy keeps past its budget, included (a pinned prefix counted at
+    the budget alone held twice what admission counted), also under the cap policy a
+    capped request may run under, and for a tenant squeezed to its floors."""
     from controlplane.admission import kv_bounds
-    from serving.app import policy_keep_ratio, policy_protection
+    from serving.app import policy_floor_tokens, policy_keep_ratio, policy_protection
+    from serving.engine_host import request_spec
+    from workers.config import REQUEST_KEY
 
     prompt, max_tokens = 40, 24
     keep_ratio = policy_keep_ratio(vtoken)
-    assert keep_ratio is not None  # every case here is counted below its worst case
     tokens, fraction = policy_protection(vtoken)
+    floor_tokens = policy_floor_tokens(vtoken) if floor else None
     bounds = kv_bounds(
-        prompt, max_tokens, BLOCK_SIZE, None, keep_ratio,
+        prompt, max_tokens, BLOCK_SIZE, cap, keep_ratio, floor_tokens=floor_tokens,
         protected_tokens=tokens, protected_fraction=fraction,
     )  # fmt: skip
     hold = bounds.steady
@@ -295,6 +325,8 @@ def test_admission_counts_at_least_what_the_engine_keeps(vtoken):
     config = VTokenConfig.model_validate({**vtoken, "eviction": "on_demand"})
     state = VTokenScheduler(config, pool, manager)
     extra = {"tenant": "acme", "vtoken_hold_to_blocks": hold}
+    if cap is not None:
+        extra[REQUEST_KEY] = request_spec(vtoken, cap)
     request = FakeRequest("r", prompt, sampling_params=SimpleNamespace(extra_args=extra))
     run_prefill(state, request)
     rng = np.random.default_rng(0)
@@ -308,11 +340,13 @@ def test_admission_counts_at_least_what_the_engine_keeps(vtoken):
     held = [record.kv.num_held_blocks]
     for _ in range(max_tokens - 1):
         assert state.allocate(request, 1) is not None
+        held.append(record.kv.num_held_blocks)  # the step's forward runs on these
         request.num_computed_tokens += 1
         state.after_step({"r": 1}, {"r": request}, scores())
         held.append(record.kv.num_held_blocks)
     assert max(held) <= hold, (hold, held)
-    assert state.num_evictions_to_bound > 0  # the bound was reached: the check means something
+    table = record.kv.table
+    assert table.num_live < table.num_logical  # it evicted: the bound was not vacuous
 
 
 def _decode_on_a_full_pool(squeeze_below_budget: bool, steps: int = 40, policy: str = "h2o"):

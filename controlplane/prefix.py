@@ -101,13 +101,17 @@ class PrefixMemory:
 
 
 class PrefixIndex:
-    """Which replicas hold which prefix keys, from their latest reports."""
+    """Which replicas hold which prefix keys: from their latest reports, or from what a
+    router sent them since."""
 
     def __init__(self, held: Mapping[str, Iterable[str]] | None = None) -> None:
         self._replicas_of: dict[str, set[str]] = {}
         for replica_id, keys in (held or {}).items():
-            for key in keys:
-                self._replicas_of.setdefault(key, set()).add(replica_id)
+            self.add(replica_id, keys)
+
+    def add(self, replica_id: str, keys: Iterable[str]) -> None:
+        for key in keys:
+            self._replicas_of.setdefault(key, set()).add(replica_id)
 
     def __bool__(self) -> bool:
         return bool(self._replicas_of)

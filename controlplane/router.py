@@ -16,6 +16,11 @@ less loaded), unless that replica is over the bounded-load cap (consistent hashi
 bounded loads, `prefix_load_factor` times the mean); the plan's ranking follows. Prefix
 caching pays only on the replica that holds the prefix, so this comes before the tenant's
 warm set; the load bound keeps one popular prefix from piling its tenants on one replica.
+Reports reach the router a period late, so it also remembers, for `routed_memory_s`, the
+keys of the requests it sent itself (`note_routed`, from Serve's `on_request_routed`, as
+Serve's `PrefixCacheAffinityRouter` inserts what it routed into its tree): a
+conversation's next turn, or a tenant's second request with the same system prompt,
+follows the first even before the replica's report lists its keys.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import enum
 import heapq
 import logging
 import zlib
+from collections import deque
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
@@ -60,7 +66,8 @@ class RouterConfig:
     """`fallback_width`: how many least-loaded replicas the fallback rank holds.
     `prefix_load_factor`, `prefix_load_slack`: the bounded-load cap of prefix affinity
     (a factor >= 1 of the mean load, 1.25 as in the bounded-load paper's experiments, plus
-    an absolute allowance in requests)."""
+    an absolute allowance in requests). `routed_memory_s`: how long the keys of a request
+    this router sent stay matched without a report listing them (a few report periods)."""
 
     max_plan_age_s: float = 5.0
     refresh_period_s: float = 0.1
@@ -69,9 +76,11 @@ class RouterConfig:
     fallback_width: int = 4
     prefix_load_factor: float = 1.25
     prefix_load_slack: int = 2
+    routed_memory_s: float = 10.0
 
     def __post_init__(self) -> None:
-        if min(self.max_plan_age_s, self.refresh_period_s, self.report_refresh_s) <= 0:
+        periods = (self.max_plan_age_s, self.refresh_period_s, self.report_refresh_s)
+        if min(*periods, self.routed_memory_s) <= 0:
             raise ValueError("router periods and ages must be positive")
         if self.fallback_width < 1:
             raise ValueError("fallback_width must be >= 1")
@@ -92,6 +101,10 @@ class RouterCore:
         self._requests: dict[str, int] = {}  # queued + running, per replica (reports)
         self._routed: dict[str, int] = {}  # sent by prefix affinity since the last reports
         self._prefix = PrefixIndex()
+        # (when, replica, keys) of the requests this router sent, oldest first, and the
+        # index of those still within `routed_memory_s`
+        self._sent: deque[tuple[float, str, tuple[str, ...]]] = deque()
+        self._sent_index = PrefixIndex()
         self._order_cache: tuple[Set[str], tuple[str, ...]] | None = None
         self._reports_read_s: float | None = None
         self._redis_ok = True
@@ -131,6 +144,29 @@ class RouterCore:
         self._routed = {}  # the reports count what was routed before them
         self._prefix = PrefixIndex({r: rep.prefix_keys for r, rep in reports.items()})
         self._order_cache = None
+        self._forget_sent()
+
+    def note_routed(self, replica_id: str, prefix_keys: Sequence[str]) -> None:
+        """`replica_id` accepted a request with `prefix_keys`: match them there from now
+        on, for `routed_memory_s`, whatever the reports say meanwhile."""
+        if not prefix_keys:
+            return
+        keys = tuple(prefix_keys)
+        self._sent.append((self._clock.now(), replica_id, keys))
+        self._sent_index.add(replica_id, keys)
+
+    def _forget_sent(self) -> None:
+        """Drop what was sent more than `routed_memory_s` ago (with each reports read,
+        so the index is rebuilt at most once a report period)."""
+        sent = self._sent
+        horizon = self._clock.now() - self.config.routed_memory_s
+        if not sent or sent[0][0] >= horizon:
+            return
+        while sent and sent[0][0] < horizon:
+            sent.popleft()
+        self._sent_index = PrefixIndex()
+        for _, replica_id, keys in sent:
+            self._sent_index.add(replica_id, keys)
 
     async def refresh(self) -> bool:
         """Poll Redis: new plan version -> read the plan; reports every
@@ -219,10 +255,12 @@ class RouterCore:
     ) -> str | None:
         """The candidate holding the longest run of `prefix_keys` (the less loaded on a
         tie) if it is within the load bound; `None` otherwise."""
-        if not prefix_keys or not self._prefix:
+        if not prefix_keys or not (self._prefix or self._sent_index):
             return None
         usable = [r for r in candidate_ids if r not in self._drained]
         matched = self._prefix.longest_match(prefix_keys, usable)
+        for replica_id, depth in self._sent_index.longest_match(prefix_keys, usable).items():
+            matched[replica_id] = max(depth, matched.get(replica_id, 0))
         if not matched:
             return None
         if queue_lengths is not None:  # the caller's live counts

@@ -13,7 +13,13 @@ import os
 from typing import Any
 
 from opentelemetry import trace
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import (
+    FIFOMixin,
+    PendingRequest,
+    ReplicaID,
+    RequestRouter,
+    RunningReplica,
+)
 
 from controlplane import telemetry
 from controlplane.clock import SystemClock
@@ -82,3 +88,15 @@ class VTokenRequestRouter(FIFOMixin, RequestRouter):
             if ranking.ranks and ranking.ranks[0]:
                 span.set_attribute(telemetry.ATTR_REPLICA_ID, ranking.ranks[0][0])
             return [[by_id[replica_id] for replica_id in rank] for rank in ranking.ranks]
+
+    def on_request_routed(
+        self,
+        pending_request: PendingRequest,
+        replica_id: ReplicaID,
+        result: Any,  # Serve's ReplicaResult, not part of its public API
+    ) -> None:
+        """Serve calls this once a replica accepted the request: its prompt's prefix is
+        matched there from now on, before that replica's next report lists it."""
+        keys = request_fields(pending_request).get("prefix_keys")
+        if keys:
+            self._core.note_routed(replica_id.unique_id, keys)

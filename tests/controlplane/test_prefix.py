@@ -137,3 +137,35 @@ def test_equal_holders_are_spread_by_prefix(router: RouterCore, clock):
         router.apply_reports(_reports(clock, held, {}))  # equal loads every time
         chosen.add(router.rank("t", ALL, prefix_keys=keys).ranks[0])
     assert chosen == {("r1",), ("r2",), ("r3",)}
+
+
+def test_what_the_router_sent_is_matched_before_reports_list_it(router: RouterCore, clock):
+    """A conversation's next turn follows its first one to the same replica while that
+    replica's report does not list the prompt yet, and for `routed_memory_s` only."""
+    system = list(range(8))
+    first_turn = prefix_keys(system + [50, 51, 52, 53], BLOCK, "t")
+    next_turn = prefix_keys(system + [50, 51, 52, 53, 60, 61, 62, 63, 70], BLOCK, "t")
+    router.apply_reports(_reports(clock, {"r1": first_turn[:1]}, {}))
+    assert router.rank("t", ALL, prefix_keys=first_turn).ranks[0] == ("r1",)  # from reports
+    router.note_routed("r2", first_turn)  # Serve put the first turn on r2 after all
+    ranking = router.rank("t", ALL, prefix_keys=next_turn)
+    assert ranking.source is RouteSource.PREFIX and ranking.ranks[0] == ("r2",)  # 3 blocks
+    # Reports that still do not list it change nothing within the memory...
+    clock.advance(router.config.routed_memory_s - 1)
+    router.apply_reports(_reports(clock, {"r1": first_turn[:1]}, {}))
+    assert router.rank("t", ALL, prefix_keys=next_turn).ranks[0] == ("r2",)
+    # ...after it only the reports count: r1's one block is the longest match left.
+    clock.advance(2)
+    router.apply_reports(_reports(clock, {"r1": first_turn[:1]}, {}))
+    assert router.rank("t", ALL, prefix_keys=next_turn).ranks[0] == ("r1",)
+    router.note_routed("r3", ())  # a prompt shorter than a block: nothing to remember
+    with pytest.raises(ValueError, match="positive"):
+        RouterConfig(routed_memory_s=0)
+
+
+def test_what_the_router_sent_still_obeys_the_load_bound(router: RouterCore, clock):
+    keys = prefix_keys(list(range(12)), BLOCK, "t")
+    router.apply_reports(_reports(clock, {}, {"r2": 6}))
+    router.note_routed("r2", keys)
+    ranking = router.rank("t", ALL, prefix_keys=keys)
+    assert ranking.source is not RouteSource.PREFIX and ranking.ranks[0][0] != "r2"

@@ -18,6 +18,7 @@ worker side (every worker process; V1 runner, CPU and, opt-in and unverified, CU
   ``GPUModelRunner.execute_model``    repack + truncate before, scores after the forward
   ``GPUModelRunner._prepare_inputs``  physical ``seq_lens`` and slot mapping
   ``GPUModelRunner.sample_tokens``    attach ``StepScores`` to the ``ModelRunnerOutput``
+  ``GPUModelRunner.initialize_kv_cache``  on CUDA, build and check the worker at start
   ``CPUAttentionBackendImpl.forward`` hand queries of scored layers to the worker state
   ``FlashAttentionImpl.forward``,     the same on CUDA (wrapped where the platform is CUDA;
   ``FlashInferImpl.forward``,         FlashInfer only where its package imports)
@@ -121,6 +122,7 @@ def install() -> None:
     _wrap(GPUModelRunner, "execute_model", _execute_model)
     _wrap(GPUModelRunner, "_prepare_inputs", _prepare_inputs)
     _wrap(GPUModelRunner, "sample_tokens", _sample_tokens)
+    _wrap(GPUModelRunner, "initialize_kv_cache", _initialize_kv_cache)
     _wrap(CPUAttentionBackendImpl, "forward", _attention_forward)
     from vllm.platforms import current_platform
 
@@ -169,8 +171,13 @@ def cuda_attention_impls() -> list[type]:
         module_name, _, class_name = qualname.rpartition(".")
         try:
             module = importlib.import_module(module_name)
-        except ImportError as error:
+        except ImportError as error:  # e.g. FlashInfer's package is not installed
             logger.debug("vToken: %s not wrapped (%s)", class_name, error)
+            continue
+        except Exception as error:  # noqa: BLE001 - a broken backend must not stop the others
+            logger.warning(
+                "vToken: %s not wrapped, its module fails to import (%s)", class_name, error
+            )
             continue
         impls.append(getattr(module, class_name))
     return impls
@@ -717,7 +724,7 @@ def _cache_problems(
     if dtypes:
         problems.append(f"KV cache dtype {', '.join(dtypes)} (expected {expected})")
     views = {(cache.data_ptr(), cache.shape, cache.stride()) for cache in kv_caches}
-    foreign, misshapen, per_head_q = [], [], []
+    foreign, misshapen, per_head = [], [], []
     for name, layer in _wrapped_layers(attention).items():
         cache, impl = layer.kv_cache, layer.impl
         if (cache.data_ptr(), cache.shape, cache.stride()) not in views:
@@ -728,8 +735,8 @@ def _cache_problems(
             or (cache.shape[3] != 2 * impl.head_size)
         ):
             misshapen.append(name)
-        if fp8 and layer._q_scale.numel() != 1:
-            per_head_q.append(name)
+        if fp8 and (layer._q_scale.numel() != 1 or layer._k_scale.numel() != 1):
+            per_head.append(name)
     if foreign:
         problems.append(
             f"layers reading a KV view the runner does not hold ({_some(foreign)}: kernel"
@@ -739,9 +746,28 @@ def _cache_problems(
         problems.append(
             f"KV views not [blocks, kv_heads, block_size, 2 * head_size] ({_some(misshapen)})"
         )
-    if per_head_q:
-        problems.append(f"per-head fp8 query scales ({_some(per_head_q)})")
+    if per_head:
+        problems.append(
+            f"per-head fp8 query or key scales ({_some(per_head)}: the scores fold one"
+            " per-tensor scale)"
+        )
     return problems
+
+
+def _initialize_kv_cache(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``GPUModelRunner.initialize_kv_cache``: on CUDA, build the worker as soon as the
+    KV cache exists (not at the first step, as on CPU), so that the checks of
+    ``_cuda_key_dtype`` against the engine's layers, caches and attention implementations
+    refuse an engine the CUDA hooks do not cover at start, before it reports ready."""
+
+    def initialize_kv_cache(self: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, kv_cache_config, *args, **kwargs)
+        profiling = kwargs.get("is_profiling", args[0] if args else False)
+        if self.device.type != "cpu" and not profiling:
+            self.__dict__.pop("vtoken", None)  # built against the caches just allocated
+            worker_state(self)
+
+    return initialize_kv_cache
 
 
 def _refuse_runner(original: Callable[..., Any]) -> Callable[..., Any]:

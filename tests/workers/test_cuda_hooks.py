@@ -29,6 +29,7 @@ from workers.vllm_patches import (
     LayerCapture,
     UnsupportedEngineError,
     _attention_forward,
+    _initialize_kv_cache,
     _make_worker,
     _prepare_inputs,
     cuda_attention_impls,
@@ -411,6 +412,41 @@ def test_make_worker_refuses_another_runner_on_cuda(cuda_engine):
     runner = SimpleNamespace(vllm_config=cuda_engine, device=torch.device("cuda"))
     with pytest.raises(UnsupportedEngineError, match="model runner types.SimpleNamespace"):
         _make_worker(runner, parse_config(cuda_engine.additional_config))
+
+
+@pytest.mark.slow
+def test_make_worker_refuses_per_head_fp8_key_scales(cuda_engine):
+    """The scores fold one per-tensor key scale; per-head scales (FlashAttention 3 takes
+    them) would score every head with the largest."""
+    runner = _cuda_runner(cuda_engine, _backend("triton_attn"), cache_dtype="fp8")
+    _layers(cuda_engine)[0]._k_scale = torch.ones(NUM_KV_HEADS)
+    with pytest.raises(UnsupportedEngineError, match="per-head fp8 query or key scales"):
+        _make_worker(runner, parse_config(cuda_engine.additional_config))
+
+
+@pytest.mark.slow
+def test_the_worker_is_built_and_checked_when_the_kv_cache_is(cuda_engine):
+    """On CUDA an engine the hooks do not cover is refused when its KV cache is made,
+    not at its first request; the profiling pass builds nothing."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    allocated = []
+    initialize = _initialize_kv_cache(lambda runner, config, *a, **k: allocated.append(config))
+    runner = _cuda_runner(cuda_engine, _backend("flash_attn"))
+    initialize(runner, "profiling", is_profiling=True)
+    assert allocated == ["profiling"] and not hasattr(runner, "vtoken")
+    initialize(runner, "final")
+    assert isinstance(runner.vtoken, VTokenWorker)
+    assert {layer.vtoken_capture.state for layer in _layers(cuda_engine)} == {runner.vtoken}
+    foreign = _cuda_runner(cuda_engine, CPUAttentionBackend)
+    with pytest.raises(UnsupportedEngineError, match="attention implementation"):
+        initialize(foreign, "final", False)
+
+
+def test_the_attention_op_is_one_vllm_splits_piecewise_graphs_at():
+    from vllm.config import CompilationConfig
+
+    assert vllm_patches.ATTENTION_OP in CompilationConfig._attention_ops
 
 
 # ---------------------------------------------------------------------- _prepare_inputs

@@ -102,19 +102,33 @@ class PrefixMemory:
 
 class PrefixIndex:
     """Which replicas hold which prefix keys: from their latest reports, or from what a
-    router sent them since."""
+    router sent them since (``add`` and ``remove`` count, so a key stays matched on a
+    replica while any request that added it there is remembered)."""
 
     def __init__(self, held: Mapping[str, Iterable[str]] | None = None) -> None:
-        self._replicas_of: dict[str, set[str]] = {}
+        self._replicas_of: dict[str, dict[str, int]] = {}
         for replica_id, keys in (held or {}).items():
             self.add(replica_id, keys)
 
-    def add(self, replica_id: str, keys: Iterable[str]) -> None:
-        for key in keys:
-            self._replicas_of.setdefault(key, set()).add(replica_id)
-
     def __bool__(self) -> bool:
         return bool(self._replicas_of)
+
+    def add(self, replica_id: str, keys: Iterable[str]) -> None:
+        for key in keys:
+            holders = self._replicas_of.setdefault(key, {})
+            holders[replica_id] = holders.get(replica_id, 0) + 1
+
+    def remove(self, replica_id: str, keys: Iterable[str]) -> None:
+        """Undo one ``add(replica_id, keys)``."""
+        for key in keys:
+            holders = self._replicas_of.get(key)
+            if holders is None or replica_id not in holders:
+                continue
+            holders[replica_id] -= 1
+            if holders[replica_id] <= 0:
+                del holders[replica_id]
+                if not holders:
+                    del self._replicas_of[key]
 
     def longest_match(self, keys: Sequence[str], candidates: Iterable[str]) -> dict[str, int]:
         """Blocks of the prompt each candidate holds: the longest run of ``keys`` from the

@@ -42,6 +42,10 @@ from controlplane.store import RedisStore
 
 logger = logging.getLogger(__name__)
 
+# The most routed requests whose prefix keys a router remembers (at 1,000 requests/s,
+# the last 10 s; 64 keys each at most).
+MAX_ROUTED_REMEMBERED = 10_000
+
 
 class RouteSource(enum.Enum):
     PLAN = "plan"  # first rank is the tenant's warm set
@@ -144,29 +148,27 @@ class RouterCore:
         self._routed = {}  # the reports count what was routed before them
         self._prefix = PrefixIndex({r: rep.prefix_keys for r, rep in reports.items()})
         self._order_cache = None
-        self._forget_sent()
 
     def note_routed(self, replica_id: str, prefix_keys: Sequence[str]) -> None:
         """`replica_id` accepted a request with `prefix_keys`: match them there from now
-        on, for `routed_memory_s`, whatever the reports say meanwhile."""
+        on, for `routed_memory_s`, whatever the reports say meanwhile. At most
+        `MAX_ROUTED_REMEMBERED` requests are remembered (the oldest go first), reports or
+        not."""
         if not prefix_keys:
             return
         keys = tuple(prefix_keys)
         self._sent.append((self._clock.now(), replica_id, keys))
         self._sent_index.add(replica_id, keys)
+        self._forget_sent()
 
     def _forget_sent(self) -> None:
-        """Drop what was sent more than `routed_memory_s` ago (with each reports read,
-        so the index is rebuilt at most once a report period)."""
-        sent = self._sent
+        """Drop what was sent more than `routed_memory_s` ago, and the oldest beyond
+        `MAX_ROUTED_REMEMBERED`."""
+        sent, index = self._sent, self._sent_index
         horizon = self._clock.now() - self.config.routed_memory_s
-        if not sent or sent[0][0] >= horizon:
-            return
-        while sent and sent[0][0] < horizon:
-            sent.popleft()
-        self._sent_index = PrefixIndex()
-        for _, replica_id, keys in sent:
-            self._sent_index.add(replica_id, keys)
+        while sent and (sent[0][0] < horizon or len(sent) > MAX_ROUTED_REMEMBERED):
+            _, replica_id, keys = sent.popleft()
+            index.remove(replica_id, keys)
 
     async def refresh(self) -> bool:
         """Poll Redis: new plan version -> read the plan; reports every
@@ -255,7 +257,10 @@ class RouterCore:
     ) -> str | None:
         """The candidate holding the longest run of `prefix_keys` (the less loaded on a
         tie) if it is within the load bound; `None` otherwise."""
-        if not prefix_keys or not (self._prefix or self._sent_index):
+        if not prefix_keys:
+            return None
+        self._forget_sent()  # also while no reports come (Redis away)
+        if not (self._prefix or self._sent_index):
             return None
         usable = [r for r in candidate_ids if r not in self._drained]
         matched = self._prefix.longest_match(prefix_keys, usable)

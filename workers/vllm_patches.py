@@ -13,12 +13,20 @@ scheduler side (engine-core process)
   ``KVCacheManager.allocate_slots``   physical counts drive block allocation; prefix-cache
                                       hits adopted, cacheable blocks published
   ``KVCacheManager.free``             finish / abort / preemption free table + ballast
-worker side (every worker process; V1 runner, CPU)
+worker side (every worker process; V1 runner, CPU and, opt-in and unverified, CUDA)
   V2 ``GPUModelRunner.__init__``      refuse a vToken engine (V2 is not wired)
   ``GPUModelRunner.execute_model``    repack + truncate before, scores after the forward
   ``GPUModelRunner._prepare_inputs``  physical ``seq_lens`` and slot mapping
   ``GPUModelRunner.sample_tokens``    attach ``StepScores`` to the ``ModelRunnerOutput``
+  ``GPUModelRunner.initialize_kv_cache``  on CUDA, build and check the worker at start
   ``CPUAttentionBackendImpl.forward`` hand queries of scored layers to the worker state
+  ``FlashAttentionImpl.forward``,     the same on CUDA (wrapped where the platform is CUDA;
+  ``FlashInferImpl.forward``,         FlashInfer only where its package imports)
+  ``TritonAttentionImpl.forward``
+engine configuration
+  ``VllmConfig.use_v2_model_runner``  the V1 runner for a vToken engine unless V2 is asked
+                                      for (``VLLM_USE_V2_MODEL_RUNNER``, HiSparse,
+                                      watermarking), which ``check_engine`` then refuses
 engine construction
   ``LLMEngine`` / ``AsyncLLM`` / ``EngineCore.__init__``   refuse unsupported engines
                                       (``check_engine``) in the constructing process
@@ -41,13 +49,16 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import os
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from kernels import KVLayout
 from workers.config import CONFIG_KEY, VTokenConfig, parse_config, request_policy_spec
 from workers.messages import OPS_ATTRIBUTE, SCORES_ATTRIBUTE
 from workers.scheduler_side import VTokenScheduler
@@ -111,7 +122,16 @@ def install() -> None:
     _wrap(GPUModelRunner, "execute_model", _execute_model)
     _wrap(GPUModelRunner, "_prepare_inputs", _prepare_inputs)
     _wrap(GPUModelRunner, "sample_tokens", _sample_tokens)
+    _wrap(GPUModelRunner, "initialize_kv_cache", _initialize_kv_cache)
     _wrap(CPUAttentionBackendImpl, "forward", _attention_forward)
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda():
+        for impl_cls in cuda_attention_impls():
+            _wrap(impl_cls, "forward", _attention_forward)
+    from vllm.config import VllmConfig
+
+    _wrap_property(VllmConfig, "use_v2_model_runner", _select_v1_runner)
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner as ModelRunnerV2
 
     _wrap(ModelRunnerV2, "__init__", _refuse_runner)
@@ -127,6 +147,40 @@ def _wrap(cls: type, name: str, make: Callable[[Callable[..., Any]], Callable[..
     functools.update_wrapper(wrapper, original)
     wrapper.__vtoken_original__ = original  # type: ignore[attr-defined]
     setattr(cls, name, wrapper)
+
+
+def _wrap_property(
+    cls: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]
+) -> None:
+    """``_wrap`` for a read-only property: its getter is wrapped."""
+    original = getattr(cls, name).fget
+    getter = make(original)
+    functools.update_wrapper(getter, original)
+    getter.__vtoken_original__ = original  # type: ignore[attr-defined]
+    setattr(cls, name, property(getter))
+
+
+def cuda_attention_impls() -> list[type]:
+    """The CUDA attention implementations whose ``forward`` captures queries (those of
+    ``CUDA_ATTENTION_IMPLS`` whose module imports: FlashInfer's needs the ``flashinfer``
+    package, absent from vLLM's CPU build)."""
+    import importlib
+
+    impls = []
+    for qualname in CUDA_ATTENTION_IMPLS:
+        module_name, _, class_name = qualname.rpartition(".")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as error:  # e.g. FlashInfer's package is not installed
+            logger.debug("vToken: %s not wrapped (%s)", class_name, error)
+            continue
+        except Exception as error:  # noqa: BLE001 - a broken backend must not stop the others
+            logger.warning(
+                "vToken: %s not wrapped, its module fails to import (%s)", class_name, error
+            )
+            continue
+        impls.append(getattr(module, class_name))
+    return impls
 
 
 def _version_guard(error: UnsupportedVLLMError):
@@ -149,12 +203,29 @@ def scheduler_state(scheduler: Any) -> VTokenScheduler | None:
 
 
 SUPPORTED_SCHEDULER = "vllm.v1.core.sched.scheduler.Scheduler"
-SUPPORTED_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"
-SUPPORTED_RUNNER = "vllm.v1.worker.cpu_model_runner.CPUModelRunner"
+SUPPORTED_WORKERS = {
+    "cpu": "vllm.v1.worker.cpu_worker.CPUWorker",
+    "cuda": "vllm.v1.worker.gpu_worker.Worker",
+}
+SUPPORTED_RUNNERS = {
+    "cpu": "vllm.v1.worker.cpu_model_runner.CPUModelRunner",
+    "cuda": "vllm.v1.worker.gpu_model_runner.GPUModelRunner",
+}
+CUDA_ATTENTION_IMPLS = (
+    "vllm.v1.attention.backends.flash_attn.FlashAttentionImpl",
+    "vllm.v1.attention.backends.flashinfer.FlashInferImpl",
+    "vllm.v1.attention.backends.triton_attn.TritonAttentionImpl",
+)
+# The custom op whose Python calls ``Impl.forward`` (vllm/model_executor/layers/attention/
+# attention.py): piecewise CUDA graphs must split at it, or no query is captured.
+ATTENTION_OP = "vllm::unified_attention_with_output"
+UNVERIFIED_CUDA_ENV = "VTOKEN_UNVERIFIED_CUDA"
 WHERE_VTOKEN_RUNS = (
     "vToken runs on vLLM 0.32's CPU build with the V1 model runner "
-    f"({SUPPORTED_RUNNER}), the synchronous {SUPPORTED_SCHEDULER} and one worker; "
-    "to serve without vToken, drop additional_config['vtoken']"
+    f"({SUPPORTED_RUNNERS['cpu']}), the synchronous {SUPPORTED_SCHEDULER} and one worker; "
+    f"on CUDA, unverified and only with {UNVERIFIED_CUDA_ENV}=1, with the V1 "
+    f"{SUPPORTED_RUNNERS['cuda']}, FlashAttention, FlashInfer or Triton attention and "
+    "piecewise or no CUDA graphs; to serve without vToken, drop additional_config['vtoken']"
 )
 
 
@@ -169,19 +240,17 @@ def _qualname(cls: type) -> str:
 
 def check_engine(vllm_config: Any, scheduler_cls: type, kv_cache_config: Any = None) -> None:
     """Raise ``UnsupportedEngineError`` naming every setting to change, unless vToken's
-    wrappers cover this engine: CPU device, V1 model runner, exactly vLLM's synchronous
-    ``Scheduler`` (a subclass such as ``AsyncScheduler`` inherits the wrappers but not
-    their assumptions), the CPU worker, one worker, no speculative decoding or KV
-    connector, and (when ``kv_cache_config`` is known) one full-attention KV group.
+    wrappers cover this engine: CPU device (or CUDA, opted in with
+    ``VTOKEN_UNVERIFIED_CUDA=1`` and without FULL CUDA graphs), V1 model runner, exactly
+    vLLM's synchronous ``Scheduler`` (a subclass such as ``AsyncScheduler`` inherits the
+    wrappers but not their assumptions), the device's own worker, one worker, no
+    speculative decoding or KV connector, and (when ``kv_cache_config`` is known) one
+    full-attention KV group.
 
     Running anywhere else would be silent corruption: the scheduler side would free and
     reassign blocks that an unwrapped runner still reads and writes."""
-    problems = []
     device = vllm_config.device_config.device_type
-    if device != "cpu":
-        problems.append(
-            f"device {device!r} (the CUDA runner hooks are not wired yet; use the CPU build)"
-        )
+    problems = _device_problems(device, vllm_config.compilation_config)
     if vllm_config.use_v2_model_runner:
         problems.append(
             "vLLM's V2 model runner (set VLLM_USE_V2_MODEL_RUNNER=0; watermarking and"
@@ -195,7 +264,7 @@ def check_engine(vllm_config: Any, scheduler_cls: type, kv_cache_config: Any = N
     elif vllm_config.scheduler_config.async_scheduling:
         problems.append("async scheduling (pass async_scheduling=False)")
     worker_cls = vllm_config.parallel_config.worker_cls
-    if worker_cls not in ("auto", SUPPORTED_WORKER):
+    if worker_cls not in ("auto", SUPPORTED_WORKERS.get(device)):
         problems.append(f"worker class {worker_cls} (leave worker_cls at 'auto')")
     if vllm_config.speculative_config is not None:
         problems.append("speculative decoding (drop speculative_config)")
@@ -214,6 +283,44 @@ def check_engine(vllm_config: Any, scheduler_cls: type, kv_cache_config: Any = N
         )
 
 
+def _device_problems(device: str, compilation_config: Any) -> list[str]:
+    """What keeps ``device`` from running vToken: nothing on CPU; on CUDA the missing
+    opt-in (the hooks have never run on a GPU) and CUDA graphs that would replay attention
+    without its Python (``_cuda_graph_problems``); any other device."""
+    if device == "cpu":
+        return []
+    if device != "cuda":
+        return [f"device {device!r} (vToken's hooks cover the CPU build and CUDA)"]
+    problems = []
+    if os.environ.get(UNVERIFIED_CUDA_ENV) != "1":
+        problems.append(
+            "device 'cuda' (the CUDA hooks are wired but have never run on a GPU; set"
+            f" {UNVERIFIED_CUDA_ENV}=1 to try them)"
+        )
+    return problems + _cuda_graph_problems(compilation_config)
+
+
+def _cuda_graph_problems(compilation_config: Any) -> list[str]:
+    """A FULL CUDA graph (``FULL``, ``FULL_DECODE_ONLY``, ``FULL_AND_PIECEWISE``) replays
+    attention kernels without running ``Impl.forward``'s Python, so no query is captured;
+    neither is one inside a piecewise graph whose splitting ops lack ``ATTENTION_OP``.
+    ``PIECEWISE`` (attention runs eagerly between the graphs) and ``NONE`` are fine."""
+    mode = compilation_config.cudagraph_mode
+    if mode is None:
+        return []
+    if mode.has_full_cudagraphs():
+        return [
+            f"cudagraph_mode {mode.name} (FULL CUDA graphs replay attention without the"
+            " Python that captures queries; pass compilation_config="
+            '{"cudagraph_mode": "PIECEWISE"} or enforce_eager=True)'
+        ]
+    if mode.has_piecewise_cudagraphs() and ATTENTION_OP not in (
+        compilation_config.splitting_ops or []
+    ):
+        return [f"piecewise CUDA graphs around attention (keep {ATTENTION_OP} in splitting_ops)"]
+    return []
+
+
 def _refuse_unsupported_engine(original: Callable[..., Any]) -> Callable[..., Any]:
     """``__init__(vllm_config, ...)`` of ``LLMEngine``, ``AsyncLLM`` and ``EngineCore``:
     with a vToken config, ``check_engine`` against the scheduler class vLLM will build,
@@ -226,6 +333,42 @@ def _refuse_unsupported_engine(original: Callable[..., Any]) -> Callable[..., An
         original(self, vllm_config, *args, **kwargs)
 
     return __init__
+
+
+def _select_v1_runner(original: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    """``VllmConfig.use_v2_model_runner``: a vToken engine runs on the V1 runner, the one
+    its hooks wrap, unless V2 is asked for (``VLLM_USE_V2_MODEL_RUNNER`` set, HiSparse,
+    watermarking): then vLLM's own answer stands and ``check_engine`` refuses V2. Other
+    engines always get vLLM's answer (the environment is not touched)."""
+
+    def use_v2_model_runner(self: Any) -> bool:
+        if CONFIG_KEY not in (self.additional_config or {}) or _v2_requested(self):
+            return original(self)
+        _log_v1_runner_selected()
+        return False
+
+    return use_v2_model_runner
+
+
+def _v2_requested(vllm_config: Any) -> bool:
+    """Whether the user or a feature chose the runner (vLLM 0.32's ``use_v2_model_runner``
+    answers these before its own default)."""
+    from vllm import envs
+
+    return (
+        envs.VLLM_USE_V2_MODEL_RUNNER is not None
+        or vllm_config.attention_config.hisparse_config is not None
+        or getattr(vllm_config, "watermark_config", None) is not None
+    )
+
+
+@functools.cache
+def _log_v1_runner_selected() -> None:
+    """One line per process (vLLM reads the property many times while it builds one)."""
+    logger.info(
+        "vToken: VLLM_USE_V2_MODEL_RUNNER is unset; this engine runs on vLLM's V1 model"
+        " runner, the one vToken's hooks wrap"
+    )
 
 
 # ---------------------------------------------------------------------- request admission
@@ -440,31 +583,191 @@ def worker_state(runner: Any) -> VTokenWorker | None:
     return runner.vtoken
 
 
-def _make_worker(runner: Any, config: VTokenConfig) -> VTokenWorker:
-    from kernels import KVLayout
+@dataclass(frozen=True, slots=True)
+class LayerCapture:
+    """What an attention layer's wrapped ``forward`` hands its worker: the worker, the
+    layer's index, and the float8 dtype an fp8 KV cache (uint8 storage) is read as
+    (``None``: the cache is read in its own dtype)."""
 
+    state: VTokenWorker
+    layer_id: int
+    key_dtype: torch.dtype | None = None
+
+
+def _make_worker(runner: Any, config: VTokenConfig) -> VTokenWorker:
     # Defence in depth: the scheduler side refused unsupported engines at start; a
     # runner that still reaches this point must be the one these hooks were written for.
     vllm_config = runner.vllm_config
     check_engine(vllm_config, vllm_config.scheduler_config.get_scheduler_cls())
-    if _qualname(type(runner)) != SUPPORTED_RUNNER or runner.device.type != "cpu":
+    device = runner.device.type
+    if _qualname(type(runner)) != SUPPORTED_RUNNERS.get(device):
         raise UnsupportedEngineError(
             f"vToken cannot run in model runner {_qualname(type(runner))} on"
-            f" {runner.device.type!r}. {WHERE_VTOKEN_RUNS}"
+            f" {device!r}. {WHERE_VTOKEN_RUNS}"
         )
     layers = runner.vllm_config.compilation_config.static_forward_context
     attention = {name: layer for name, layer in layers.items() if hasattr(layer, "impl")}
-    isas = {getattr(layer, "isa", None) for layer in attention.values()}
-    isa = next(iter(isas)) if len(isas) == 1 else None
-    if not isinstance(isa, str):
-        raise ValueError(f"vToken: cannot tell the CPU attention isa of the layers: {isas}")
-    state = VTokenWorker(config, KVLayout.for_cpu_isa(isa), len(attention))
+    if device == "cpu":
+        layout, key_dtype = _cpu_layout(attention), None
+    else:
+        layout, key_dtype = KVLayout.BHNC, _cuda_key_dtype(runner, attention)
+    state = VTokenWorker(config, layout, len(attention))
     for name, layer in attention.items():
         match = _LAYER_INDEX.search(name)
         if match is None:
             raise ValueError(f"vToken: cannot read a layer index from {name!r}")
-        layer.vtoken_capture = (state, int(match.group(1)))
+        layer.vtoken_capture = LayerCapture(state, int(match.group(1)), key_dtype)
     return state
+
+
+def _cpu_layout(attention: dict[str, Any]) -> KVLayout:
+    """The layout vLLM's CPU_ATTN writes, from the layers' one ``isa``."""
+    isas = {getattr(layer, "isa", None) for layer in attention.values()}
+    isa = next(iter(isas)) if len(isas) == 1 else None
+    if not isinstance(isa, str):
+        raise ValueError(f"vToken: cannot tell the CPU attention isa of the layers: {isas}")
+    return KVLayout.for_cpu_isa(isa)
+
+
+FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+CUDA_CACHE_DTYPES = ("auto", "bfloat16", "float16", "half", *FP8_CACHE_DTYPES)
+
+
+def _cuda_key_dtype(runner: Any, attention: dict[str, Any]) -> torch.dtype | None:
+    """Check a CUDA runner against what the CUDA hooks were written for, reading it from
+    the engine, and return the float8 dtype an fp8 cache's keys are read as (``None``:
+    bf16/fp16). Raise ``UnsupportedEngineError`` naming every mismatch:
+
+    - every attention layer's impl is exactly one of ``CUDA_ATTENTION_IMPLS``, its
+      ``forward`` wrapped, with full attention (a sliding window counts physical slots);
+    - every cache in ``runner.kv_caches`` is a ``KVLayout.BHNC`` view, bf16/fp16 or fp8
+      stored as uint8 (``kv_cache_dtype`` fp8/fp8_e4m3, read as the platform's float8
+      e4m3 as all three backends read it);
+    - each layer reads one of those views with its impl's heads and head size (the view
+      the repack moves and the block table addresses: no kernel-block remapping);
+    - no PrefixLM multimodal ranges or R-SWA prefix lengths (logical positions that the
+      kernels would compare with physical key indices).
+    """
+    cache_dtype = runner.vllm_config.cache_config.cache_dtype
+    key_dtype = None
+    problems = _impl_problems(attention)
+    if cache_dtype in FP8_CACHE_DTYPES:
+        from vllm.platforms import current_platform
+
+        key_dtype = current_platform.fp8_dtype()
+    elif cache_dtype not in CUDA_CACHE_DTYPES:
+        problems.append(
+            f"kv_cache_dtype {cache_dtype!r} (vToken reads bf16, fp16 and per-tensor fp8:"
+            f" {', '.join(FP8_CACHE_DTYPES)})"
+        )
+    problems += _cache_problems(runner.kv_caches, attention, key_dtype is not None)
+    if runner.is_mm_prefix_lm or runner.model_config.rswa_window is not None:
+        problems.append("PrefixLM multimodal ranges or R-SWA (logical positions)")
+    if problems:
+        summary = "; ".join(problems)
+        raise UnsupportedEngineError(
+            f"vToken cannot run in this CUDA engine: {summary}. {WHERE_VTOKEN_RUNS}"
+        )
+    return key_dtype
+
+
+def _some(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{names[0]} and {len(names) - 1} more"
+
+
+def _wrapped_layers(attention: dict[str, Any]) -> dict[str, Any]:
+    """The layers whose impl is one of ``CUDA_ATTENTION_IMPLS``."""
+    return {
+        name: layer
+        for name, layer in attention.items()
+        if _qualname(type(layer.impl)) in CUDA_ATTENTION_IMPLS
+    }
+
+
+def _impl_problems(attention: dict[str, Any]) -> list[str]:
+    problems = []
+    foreign = sorted({_qualname(type(layer.impl)) for layer in attention.values()})
+    foreign = [name for name in foreign if name not in CUDA_ATTENTION_IMPLS]
+    if foreign:
+        problems.append(
+            f"attention implementation {', '.join(foreign)} (vToken captures queries in"
+            " FlashAttention, FlashInfer and Triton attention: pass attention_backend="
+            "'FLASH_ATTN', 'FLASHINFER' or 'TRITON_ATTN')"
+        )
+    wrapped = _wrapped_layers(attention)
+    unwrapped = [
+        name
+        for name, layer in wrapped.items()
+        if not hasattr(type(layer.impl).forward, "__vtoken_original__")
+    ]
+    if unwrapped:
+        problems.append(f"layers whose forward vToken did not wrap ({_some(unwrapped)})")
+    windowed = [
+        name for name, layer in wrapped.items() if tuple(layer.impl.sliding_window) != (-1, -1)
+    ]
+    if windowed:
+        problems.append(f"sliding-window attention ({_some(windowed)})")
+    return problems
+
+
+def _cache_problems(
+    kv_caches: list[torch.Tensor], attention: dict[str, Any], fp8: bool
+) -> list[str]:
+    problems = []
+    for index, cache in enumerate(kv_caches):
+        try:
+            KVLayout.BHNC.check_cache(cache)
+        except ValueError as error:
+            problems.append(f"KV cache {index}: {error}")
+    expected = (torch.uint8,) if fp8 else (torch.bfloat16, torch.float16)
+    dtypes = sorted({str(cache.dtype) for cache in kv_caches if cache.dtype not in expected})
+    if dtypes:
+        problems.append(f"KV cache dtype {', '.join(dtypes)} (expected {expected})")
+    views = {(cache.data_ptr(), cache.shape, cache.stride()) for cache in kv_caches}
+    foreign, misshapen, per_head = [], [], []
+    for name, layer in _wrapped_layers(attention).items():
+        cache, impl = layer.kv_cache, layer.impl
+        if (cache.data_ptr(), cache.shape, cache.stride()) not in views:
+            foreign.append(name)
+        elif (
+            cache.dim() != 4
+            or cache.shape[1] != impl.num_kv_heads
+            or (cache.shape[3] != 2 * impl.head_size)
+        ):
+            misshapen.append(name)
+        if fp8 and (layer._q_scale.numel() != 1 or layer._k_scale.numel() != 1):
+            per_head.append(name)
+    if foreign:
+        problems.append(
+            f"layers reading a KV view the runner does not hold ({_some(foreign)}: kernel"
+            " blocks smaller than block_size? pass a block_size the backend takes whole)"
+        )
+    if misshapen:
+        problems.append(
+            f"KV views not [blocks, kv_heads, block_size, 2 * head_size] ({_some(misshapen)})"
+        )
+    if per_head:
+        problems.append(
+            f"per-head fp8 query or key scales ({_some(per_head)}: the scores fold one"
+            " per-tensor scale)"
+        )
+    return problems
+
+
+def _initialize_kv_cache(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``GPUModelRunner.initialize_kv_cache``: on CUDA, build the worker as soon as the
+    KV cache exists (not at the first step, as on CPU), so that the checks of
+    ``_cuda_key_dtype`` against the engine's layers, caches and attention implementations
+    refuse an engine the CUDA hooks do not cover at start, before it reports ready."""
+
+    def initialize_kv_cache(self: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, kv_cache_config, *args, **kwargs)
+        profiling = kwargs.get("is_profiling", args[0] if args else False)
+        if self.device.type != "cpu" and not profiling:
+            self.__dict__.pop("vtoken", None)  # built against the caches just allocated
+            worker_state(self)
+
+    return initialize_kv_cache
 
 
 def _refuse_runner(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -517,7 +820,9 @@ def _scored_requests(runner: Any) -> list[ScoredRequest]:
     batch = runner.input_batch
     num_reqs = batch.num_reqs
     starts = runner.query_start_loc.np[: num_reqs + 1]
-    seq_lens = runner.seq_lens[:num_reqs].cpu().numpy()
+    # The host copy, physical after the ``_prepare_inputs`` hook and exact without spec
+    # decoding: reading the device copy would wait for the forward on CUDA.
+    seq_lens = runner.optimistic_seq_lens_cpu[:num_reqs].numpy()
     table = batch.block_table[0]
     return [
         ScoredRequest(
@@ -555,6 +860,40 @@ def _sample_tokens(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _prepare_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``GPUModelRunner._prepare_inputs`` (vLLM 0.32, the V1 runner on CPU and CUDA):
+    after the original derived everything from the logical ``num_computed_tokens``, turn
+    what attention reads into physical counts (logical minus the request's evicted
+    tokens, ``VTokenWorker.physical_offsets``). Every buffer the original fills that
+    carries a sequence length or a slot, and what happens to it here:
+
+    - ``seq_lens`` (device tensor, int32): attention metadata's ``seq_lens`` for every
+      backend (FlashAttention and Triton ``seqused_k``, FlashInfer's TRT-LLM paths,
+      ``CommonAttentionMetadata.compute_num_computed_tokens``): made physical on its
+      device.
+    - ``optimistic_seq_lens_cpu`` (host tensor, int32): read later by
+      ``_build_attention_metadata`` for ``max_seq_len`` and ``seq_lens_cpu_upper_bound``,
+      which FlashInfer's ``plan`` turns into page counts and kv lengths on the host: made
+      physical here, after the original used its logical values for
+      ``discard_request_mask`` (what to sample), which must stay logical.
+    - ``block_table.slot_mapping.gpu`` (per KV group; only the device copy is filled, by
+      vLLM's compute-slot-mapping kernel from ``positions`` and ``block_table.gpu``):
+      recomputed into the same buffer from physical positions, before
+      ``_get_slot_mappings`` slices it for the KV write and the metadata.
+    - ``positions`` (device): RoPE positions, stay logical; so do ``input_ids`` (read by
+      logical token index), ``num_computed_tokens`` (device copy of the host counts, read
+      only inside the original) and ``num_computed_tokens_cpu`` (``is_prefilling``
+      compares it with the prompt length: a phase, not a length).
+    - ``block_table.block_table`` (host rows copied to the device at the start): already
+      physical, the rows truncated by ``_truncate_blocks`` before the step.
+    - ``query_start_loc``, ``req_indices``, ``query_pos``, ``num_scheduled_tokens``:
+      query lengths, which eviction does not change.
+
+    On CPU each host/device pair of a ``CpuGpuBuffer`` is one tensor and ``seq_lens``
+    is a host tensor; on CUDA they are distinct, and nothing here relies on either.
+    Spec decoding (``num_accepted_tokens``, drafts), async scheduling (``prev_positions``),
+    decode context parallelism (``dcp_local_seq_lens``) and M-RoPE drift fill more; all
+    are refused by ``check_engine``."""
+
     def _prepare_inputs(self: Any, scheduler_output: Any, num_scheduled_tokens: np.ndarray):
         result = original(self, scheduler_output, num_scheduled_tokens)
         state = getattr(self, "vtoken", None)
@@ -564,8 +903,6 @@ def _prepare_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
         offsets = state.physical_offsets(self.input_batch.req_ids[:num_reqs])
         if not offsets.any():
             return result
-        # Positions (RoPE) stay logical; seq_lens and slots become physical. The
-        # discard mask was computed inside from logical counts, as it must be.
         total = scheduler_output.total_num_scheduled_tokens
         per_token = torch.from_numpy(np.repeat(offsets, num_scheduled_tokens).astype(np.int64))
         offsets_tensor = torch.from_numpy(offsets)
@@ -583,6 +920,12 @@ def _prepare_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _attention_forward(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward(layer, query, key, value, kv_cache, attn_metadata, ...)`` of an attention
+    impl (``CPUAttentionBackendImpl``; on CUDA ``CUDA_ATTENTION_IMPLS``, which vLLM 0.32
+    calls alike from ``unified_attention_with_output``): after the original ran (the
+    step's KV is written), a layer with a ``LayerCapture`` hands its queries to the
+    worker while it captures. ``attn_metadata`` is ``None`` in vLLM's profiling run."""
+
     def forward(
         self: Any,
         layer: Any,
@@ -595,12 +938,33 @@ def _attention_forward(original: Callable[..., Any]) -> Callable[..., Any]:
         **kwargs: Any,
     ) -> torch.Tensor:
         result = original(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
-        capture = getattr(layer, "vtoken_capture", None)
-        if capture is not None and attn_metadata is not None and capture[0].capturing:
-            state, layer_id = capture
-            num_tokens = attn_metadata.num_actual_tokens
-            query = query[:num_tokens].view(num_tokens, self.num_heads, self.head_size)
-            state.record(layer_id, query, kv_cache, self.scale)
+        capture: LayerCapture | None = getattr(layer, "vtoken_capture", None)
+        if capture is not None and attn_metadata is not None and capture.state.capturing:
+            _record_queries(self, layer, capture, query, kv_cache, attn_metadata.num_actual_tokens)
         return result
 
     return forward
+
+
+def _record_queries(
+    impl: Any,
+    layer: Any,
+    capture: LayerCapture,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    num_tokens: int,
+) -> None:
+    """Record the step's queries: the first ``num_tokens`` rows (``num_actual_tokens`` of
+    every wrapped backend's metadata; rows past it are CUDA-graph padding) as ``[num_tokens,
+    num_heads, head_size]``, with the logits' scale. An fp8 cache is handed over as its
+    float8 view with the layer's per-tensor ``_k_scale_float`` folded into the scale (the
+    scores compute ``scale * k_scale * q . k``, as the backends do); a query the layer
+    quantized to fp8 (``query_quant``) is dequantized by its per-tensor ``_q_scale_float``."""
+    query = query[:num_tokens].view(num_tokens, impl.num_heads, impl.head_size)
+    scale = impl.scale
+    if capture.key_dtype is not None:
+        kv_cache = kv_cache.view(capture.key_dtype)
+        scale *= layer._k_scale_float
+        if query.dtype.itemsize == 1:
+            query = query.float() * layer._q_scale_float
+    capture.state.record(capture.layer_id, query, kv_cache, scale)

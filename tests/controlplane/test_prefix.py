@@ -169,3 +169,34 @@ def test_what_the_router_sent_still_obeys_the_load_bound(router: RouterCore, clo
     router.note_routed("r2", keys)
     ranking = router.rank("t", ALL, prefix_keys=keys)
     assert ranking.source is not RouteSource.PREFIX and ranking.ranks[0][0] != "r2"
+
+
+def test_what_the_router_sent_expires_without_reports_and_is_capped(router, clock, monkeypatch):
+    """No reports read (Redis away): the memory still forgets after `routed_memory_s`,
+    and never holds more than `MAX_ROUTED_REMEMBERED` requests."""
+    import controlplane.router as router_module
+
+    keys = prefix_keys(list(range(12)), BLOCK, "t")
+    router.note_routed("r2", keys)
+    assert router.rank("t", ALL, prefix_keys=keys).ranks[0] == ("r2",)
+    clock.advance(router.config.routed_memory_s + 1)
+    assert router.rank("t", ALL, prefix_keys=keys).source is not RouteSource.PREFIX
+    monkeypatch.setattr(router_module, "MAX_ROUTED_REMEMBERED", 3)
+    for replica_id in ("r1", "r2", "r3", "r1"):  # the first r1 is forgotten, not the last
+        router.note_routed(replica_id, keys)
+    assert len(router._sent) == 3
+    assert router._sent_index.longest_match(keys, ALL) == {"r1": 3, "r2": 3, "r3": 3}
+    router.note_routed("r2", prefix_keys([7] * 8, BLOCK, "t"))  # pushes r2's first out
+    assert router._sent_index.longest_match(keys, ALL) == {"r1": 3, "r3": 3}
+
+
+def test_an_index_counts_what_was_added_until_removed():
+    keys = prefix_keys(list(range(8)), BLOCK, "t")
+    index = PrefixIndex()
+    index.add("r1", keys)
+    index.add("r1", keys[:1])
+    index.remove("r1", keys)
+    assert index.longest_match(keys, {"r1"}) == {"r1": 1}  # the second add still holds
+    index.remove("r1", keys[:1])
+    index.remove("r9", keys)  # never added: nothing to undo
+    assert not index

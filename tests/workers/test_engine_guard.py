@@ -1,6 +1,7 @@
 """A vToken engine starts only where its hooks are wired, and refuses at construction.
 
-The CUDA and V2 cases run against real ``VllmConfig`` objects (V2 needs Triton with a
+The CUDA and V2 cases run against real ``VllmConfig`` objects built on the CPU with the
+device (and the worker vLLM would pick there) switched to CUDA (V2 needs Triton with a
 backend, which vLLM's CPU build lacks, so only that property is faked); the scheduler
 class case runs end to end on the CPU engine.
 """
@@ -11,7 +12,13 @@ import pytest
 
 from tests.workers.conftest import token_prompts
 from workers.engine import make_llm
-from workers.vllm_patches import UnsupportedEngineError, check_engine
+from workers.vllm_patches import (
+    ATTENTION_OP,
+    SUPPORTED_WORKERS,
+    UNVERIFIED_CUDA_ENV,
+    UnsupportedEngineError,
+    check_engine,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -51,10 +58,89 @@ def test_the_cpu_v1_engine_passes(tiny_llama_path):
     check_engine(_vllm_config(tiny_llama_path), _scheduler())
 
 
-def test_cuda_device_is_refused(tiny_llama_path):
-    config = _vllm_config(tiny_llama_path)
+def _cuda_config(model: str, **engine_args):
+    """A CPU-built config made a CUDA one: device and the CUDA worker vLLM would pick."""
+    config = _vllm_config(model, **engine_args)
     config.device_config.device_type = "cuda"
-    with pytest.raises(UnsupportedEngineError, match="device 'cuda'.*CPU build"):
+    config.parallel_config.worker_cls = SUPPORTED_WORKERS["cuda"]
+    return config
+
+
+def test_cuda_device_is_refused_without_the_opt_in(tiny_llama_path, monkeypatch):
+    monkeypatch.delenv(UNVERIFIED_CUDA_ENV, raising=False)
+    with pytest.raises(
+        UnsupportedEngineError,
+        match="device 'cuda' .the CUDA hooks are wired but have never run on a GPU; set"
+        " VTOKEN_UNVERIFIED_CUDA=1 to try them",
+    ):
+        check_engine(_cuda_config(tiny_llama_path), _scheduler())
+
+
+def test_an_opted_in_cuda_engine_passes(tiny_llama_path, monkeypatch):
+    monkeypatch.setenv(UNVERIFIED_CUDA_ENV, "1")
+    check_engine(_cuda_config(tiny_llama_path), _scheduler())
+
+
+def test_piecewise_cuda_graphs_pass(tiny_llama_path, monkeypatch):
+    from vllm.config import CUDAGraphMode
+
+    monkeypatch.setenv(UNVERIFIED_CUDA_ENV, "1")
+    config = _cuda_config(tiny_llama_path)
+    config.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
+    config.compilation_config.splitting_ops = [ATTENTION_OP]
+    check_engine(config, _scheduler())
+
+
+@pytest.mark.parametrize("mode", ["FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"])
+def test_full_cuda_graphs_are_refused(tiny_llama_path, monkeypatch, mode):
+    from vllm.config import CUDAGraphMode
+
+    monkeypatch.setenv(UNVERIFIED_CUDA_ENV, "1")
+    config = _cuda_config(tiny_llama_path)
+    config.compilation_config.cudagraph_mode = CUDAGraphMode[mode]
+    with pytest.raises(
+        UnsupportedEngineError,
+        match=f"cudagraph_mode {mode} .*pass compilation_config=.*PIECEWISE.* or"
+        " enforce_eager=True",
+    ):
+        check_engine(config, _scheduler())
+
+
+def test_piecewise_graphs_around_attention_are_refused(tiny_llama_path, monkeypatch):
+    from vllm.config import CUDAGraphMode
+
+    monkeypatch.setenv(UNVERIFIED_CUDA_ENV, "1")
+    config = _cuda_config(tiny_llama_path)
+    config.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
+    config.compilation_config.splitting_ops = ["vllm::mamba_mixer2"]
+    with pytest.raises(UnsupportedEngineError, match="keep vllm::unified_attention_with_output"):
+        check_engine(config, _scheduler())
+
+
+def test_an_opted_in_cuda_engine_still_refuses_async_scheduling_and_tp(
+    tiny_llama_path, monkeypatch
+):
+    monkeypatch.setenv(UNVERIFIED_CUDA_ENV, "1")
+    config = _cuda_config(tiny_llama_path)
+    config.scheduler_config.async_scheduling = True
+    config.parallel_config.tensor_parallel_size = 2
+    with pytest.raises(UnsupportedEngineError, match="async scheduling.*tensor parallelism"):
+        check_engine(config, _scheduler())
+
+
+def test_the_cpu_worker_is_refused_on_cuda(tiny_llama_path, monkeypatch):
+    monkeypatch.setenv(UNVERIFIED_CUDA_ENV, "1")
+    config = _cuda_config(tiny_llama_path)
+    config.parallel_config.worker_cls = SUPPORTED_WORKERS["cpu"]
+    with pytest.raises(UnsupportedEngineError, match="worker class .*CPUWorker"):
+        check_engine(config, _scheduler())
+
+
+def test_other_devices_are_refused(tiny_llama_path, monkeypatch):
+    monkeypatch.setenv(UNVERIFIED_CUDA_ENV, "1")
+    config = _vllm_config(tiny_llama_path)
+    config.device_config.device_type = "xpu"
+    with pytest.raises(UnsupportedEngineError, match="device 'xpu'"):
         check_engine(config, _scheduler())
 
 
@@ -87,7 +173,8 @@ def test_subclass_of_the_scheduler_is_refused(tiny_llama_path):
         check_engine(_vllm_config(tiny_llama_path), AsyncScheduler)
 
 
-def test_several_problems_are_named_together(tiny_llama_path):
+def test_several_problems_are_named_together(tiny_llama_path, monkeypatch):
+    monkeypatch.delenv(UNVERIFIED_CUDA_ENV, raising=False)
     config = _vllm_config(tiny_llama_path)
     config.device_config.device_type = "cuda"
     config.parallel_config.worker_cls = "my.Worker"

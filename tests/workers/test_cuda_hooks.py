@@ -438,6 +438,7 @@ def test_the_worker_is_built_and_checked_when_the_kv_cache_is(cuda_engine):
     initialize(runner, "final")
     assert isinstance(runner.vtoken, VTokenWorker)
     assert {layer.vtoken_capture.state for layer in _layers(cuda_engine)} == {runner.vtoken}
+    cuda_engine.compilation_config.static_forward_context.clear()  # layers built anew
     foreign = _cuda_runner(cuda_engine, CPUAttentionBackend)
     with pytest.raises(UnsupportedEngineError, match="attention implementation"):
         initialize(foreign, "final", False)

@@ -96,12 +96,12 @@ def test_hisparse_keeps_vllms_answer(v2_by_default, monkeypatch):
 
 
 # ---------------------------------------------------------------------- query capture
-def _attention_layer(backend: type, index: int, cache_dtype: str = "auto"):
-    """A real vLLM ``Attention`` layer with ``backend``'s impl (constructible on CPU)."""
-    from vllm.config import CacheConfig, VllmConfig, set_current_vllm_config
+def _new_attention(config, backend: type, index: int):
+    """A real vLLM ``Attention`` layer of ``config`` with ``backend``'s impl
+    (constructible on CPU), registered in its forward context."""
+    from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.attention.attention import Attention
 
-    config = VllmConfig(cache_config=CacheConfig(cache_dtype=cache_dtype))
     with set_current_vllm_config(config):
         return Attention(
             num_heads=NUM_HEADS,
@@ -112,6 +112,13 @@ def _attention_layer(backend: type, index: int, cache_dtype: str = "auto"):
             cache_config=config.cache_config,
             attn_backend=backend,
         )
+
+
+def _attention_layer(backend: type, index: int, cache_dtype: str = "auto"):
+    from vllm.config import CacheConfig, VllmConfig
+
+    config = VllmConfig(cache_config=CacheConfig(cache_dtype=cache_dtype))
+    return _new_attention(config, backend, index)
 
 
 def _metadata(backend_name: str, num_actual_tokens: int):
@@ -325,25 +332,13 @@ def _views(dtype: torch.dtype, num_layers: int, kernel_block_size: int | None = 
 def _cuda_runner(config, backend: type, cache_dtype: str = "auto", layer_views=None):
     """A V1 ``GPUModelRunner`` as ``_make_worker`` sees it after ``initialize_kv_cache``
     (its ``__init__`` needs CUDA, so only the attributes the hook reads are set)."""
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.layers.attention.attention import Attention
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     config.cache_config.cache_dtype = cache_dtype
     dtype = torch.uint8 if cache_dtype == "fp8" else torch.bfloat16
     caches = _views(dtype, 2)
-    with set_current_vllm_config(config):
-        for i, view in enumerate(layer_views or caches):
-            layer = Attention(
-                num_heads=NUM_HEADS,
-                head_size=HEAD_SIZE,
-                scale=0.125,
-                num_kv_heads=NUM_KV_HEADS,
-                prefix=f"model.layers.{i}.self_attn.attn",
-                cache_config=config.cache_config,
-                attn_backend=backend,
-            )
-            layer.bind_kv_cache(view)
+    for i, view in enumerate(layer_views or caches):
+        _new_attention(config, backend, i).bind_kv_cache(view)
     runner = object.__new__(GPUModelRunner)
     runner.vllm_config, runner.model_config = config, config.model_config
     runner.device, runner.kv_caches, runner.is_mm_prefix_lm = torch.device("cuda"), caches, False

@@ -12,7 +12,8 @@ same open-loop workload twice, one mode after the other, each on a fresh deploym
   controller's pressure squeezes a tenant's running requests when its measured active KV
   passes its budget.
 
-Workload: per tenant, Poisson arrivals at ``rate_rps`` for ``--duration-s`` seconds;
+Workload: per tenant, Poisson arrivals at ``rate_rps`` (times ``--load``) for
+``--duration-s`` seconds;
 prompts of 256-1,024 tokens cut from CPython's language reference, 64-256 output tokens,
 half of them streamed; all drawn from ``--seed`` and identical in both modes. A client
 throttled with 429 waits its Retry-After (at most 5 s) and retries until the arrival
@@ -341,8 +342,20 @@ def mode_settings(mode: str, keep: float) -> tuple[str, dict[str, Any]]:
     return mode, {"policy": "h2o", "keep_ratio": keep, "eviction": eviction}
 
 
+def scaled(tenants: tuple[BenchTenant, ...], load: float) -> tuple[BenchTenant, ...]:
+    """``tenants`` with every arrival rate multiplied by ``load`` (budgets unchanged)."""
+    return tuple(
+        BenchTenant(t.tenant_id, t.budget_blocks, round(t.rate_rps * load, 6)) for t in tenants
+    )
+
+
 def run(
-    duration_s: float, seed: int, keep: float, num_replicas: int, modes: tuple[str, ...]
+    duration_s: float,
+    seed: int,
+    keep: float,
+    num_replicas: int,
+    modes: tuple[str, ...],
+    load: float = 1.0,
 ) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
@@ -351,7 +364,8 @@ def run(
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model("smollm2")))
     passages = natural_passages(tokenizer, PROMPT_TOKENS[1])
-    arrivals = make_arrivals(TENANTS, duration_s, seed, passages, tokenizer.decode)
+    tenants = scaled(TENANTS, load)
+    arrivals = make_arrivals(tenants, duration_s, seed, passages, tokenizer.decode)
     max_model_len = 2 * (PROMPT_TOKENS[1] + OUTPUT_TOKENS[1])  # text re-tokenizes a bit longer
     results: dict[str, Any] = {}
     for mode in modes:
@@ -362,7 +376,7 @@ def run(
             engine={"max_model_len": max_model_len},
             app_args={"admission": admission},
         ) as cluster:
-            results[mode] = asyncio.run(drive(cluster, TENANTS, arrivals, duration_s))
+            results[mode] = asyncio.run(drive(cluster, tenants, arrivals, duration_s))
         typer.echo(f"{mode}: {results[mode]['requests_ok']} ok in {results[mode]['elapsed_s']} s")
     summary: dict[str, Any] = {
         "config": {
@@ -373,7 +387,8 @@ def run(
             "replicas": num_replicas,
             "prompt_tokens": PROMPT_TOKENS,
             "output_tokens": OUTPUT_TOKENS,
-            "tenants": [asdict(t) for t in TENANTS],
+            "load": load,
+            "tenants": [asdict(t) for t in tenants],
             "arrivals": len(arrivals),
         },
         "modes": results,
@@ -423,9 +438,12 @@ def cli(
     seed: Annotated[int, typer.Option()] = 0,
     keep: Annotated[float, typer.Option(min=0.05, max=1.0)] = 0.2,
     replicas: Annotated[int, typer.Option(min=1)] = 2,
+    load: Annotated[
+        float, typer.Option(min=0.1, max=10.0, help="multiply every tenant's arrival rate")
+    ] = 1.0,
 ) -> None:
     """Active-KV admission + on-demand eviction vs worst-case reservations (real stack)."""
-    summary = run(duration_s, seed, keep, replicas, MODES)
+    summary = run(duration_s, seed, keep, replicas, MODES, load)
     json_path.write_text(json.dumps(summary, indent=1) + "\n")
     if plot_path is not None:
         plot(summary, plot_path)

@@ -14,6 +14,7 @@ from bench.quotas import (
     make_arrivals,
     mode_settings,
     plot,
+    scaled,
 )
 from serving.demo import over_budget
 
@@ -42,6 +43,17 @@ def test_arrivals_are_seeded_sorted_and_within_the_workload_ranges() -> None:
     # Poisson counts around rate x duration (200 and 50): far from each other
     assert 150 < counts["a"] < 250 and 25 < counts["b"] < 80
     assert {a.stream for a in first} == {True, False}
+
+
+def test_load_scales_the_arrival_rates_and_keeps_the_budgets() -> None:
+    doubled = scaled(TENANTS, 2.0)
+    assert [(t.tenant_id, t.budget_blocks, t.rate_rps) for t in doubled] == [
+        ("a", 10, 4.0),
+        ("b", 20, 1.0),
+    ]
+    base = make_arrivals(TENANTS, 100.0, seed=3, passages=passages(), decode=decode)
+    more = make_arrivals(doubled, 100.0, seed=3, passages=passages(), decode=decode)
+    assert 1.6 < len(more) / len(base) < 2.4
 
 
 def test_over_budget_sums_and_finds_the_longest_stretch() -> None:

@@ -37,7 +37,7 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -344,9 +344,7 @@ def mode_settings(mode: str, keep: float) -> tuple[str, dict[str, Any]]:
 
 def scaled(tenants: tuple[BenchTenant, ...], load: float) -> tuple[BenchTenant, ...]:
     """``tenants`` with every arrival rate multiplied by ``load`` (budgets unchanged)."""
-    return tuple(
-        BenchTenant(t.tenant_id, t.budget_blocks, round(t.rate_rps * load, 6)) for t in tenants
-    )
+    return tuple(replace(t, rate_rps=round(t.rate_rps * load, 6)) for t in tenants)
 
 
 def run(

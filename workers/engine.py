@@ -83,9 +83,12 @@ def make_llm(
     max_num_batched_tokens: int = 2048,
     dtype: Any = "float32",
     enable_prefix_caching: bool = False,
+    tensor_parallel_size: int = 1,
     **extra_args: Any,
 ) -> Any:
-    """An in-process ``vllm.LLM`` on CPU; ``num_blocks`` fixes the KV pool size."""
+    """An in-process ``vllm.LLM`` on CPU; ``num_blocks`` fixes the KV pool size. The
+    engine core runs in this process; with ``tensor_parallel_size > 1`` pass
+    ``distributed_executor_backend="mp"`` (one worker process per rank)."""
     for name, value in CPU_ENV.items():
         os.environ.setdefault(name, value)
     from vllm import LLM
@@ -99,6 +102,7 @@ def make_llm(
         num_blocks=num_blocks,
         dtype=dtype,
         enable_prefix_caching=enable_prefix_caching,
+        tensor_parallel_size=tensor_parallel_size,
     )
     return LLM(**common, max_num_batched_tokens=max_num_batched_tokens, seed=0, **extra_args)
 

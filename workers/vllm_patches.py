@@ -62,6 +62,7 @@ from kernels import KVLayout
 from workers.config import CONFIG_KEY, VTokenConfig, parse_config, request_policy_spec
 from workers.messages import OPS_ATTRIBUTE, SCORES_ATTRIBUTE
 from workers.scheduler_side import VTokenScheduler
+from workers.tensor_parallel import RankReduction
 from workers.worker_side import ScoredRequest, VTokenWorker
 
 logger = logging.getLogger(__name__)
@@ -222,7 +223,8 @@ ATTENTION_OP = "vllm::unified_attention_with_output"
 UNVERIFIED_CUDA_ENV = "VTOKEN_UNVERIFIED_CUDA"
 WHERE_VTOKEN_RUNS = (
     "vToken runs on vLLM 0.32's CPU build with the V1 model runner "
-    f"({SUPPORTED_RUNNERS['cpu']}), the synchronous {SUPPORTED_SCHEDULER} and one worker; "
+    f"({SUPPORTED_RUNNERS['cpu']}), the synchronous {SUPPORTED_SCHEDULER}, tensor but"
+    " not pipeline or data parallelism; "
     f"on CUDA, unverified and only with {UNVERIFIED_CUDA_ENV}=1, with the V1 "
     f"{SUPPORTED_RUNNERS['cuda']}, FlashAttention, FlashInfer or Triton attention and "
     "piecewise or no CUDA graphs; to serve without vToken, drop additional_config['vtoken']"
@@ -243,7 +245,8 @@ def check_engine(vllm_config: Any, scheduler_cls: type, kv_cache_config: Any = N
     wrappers cover this engine: CPU device (or CUDA, opted in with
     ``VTOKEN_UNVERIFIED_CUDA=1`` and without FULL CUDA graphs), V1 model runner, exactly
     vLLM's synchronous ``Scheduler`` (a subclass such as ``AsyncScheduler`` inherits the
-    wrappers but not their assumptions), the device's own worker, one worker, no
+    wrappers but not their assumptions), the device's own worker, no pipeline or data
+    parallelism (tensor parallelism: ``workers/tensor_parallel.py``), no
     speculative decoding or KV connector, and (when ``kv_cache_config`` is known) one
     full-attention KV group.
 
@@ -273,8 +276,8 @@ def check_engine(vllm_config: Any, scheduler_cls: type, kv_cache_config: Any = N
     if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
         problems.append("models with several KV cache groups (hybrid or sliding window)")
     parallel = vllm_config.parallel_config
-    if parallel.pipeline_parallel_size != 1 or parallel.tensor_parallel_size != 1:
-        problems.append("pipeline or tensor parallelism (scores come from one worker)")
+    if parallel.pipeline_parallel_size != 1:
+        problems.append("pipeline parallelism (tensor parallelism is supported)")
     if parallel.data_parallel_size != 1:
         problems.append("data parallelism (run one engine per replica instead)")
     if problems:
@@ -611,7 +614,7 @@ def _make_worker(runner: Any, config: VTokenConfig) -> VTokenWorker:
         layout, key_dtype = _cpu_layout(attention), None
     else:
         layout, key_dtype = KVLayout.BHNC, _cuda_key_dtype(runner, attention)
-    state = VTokenWorker(config, layout, len(attention))
+    state = VTokenWorker(config, layout, len(attention), RankReduction.of_vllm_group())
     for name, layer in attention.items():
         match = _LAYER_INDEX.search(name)
         if match is None:

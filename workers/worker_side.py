@@ -12,7 +12,9 @@ no token tables: the scheduler decides, the worker copies. Per step:
 3. while a scored policy runs, attention layers hand their queries to ``record``; after
    the forward ``step_scores`` turns them into per-request ``StepAttention`` over the
    request's physical slots ``[0, seq_len)``, reduced by the reference engine's function
-   (``workers/statistics.py``): mean over query heads and scored layers.
+   (``workers/statistics.py``): mean over query heads and scored layers. In a
+   tensor-parallel engine each rank scores its own heads and ``RankReduction`` combines
+   them over the ranks before the driver returns them (``workers/tensor_parallel.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from vtoken.policy import ScoreNeeds, StepAttention
 from workers.config import VTokenConfig
 from workers.messages import StepOps, StepScores
 from workers.statistics import reduce_attention
+from workers.tensor_parallel import RankReduction
 
 
 @dataclass(slots=True)
@@ -59,16 +62,24 @@ class ScoredRequest:
 class VTokenWorker:
     """Per-runner state; see the module docstring."""
 
-    def __init__(self, config: VTokenConfig, layout: KVLayout, num_layers: int) -> None:
+    def __init__(
+        self,
+        config: VTokenConfig,
+        layout: KVLayout,
+        num_layers: int,
+        ranks: RankReduction | None = None,
+    ) -> None:
         self.config = config
         self.layout = layout
+        self.ranks = ranks or RankReduction()  # one rank unless tensor-parallel
         self.score_layers = set(config.layer_ids(num_layers))
         self.num_evicted: dict[str, int] = {}
         self.score_needs: dict[str, ScoreNeeds] = {}
         self.captured: dict[int, CapturedQuery] = {}
         self.num_moves = 0
-        self.repack_bytes = 0  # read (and as many written) by every repack since start
-        self.repack_s = 0.0  # the copies' own time (CPU: wall; CUDA: side-stream events)
+        self.repack_bytes = 0  # read (and as many written) by every repack since start,
+        # over every rank's shard
+        self.repack_s = 0.0  # the copies' own time on this rank (CPU: wall; CUDA: events)
         self._slot_bytes: int | None = None  # bytes of one slot over every distinct layer
         self._repacker: SideStreamRepacker | None = None
 
@@ -96,7 +107,8 @@ class VTokenWorker:
                 kernels.repack(distinct_layer_caches(kv_caches), src, dst, self.layout)
                 self.repack_s += time.perf_counter() - started
             self.num_moves += ops.num_moves
-            self.repack_bytes += ops.num_moves * self.slot_bytes(kv_caches)
+            # Every rank moves its own shard alike: the engine moved world_size times this.
+            self.repack_bytes += ops.num_moves * self.slot_bytes(kv_caches) * self.ranks.world_size
         self.num_evicted = dict(ops.num_evicted)
         self.score_needs = dict(ops.score_needs)
         self.captured.clear()
@@ -141,9 +153,10 @@ class VTokenWorker:
         scored = [r for r in requests if r.request_id in self.score_needs and r.query_len > 0]
         mass_only = [r for r in scored if not self._needs_rows(r.request_id)]
         attention = self._attention_mass(layers, mass_only) if mass_only else {}
-        for request in scored:
-            if request.request_id not in attention:
-                attention[request.request_id] = self._full_attention(layers, request)
+        rows = [r for r in scored if r.request_id not in attention]
+        full = {r.request_id: self._full_attention(layers, r) for r in rows}
+        device = layers[0].kv_cache.device
+        attention.update(self.ranks.mean_over_ranks(full, [r.request_id for r in rows], device))
         self.captured.clear()
         return StepScores(attention, repack_bytes, repack_s)
 
@@ -173,7 +186,8 @@ class VTokenWorker:
             seq_lens,
             self.layout,
         )
-        num_q_heads = layers[0].query.shape[1]
+        total = self.ranks.sum_mass(total)  # every rank's heads
+        num_q_heads = layers[0].query.shape[1] * self.ranks.world_size
         scores = (total / (num_q_heads * len(layers))).cpu().numpy()
         bounds = np.cumsum([0, *seq_lens])
         return {

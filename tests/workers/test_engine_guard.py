@@ -117,15 +117,23 @@ def test_piecewise_graphs_around_attention_are_refused(tiny_llama_path, monkeypa
         check_engine(config, _scheduler())
 
 
-def test_an_opted_in_cuda_engine_still_refuses_async_scheduling_and_tp(
+def test_an_opted_in_cuda_engine_still_refuses_async_scheduling_and_pp(
     tiny_llama_path, monkeypatch
 ):
     monkeypatch.setenv(UNVERIFIED_CUDA_ENV, "1")
     config = _cuda_config(tiny_llama_path)
     config.scheduler_config.async_scheduling = True
-    config.parallel_config.tensor_parallel_size = 2
-    with pytest.raises(UnsupportedEngineError, match="async scheduling.*tensor parallelism"):
+    config.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(UnsupportedEngineError, match="async scheduling.*pipeline parallelism"):
         check_engine(config, _scheduler())
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_tensor_parallelism_is_accepted(tiny_llama_path, monkeypatch, device):
+    monkeypatch.setenv(UNVERIFIED_CUDA_ENV, "1")
+    config = _cuda_config(tiny_llama_path) if device == "cuda" else _vllm_config(tiny_llama_path)
+    config.parallel_config.tensor_parallel_size = 2
+    check_engine(config, _scheduler())
 
 
 def test_the_cpu_worker_is_refused_on_cuda(tiny_llama_path, monkeypatch):
@@ -187,10 +195,9 @@ def test_several_problems_are_named_together(tiny_llama_path, monkeypatch):
     [
         (lambda c: setattr(c, "speculative_config", object()), "speculative decoding"),
         (lambda c: setattr(c, "kv_transfer_config", object()), "KV connectors"),
-        (lambda c: setattr(c.parallel_config, "tensor_parallel_size", 2), "tensor parallelism"),
         (
             lambda c: setattr(c.parallel_config, "pipeline_parallel_size", 2),
-            "pipeline or tensor parallelism",
+            "pipeline parallelism",
         ),
         (lambda c: setattr(c.parallel_config, "data_parallel_size", 2), "data parallelism"),
         (

@@ -71,7 +71,9 @@ class ReplicaSettings(BaseModel):
     kv_cache_space_gib: int = Field(default=1, gt=0)
     gpu_memory_utilization: float = Field(default=0.3, gt=0, le=1)
     """Share of each GPU vLLM may use (weights, activations, then the KV pool); CPU: unused."""
-    enforce_eager: bool = True  # vToken's hooks run in eager mode only (no CUDA graphs)
+    enforce_eager: bool | None = None
+    """``None``: eager on CPU (vLLM's CPU build has no graphs to replay), CUDA graphs on
+    GPUs (a vToken engine's are piecewise: ``workers.vllm_patches.fall_back_to_piecewise``)."""
     kv_cache_dtype: str = "auto"  # vLLM's names: auto (the model's dtype), fp8, fp8_e5m2, ...
     tensor_parallel_size: int = Field(default=1, gt=0)
     """GPUs per replica: the deployment's ``replica_num_gpus`` must be at least this."""
@@ -104,6 +106,10 @@ class ReplicaSettings(BaseModel):
     @property
     def name(self) -> str:
         return self.served_name or self.model
+
+    def eager(self, device_type: str) -> bool:
+        """Whether the engine on ``device_type`` ("cuda", "cpu", ...) runs without graphs."""
+        return self.enforce_eager if self.enforce_eager is not None else device_type != "cuda"
 
 
 def published_blocks(settings: ReplicaSettings, extra_args: dict[str, Any] | None) -> int:
@@ -242,6 +248,7 @@ class EngineHost:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_space_gib))
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from workers.engine import engine_args
@@ -259,7 +266,7 @@ class EngineHost:
             num_blocks=settings.num_blocks,
             dtype=settings.dtype,
             gpu_memory_utilization=settings.gpu_memory_utilization,
-            enforce_eager=settings.enforce_eager,
+            enforce_eager=settings.eager(current_platform.device_type),
             kv_cache_dtype=settings.kv_cache_dtype,
             tensor_parallel_size=settings.tensor_parallel_size,
             enable_prefix_caching=settings.enable_prefix_caching,

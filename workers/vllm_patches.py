@@ -29,7 +29,9 @@ engine configuration
                                       watermarking), which ``check_engine`` then refuses
 engine construction
   ``LLMEngine`` / ``AsyncLLM`` / ``EngineCore.__init__``   refuse unsupported engines
-                                      (``check_engine``) in the constructing process
+                                      (``check_engine``) in the constructing process;
+                                      on CUDA ``FULL_AND_PIECEWISE`` graphs become
+                                      ``PIECEWISE`` (``fall_back_to_piecewise``)
 request admission
   ``InputProcessor._validate_params`` front end: a bad ``extra_args["vtoken_policy"]``
                                       raises ``VLLMValidationError`` (a client error)
@@ -332,10 +334,47 @@ def _refuse_unsupported_engine(original: Callable[..., Any]) -> Callable[..., An
 
     def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
         if parse_config(vllm_config.additional_config) is not None:
+            fall_back_to_piecewise(vllm_config)
             check_engine(vllm_config, vllm_config.scheduler_config.get_scheduler_cls())
         original(self, vllm_config, *args, **kwargs)
 
     return __init__
+
+
+def fall_back_to_piecewise(vllm_config: Any) -> bool:
+    """On CUDA, run a vToken engine asked for ``FULL_AND_PIECEWISE`` CUDA graphs (vLLM
+    0.32's default there) on ``PIECEWISE`` graphs, with a log line; return whether it did.
+
+    Why piecewise rather than FULL decode graphs with queries copied into static buffers:
+    the engine picks its graph modes once at start, but any request may bring a scored
+    policy (``extra_args["vtoken_policy"]``) at any step, and a FULL graph replays
+    attention without the Python of ``Impl.forward`` that hands queries to the worker.
+    Static buffers would mean a query copy captured in every layer's graph on every
+    step, scored or not, and score kernels reading a padded batch. Piecewise graphs keep
+    every other op in a graph and run attention eagerly between them, at the cost vLLM's
+    piecewise mode has for decode-heavy batches (one launch per layer's attention).
+    What FULL graphs would replay is right either way: ``_prepare_inputs`` writes the
+    physical ``seq_lens`` and slot mapping into the runner's persistent buffers before
+    the metadata is built. ``FULL`` and ``FULL_DECODE_ONLY`` (chosen explicitly: no
+    piecewise compilation to fall back on) stay refused by ``check_engine``."""
+    compilation = vllm_config.compilation_config
+    mode = compilation.cudagraph_mode
+    if (
+        vllm_config.device_config.device_type != "cuda"
+        or mode is None
+        or not (mode.has_full_cudagraphs() and mode.has_piecewise_cudagraphs())
+        or ATTENTION_OP not in (compilation.splitting_ops or [])
+    ):
+        return False
+    from vllm.config import CUDAGraphMode
+
+    compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
+    logger.info(
+        "vToken: cudagraph_mode %s -> PIECEWISE for this engine (attention runs between"
+        " the graphs, so scored policies see its queries)",
+        mode.name,
+    )
+    return True
 
 
 def _select_v1_runner(original: Callable[[Any], bool]) -> Callable[[Any], bool]:

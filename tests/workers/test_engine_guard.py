@@ -17,7 +17,9 @@ from workers.vllm_patches import (
     SUPPORTED_WORKERS,
     UNVERIFIED_CUDA_ENV,
     UnsupportedEngineError,
+    _refuse_unsupported_engine,
     check_engine,
+    fall_back_to_piecewise,
 )
 
 pytestmark = pytest.mark.slow
@@ -104,6 +106,48 @@ def test_full_cuda_graphs_are_refused(tiny_llama_path, monkeypatch, mode):
         " enforce_eager=True",
     ):
         check_engine(config, _scheduler())
+
+
+def _graphs(config, mode: str, splitting_ops=(ATTENTION_OP,)):
+    from vllm.config import CUDAGraphMode
+
+    config.compilation_config.cudagraph_mode = CUDAGraphMode[mode]
+    config.compilation_config.splitting_ops = list(splitting_ops)
+    return config
+
+
+def test_vllms_default_cuda_graphs_fall_back_to_piecewise_at_construction(
+    tiny_llama_path, monkeypatch
+):
+    """``FULL_AND_PIECEWISE`` (vLLM 0.32's CUDA default) becomes ``PIECEWISE`` before the
+    checks and before vLLM's own constructor sees the config."""
+    monkeypatch.setenv(UNVERIFIED_CUDA_ENV, "1")
+    config = _graphs(_cuda_config(tiny_llama_path), "FULL_AND_PIECEWISE")
+    seen = []
+    init = _refuse_unsupported_engine(lambda self, c: seen.append(c.compilation_config))
+    init(object(), config)
+    assert [c.cudagraph_mode.name for c in seen] == ["PIECEWISE"]
+    check_engine(config, _scheduler())
+
+
+@pytest.mark.parametrize(
+    ("device", "mode", "splitting_ops"),
+    [
+        ("cuda", "FULL", (ATTENTION_OP,)),  # explicit: no piecewise compilation
+        ("cuda", "FULL_DECODE_ONLY", (ATTENTION_OP,)),
+        ("cuda", "FULL_AND_PIECEWISE", ()),  # attention inside the piecewise graphs
+        ("cuda", "PIECEWISE", (ATTENTION_OP,)),  # nothing to do
+        ("cpu", "FULL_AND_PIECEWISE", (ATTENTION_OP,)),
+    ],
+)
+def test_other_graph_modes_are_left_as_asked(
+    tiny_llama_path, monkeypatch, device, mode, splitting_ops
+):
+    monkeypatch.setenv(UNVERIFIED_CUDA_ENV, "1")
+    config = _cuda_config(tiny_llama_path) if device == "cuda" else _vllm_config(tiny_llama_path)
+    _graphs(config, mode, splitting_ops)
+    assert not fall_back_to_piecewise(config)
+    assert config.compilation_config.cudagraph_mode.name == mode
 
 
 def test_piecewise_graphs_around_attention_are_refused(tiny_llama_path, monkeypatch):

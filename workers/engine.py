@@ -46,8 +46,8 @@ def engine_args(
     KV pool size (``None``: from memory), and the vToken section (``None``: a plain vLLM
     engine). Environment variables are the caller's.
 
-    The defaults are the CPU engines' and the tests': eager mode (vToken's hooks run
-    nowhere else today), 0.3 of the device memory, the model's KV dtype, one device.
+    The defaults are the CPU engines' and the tests': eager mode (vLLM's CPU build has
+    no graphs to replay), 0.3 of the device memory, the model's KV dtype, one device.
     A GPU replica sets them from its Serve config (``ReplicaSettings``).
     ``otlp_traces_endpoint``: vLLM's own request spans go there, joined to the caller's
     trace through ``trace_headers`` (``None``: vLLM traces nothing).

@@ -85,6 +85,13 @@ def _run(model: str, tensor_parallel_size: int):
 
 @pytest.fixture(scope="module")
 def runs(tiny_llama_path):
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda():
+        import torch
+
+        if torch.cuda.device_count() < 2:
+            pytest.skip("TP=2 on CUDA needs two GPUs (on CPU it runs on two worker processes)")
     single = _run(tiny_llama_path, 1)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("VLLM_CPU_OMP_THREADS_BIND", _thread_binding())

@@ -53,7 +53,8 @@ class StepScores:
 
     The repack totals are cumulative, so an output vLLM drops (an empty step) loses
     nothing: the scheduler keeps the latest. ``repack_bytes_total`` counts bytes read (the
-    same are written) over every distinct layer cache; ``repack_seconds_total`` is the
+    same are written) over every distinct layer cache of the driver rank (in tensor
+    parallelism every rank moves its own shard alike); ``repack_seconds_total`` is the
     copies' own time: wall time of the synchronous copy on CPU, device time between CUDA
     events on the side stream on GPUs (counted once the copies have run, so it can trail
     the bytes by a step)."""

@@ -45,14 +45,21 @@ class RankReduction:
             raise ValueError("a tensor-parallel reduction needs all_reduce and all_gather")
 
     @classmethod
-    def of_vllm_group(cls) -> RankReduction:
+    def of_vllm_group(cls, tensor_parallel_size: int) -> RankReduction:
         """vLLM's tensor-parallel group of this worker (NCCL on CUDA, shared memory or gloo
-        on CPU: tensors stay on the caches' device)."""
+        on CPU: tensors stay on the caches' device); one rank needs no group. Raises
+        ``RuntimeError`` when the group vLLM built does not have ``tensor_parallel_size``
+        ranks (scores would be summed over the wrong heads)."""
+        if tensor_parallel_size == 1:
+            return cls()
         from vllm.distributed.parallel_state import get_tp_group
 
-        group = get_tp_group()
-        if group.world_size == 1:
-            return cls()
+        group = get_tp_group()  # asserts that vLLM initialised it
+        if group.world_size != tensor_parallel_size:
+            raise RuntimeError(
+                f"vToken: tensor-parallel group of {group.world_size} ranks,"
+                f" configured {tensor_parallel_size}"
+            )
         return cls(group.world_size, group.all_reduce, group.all_gather)
 
     def sum_mass(self, total: torch.Tensor) -> torch.Tensor:

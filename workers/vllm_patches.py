@@ -248,9 +248,9 @@ def check_engine(vllm_config: Any, scheduler_cls: type, kv_cache_config: Any = N
     ``VTOKEN_UNVERIFIED_CUDA=1`` and without FULL CUDA graphs), V1 model runner, exactly
     vLLM's synchronous ``Scheduler`` (a subclass such as ``AsyncScheduler`` inherits the
     wrappers but not their assumptions), the device's own worker, no pipeline or data
-    parallelism (tensor parallelism: ``workers/tensor_parallel.py``), no
-    speculative decoding or KV connector, and (when ``kv_cache_config`` is known) one
-    full-attention KV group.
+    parallelism (tensor parallelism: ``workers/tensor_parallel.py``), no decode or
+    prefill context parallelism, no speculative decoding or KV connector, and (when
+    ``kv_cache_config`` is known) one full-attention KV group.
 
     Running anywhere else would be silent corruption: the scheduler side would free and
     reassign blocks that an unwrapped runner still reads and writes."""
@@ -282,6 +282,12 @@ def check_engine(vllm_config: Any, scheduler_cls: type, kv_cache_config: Any = N
         problems.append("pipeline parallelism (tensor parallelism is supported)")
     if parallel.data_parallel_size != 1:
         problems.append("data parallelism (run one engine per replica instead)")
+    context = (parallel.decode_context_parallel_size, parallel.prefill_context_parallel_size)
+    if context != (1, 1):
+        problems.append(
+            "decode or prefill context parallelism (each rank would hold a subset of a"
+            " request's tokens, not a shard of its heads)"
+        )
     if problems:
         raise UnsupportedEngineError(
             "vToken cannot run in this engine: " + "; ".join(problems) + ". " + WHERE_VTOKEN_RUNS
@@ -653,7 +659,8 @@ def _make_worker(runner: Any, config: VTokenConfig) -> VTokenWorker:
         layout, key_dtype = _cpu_layout(attention), None
     else:
         layout, key_dtype = KVLayout.BHNC, _cuda_key_dtype(runner, attention)
-    state = VTokenWorker(config, layout, len(attention), RankReduction.of_vllm_group())
+    ranks = RankReduction.of_vllm_group(vllm_config.parallel_config.tensor_parallel_size)
+    state = VTokenWorker(config, layout, len(attention), ranks)
     for name, layer in attention.items():
         match = _LAYER_INDEX.search(name)
         if match is None:

@@ -77,9 +77,10 @@ class VTokenWorker:
         self.score_needs: dict[str, ScoreNeeds] = {}
         self.captured: dict[int, CapturedQuery] = {}
         self.num_moves = 0
-        self.repack_bytes = 0  # read (and as many written) by every repack since start,
-        # over every rank's shard
-        self.repack_s = 0.0  # the copies' own time on this rank (CPU: wall; CUDA: events)
+        # This rank's shard (tensor parallelism: every rank moves its own shard alike, in
+        # about the same time; the driver's figures are the ones reported):
+        self.repack_bytes = 0  # read (and as many written) by every repack since start
+        self.repack_s = 0.0  # the copies' own time (CPU: wall; CUDA: side-stream events)
         self._slot_bytes: int | None = None  # bytes of one slot over every distinct layer
         self._repacker: SideStreamRepacker | None = None
 
@@ -107,8 +108,7 @@ class VTokenWorker:
                 kernels.repack(distinct_layer_caches(kv_caches), src, dst, self.layout)
                 self.repack_s += time.perf_counter() - started
             self.num_moves += ops.num_moves
-            # Every rank moves its own shard alike: the engine moved world_size times this.
-            self.repack_bytes += ops.num_moves * self.slot_bytes(kv_caches) * self.ranks.world_size
+            self.repack_bytes += ops.num_moves * self.slot_bytes(kv_caches)
         self.num_evicted = dict(ops.num_evicted)
         self.score_needs = dict(ops.score_needs)
         self.captured.clear()

@@ -245,6 +245,14 @@ def test_several_problems_are_named_together(tiny_llama_path, monkeypatch):
         ),
         (lambda c: setattr(c.parallel_config, "data_parallel_size", 2), "data parallelism"),
         (
+            lambda c: setattr(c.parallel_config, "decode_context_parallel_size", 2),
+            "decode or prefill context parallelism",
+        ),
+        (
+            lambda c: setattr(c.parallel_config, "prefill_context_parallel_size", 2),
+            "decode or prefill context parallelism",
+        ),
+        (
             lambda c: setattr(c.scheduler_config, "async_scheduling", True),
             "async scheduling .pass async_scheduling=False",
         ),

@@ -95,6 +95,11 @@ def runs(tiny_llama_path):
     single = _run(tiny_llama_path, 1)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("VLLM_CPU_OMP_THREADS_BIND", _thread_binding())
+        # An engine core built earlier in this process caches vLLM's environment reads:
+        # without this the workers would bind as the cached value says.
+        import vllm.envs
+
+        vllm.envs.disable_envs_cache()
         double = _run(tiny_llama_path, 2)
     return single, double
 

@@ -131,6 +131,14 @@ def _whole_buffers(caches: list[torch.Tensor]) -> list[torch.Tensor]:
     return [first.as_strided((whole,), (1,), 0)]
 
 
+LAUNCH_COVER_CYCLES = 2_000_000  # about 1 ms of spinning at an H200's 1.98 GHz: longer
+# than the host needs to launch any function timed here (0.1 ms measured for the repack)
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
 def measure_interleaved(
     functions: dict[str, Callable[[], object]],
     device: torch.device,
@@ -138,6 +146,7 @@ def measure_interleaved(
     cold: bool,
     prime: tuple[str, ...] = (),
     budget_ms: float = 5_000.0,
+    device_only: tuple[str, ...] = (),
 ) -> dict[str, float]:
     """Median milliseconds of each function (and ``NAME_min``: the fastest sample),
     repetitions interleaved (A B C A B C ...).
@@ -148,6 +157,13 @@ def measure_interleaved(
     all (first-call costs); one whose samples pass ``budget_ms`` stops after three samples.
     On a noisy machine the interleaving exposes all functions to the same load, so ratios of
     medians are meaningful where single runs are not.
+
+    CUDA events around a call also time the host's work to launch it (the GPU idles while
+    Python prepares the kernel). Functions named in ``device_only`` are timed a second way
+    as well, ``NAME_device``: the stream first spins (``LAUNCH_COVER_CYCLES``), so the call
+    is queued before the start event fires and the events see the device's work alone, as
+    on the engine's side stream, where the host launches while the GPU computes.
+    ``launch_hidden`` is 1.0 when every such sample was queued before the spin ended.
     """
     import statistics
 
@@ -158,6 +174,10 @@ def measure_interleaved(
         flush_bytes = (256 if device.type == "cuda" else 96) * 1024 * 1024
         flush = torch.empty(flush_bytes // 4, dtype=torch.float32, device=device)
     times: dict[str, list[float]] = {name: [] for name in functions}
+    on_gpu = device.type == "cuda"
+    for name in device_only if on_gpu else ():
+        times[f"{name}_device"] = []
+    hidden = True
     for name in prime:
         functions[name]()  # first-call costs (library build, page faults) stay out
     for rep in range(reps):
@@ -176,13 +196,25 @@ def measure_interleaved(
                 end.record()
                 end.synchronize()
                 times[name].append(start.elapsed_time(end))
+                if name in device_only:
+                    if flush is not None:
+                        flush.fill_(float(rep))
+                    torch.cuda.synchronize()
+                    torch.cuda._sleep(LAUNCH_COVER_CYCLES)
+                    start.record()
+                    function()
+                    end.record()
+                    hidden = hidden and not start.query()  # still spinning: launch hidden
+                    end.synchronize()
+                    times[f"{name}_device"].append(start.elapsed_time(end))
             else:
                 begin = time.perf_counter()
                 function()
                 times[name].append((time.perf_counter() - begin) * 1e3)
     medians = {name: statistics.median(values) for name, values in times.items()}
     minima = {f"{name}_min": min(values) for name, values in times.items()}
-    return medians | minima
+    launch = {"launch_hidden": float(hidden)} if on_gpu and device_only else {}
+    return medians | minima | launch
 
 
 def run_case(
@@ -264,8 +296,11 @@ def run_case(
             )
     del filled, moved
     prime = tuple(name for name in ("repack", "copy", "floor") if name in functions)
-    times = measure_interleaved(functions, device, reps, cold, prime=prime)
+    times = measure_interleaved(
+        functions, device, reps, cold, prime=prime, device_only=("repack", "copy")
+    )
     repack_ms, copy_ms, baseline_ms = times["repack"], times["copy"], times["baseline"]
+    device_ms = {name: times.get(f"{name}_device") for name in ("repack", "copy")}
     repack_gbps = moved_bytes / repack_ms / 1e6
     copy_gbps = moved_bytes / copy_ms / 1e6
     return {
@@ -284,6 +319,15 @@ def run_case(
         "copy_ms": round(copy_ms, 4),
         "copy_gbps": round(copy_gbps, 3),
         "ratio": round(repack_gbps / copy_gbps, 4),
+        # CUDA: the device's time alone (launch queued behind a spin; see measure_interleaved)
+        "repack_device_ms": _rounded(device_ms["repack"]),
+        "copy_device_ms": _rounded(device_ms["copy"]),
+        "device_ratio": (
+            round(device_ms["copy"] / device_ms["repack"], 4)
+            if device_ms["repack"] and device_ms["copy"]
+            else None
+        ),
+        "launch_hidden": times.get("launch_hidden"),
         "baseline_ms": round(baseline_ms, 4),
         "speedup": round(baseline_ms / repack_ms, 2),
         "view_index_ms": round(times["view_index"], 4),

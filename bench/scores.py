@@ -123,8 +123,10 @@ def run_case(
         device,
         reps,
         cold=False,
+        device_only=("scores", "attention"),
     )
     scores_ms, attention_ms = times["scores"], times["attention"]
+    scores_device, attention_device = times.get("scores_device"), times.get("attention_device")
     return {
         "shape": shape,
         "q_heads": q_heads,
@@ -141,6 +143,15 @@ def run_case(
         "paged_attention_ms": round(times["paged_attention"], 4),
         "ratio": round(scores_ms / attention_ms, 3),
         "ratio_paged": round(scores_ms / times["paged_attention"], 3),
+        # CUDA: the device's time alone (launches queued behind a spin: measure_interleaved)
+        "scores_device_ms": None if scores_device is None else round(scores_device, 4),
+        "attention_device_ms": None if attention_device is None else round(attention_device, 4),
+        "device_ratio": (
+            round(scores_device / attention_device, 3)
+            if scores_device and attention_device
+            else None
+        ),
+        "launch_hidden": times.get("launch_hidden"),
     }
 
 

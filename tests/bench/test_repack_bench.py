@@ -34,6 +34,8 @@ def test_run_case_reports_the_issue_fields() -> None:
     assert case["speedup"] == pytest.approx(case["baseline_ms"] / case["repack_ms"], rel=1e-2)
     for key in ("layers", "kv_heads", "head_dim", "block_size", "copy_gbps", "baseline_ms"):
         assert case[key] > 0
+    # Device-only times exist on CUDA alone (a CPU call has no launch to hide).
+    assert case["device_ratio"] is None and case["launch_hidden"] is None
     if case["floor_ms"] is not None:  # a C compiler: the memory floor ran beside them
         assert case["floor_ratio"] == pytest.approx(case["floor_ms"] / case["repack_ms"], rel=1e-2)
         assert case["traffic_mb"] > 2 * case["moved_bytes"] / 1e6  # transposed K: whole lines

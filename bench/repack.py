@@ -139,6 +139,15 @@ def _rounded(value: float | None) -> float | None:
     return None if value is None else round(value, 4)
 
 
+def device_only_times(times: dict[str, float], names: tuple[str, ...]) -> dict[str, float | None]:
+    """``NAME_device`` of ``measure_interleaved`` for each name; ``None`` where it was not
+    measured (CPU) or the launch was not hidden (the figure would include host time)."""
+    return {
+        name: times[f"{name}_device"] if times.get(f"{name}_launch_hidden") == 1.0 else None
+        for name in names
+    }
+
+
 def measure_interleaved(
     functions: dict[str, Callable[[], object]],
     device: torch.device,
@@ -163,7 +172,8 @@ def measure_interleaved(
     as well, ``NAME_device``: the stream first spins (``LAUNCH_COVER_CYCLES``), so the call
     is queued before the start event fires and the events see the device's work alone, as
     on the engine's side stream, where the host launches while the GPU computes.
-    ``launch_hidden`` is 1.0 when every such sample was queued before the spin ended.
+    ``NAME_launch_hidden`` is 1.0 when every such sample was queued before the spin ended
+    (0.0: the call made the host wait, and ``NAME_device`` includes host time).
     """
     import statistics
 
@@ -175,9 +185,10 @@ def measure_interleaved(
         flush = torch.empty(flush_bytes // 4, dtype=torch.float32, device=device)
     times: dict[str, list[float]] = {name: [] for name in functions}
     on_gpu = device.type == "cuda"
-    for name in device_only if on_gpu else ():
+    timed_on_device = [name for name in device_only if on_gpu and name in functions]
+    for name in timed_on_device:
         times[f"{name}_device"] = []
-    hidden = True
+    hidden = dict.fromkeys(timed_on_device, True)
     for name in prime:
         functions[name]()  # first-call costs (library build, page faults) stay out
     for rep in range(reps):
@@ -196,7 +207,7 @@ def measure_interleaved(
                 end.record()
                 end.synchronize()
                 times[name].append(start.elapsed_time(end))
-                if name in device_only:
+                if name in hidden:
                     if flush is not None:
                         flush.fill_(float(rep))
                     torch.cuda.synchronize()
@@ -204,7 +215,7 @@ def measure_interleaved(
                     start.record()
                     function()
                     end.record()
-                    hidden = hidden and not start.query()  # still spinning: launch hidden
+                    hidden[name] = hidden[name] and not start.query()  # still spinning
                     end.synchronize()
                     times[f"{name}_device"].append(start.elapsed_time(end))
             else:
@@ -213,7 +224,7 @@ def measure_interleaved(
                 times[name].append((time.perf_counter() - begin) * 1e3)
     medians = {name: statistics.median(values) for name, values in times.items()}
     minima = {f"{name}_min": min(values) for name, values in times.items()}
-    launch = {"launch_hidden": float(hidden)} if on_gpu and device_only else {}
+    launch = {f"{name}_launch_hidden": float(value) for name, value in hidden.items()}
     return medians | minima | launch
 
 
@@ -300,7 +311,7 @@ def run_case(
         functions, device, reps, cold, prime=prime, device_only=("repack", "copy")
     )
     repack_ms, copy_ms, baseline_ms = times["repack"], times["copy"], times["baseline"]
-    device_ms = {name: times.get(f"{name}_device") for name in ("repack", "copy")}
+    device_ms = device_only_times(times, ("repack", "copy"))
     repack_gbps = moved_bytes / repack_ms / 1e6
     copy_gbps = moved_bytes / copy_ms / 1e6
     return {
@@ -327,7 +338,7 @@ def run_case(
             if device_ms["repack"] and device_ms["copy"]
             else None
         ),
-        "launch_hidden": times.get("launch_hidden"),
+        "launch_hidden": {name: times.get(f"{name}_launch_hidden") for name in device_ms},
         "baseline_ms": round(baseline_ms, 4),
         "speedup": round(baseline_ms / repack_ms, 2),
         "view_index_ms": round(times["view_index"], 4),

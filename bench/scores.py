@@ -77,7 +77,7 @@ def run_case(
 ) -> dict[str, Any]:
     import torch
 
-    from bench.repack import measure_interleaved
+    from bench.repack import device_only_times, measure_interleaved
     from kernels.attention_scores import batch_attention_scores
     from kernels.layout import KVLayout, paged_layer_views
 
@@ -126,7 +126,8 @@ def run_case(
         device_only=("scores", "attention"),
     )
     scores_ms, attention_ms = times["scores"], times["attention"]
-    scores_device, attention_device = times.get("scores_device"), times.get("attention_device")
+    device_ms = device_only_times(times, ("scores", "attention"))
+    scores_device, attention_device = device_ms["scores"], device_ms["attention"]
     return {
         "shape": shape,
         "q_heads": q_heads,
@@ -151,7 +152,7 @@ def run_case(
             if scores_device and attention_device
             else None
         ),
-        "launch_hidden": times.get("launch_hidden"),
+        "launch_hidden": {name: times.get(f"{name}_launch_hidden") for name in device_ms},
     }
 
 

@@ -84,7 +84,8 @@ METRIC_REPLICA_REPACK_MOVES = "vtoken.replica.kv.repack_moves"
 """Counter: token copies (K and V, every layer) the repacks planned on one replica."""
 METRIC_REPLICA_REPACK_BYTES = "vtoken.replica.kv.repack"
 """Counter (bytes): what the worker's repacks copied on one replica (read; as many
-written). Moves planned after a replica's last step never run: they are not here."""
+written); with tensor parallelism, one rank's shard (every rank copies as much). Moves
+planned after a replica's last step never run: they are not here."""
 METRIC_REPLICA_REPACK_DURATION = "vtoken.replica.kv.repack_duration"
 """Counter (s): the repack copies' own time: device time on the side stream on GPUs
 (overlapping host work), wall time of the synchronous copy on CPU."""

@@ -110,7 +110,8 @@ class EngineReport(BaseModel):
     evicted_tokens_total: Count = 0
     repack_moves_total: Count = 0
     repack_bytes_total: Count = 0
-    """Bytes the worker's repacks copied (read; as many written), every layer, since start."""
+    """Bytes the worker's repacks copied (read; as many written), every layer, since start
+    (tensor parallelism: the driver rank's shard; every rank copies as much)."""
     repack_seconds_total: float = Field(default=0.0, ge=0)
     """The repack copies' own time since start (CPU: wall; CUDA: side-stream events)."""
     recent_max_step_s: float = Field(default=0.0, ge=0)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench.repack import PATTERNS, make_moves, run_case
+from bench.repack import PATTERNS, device_only_times, make_moves, run_case
 
 
 @pytest.mark.parametrize("pattern", PATTERNS)
@@ -35,7 +35,8 @@ def test_run_case_reports_the_issue_fields() -> None:
     for key in ("layers", "kv_heads", "head_dim", "block_size", "copy_gbps", "baseline_ms"):
         assert case[key] > 0
     # Device-only times exist on CUDA alone (a CPU call has no launch to hide).
-    assert case["device_ratio"] is None and case["launch_hidden"] is None
+    assert case["device_ratio"] is None
+    assert case["launch_hidden"] == {"repack": None, "copy": None}
     if case["floor_ms"] is not None:  # a C compiler: the memory floor ran beside them
         assert case["floor_ratio"] == pytest.approx(case["floor_ms"] / case["repack_ms"], rel=1e-2)
         assert case["traffic_mb"] > 2 * case["moved_bytes"] / 1e6  # transposed K: whole lines
@@ -93,3 +94,17 @@ def test_an_unknown_kv_cache_layout_is_a_clear_cli_error() -> None:
     result = CliRunner().invoke(app, ["bench", "repack", "--kv-cache-layout", "LNBHC"])
     assert result.exit_code == 2
     assert "unknown KV cache layout 'LNBHC'" in result.output
+
+
+def test_device_only_times_drop_samples_whose_launch_was_not_hidden() -> None:
+    times = {
+        "repack_device": 0.2,
+        "repack_launch_hidden": 1.0,
+        "copy_device": 0.5,
+        "copy_launch_hidden": 0.0,  # the host waited: the figure holds host time
+    }
+    assert device_only_times(times, ("repack", "copy", "scores")) == {
+        "repack": 0.2,
+        "copy": None,
+        "scores": None,
+    }

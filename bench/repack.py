@@ -135,7 +135,7 @@ LAUNCH_COVER_CYCLES = 2_000_000  # about 1 ms of spinning at an H200's 1.98 GHz:
 # than the host needs to launch any function timed here (0.1 ms measured for the repack)
 
 
-def _rounded(value: float | None) -> float | None:
+def rounded_ms(value: float | None) -> float | None:
     return None if value is None else round(value, 4)
 
 
@@ -331,8 +331,8 @@ def run_case(
         "copy_gbps": round(copy_gbps, 3),
         "ratio": round(repack_gbps / copy_gbps, 4),
         # CUDA: the device's time alone (launch queued behind a spin; see measure_interleaved)
-        "repack_device_ms": _rounded(device_ms["repack"]),
-        "copy_device_ms": _rounded(device_ms["copy"]),
+        "repack_device_ms": rounded_ms(device_ms["repack"]),
+        "copy_device_ms": rounded_ms(device_ms["copy"]),
         "device_ratio": (
             round(device_ms["copy"] / device_ms["repack"], 4)
             if device_ms["repack"] and device_ms["copy"]

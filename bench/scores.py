@@ -77,7 +77,7 @@ def run_case(
 ) -> dict[str, Any]:
     import torch
 
-    from bench.repack import device_only_times, measure_interleaved
+    from bench.repack import device_only_times, measure_interleaved, rounded_ms
     from kernels.attention_scores import batch_attention_scores
     from kernels.layout import KVLayout, paged_layer_views
 
@@ -145,8 +145,8 @@ def run_case(
         "ratio": round(scores_ms / attention_ms, 3),
         "ratio_paged": round(scores_ms / times["paged_attention"], 3),
         # CUDA: the device's time alone (launches queued behind a spin: measure_interleaved)
-        "scores_device_ms": None if scores_device is None else round(scores_device, 4),
-        "attention_device_ms": None if attention_device is None else round(attention_device, 4),
+        "scores_device_ms": rounded_ms(scores_device),
+        "attention_device_ms": rounded_ms(attention_device),
         "device_ratio": (
             round(scores_device / attention_device, 3)
             if scores_device and attention_device

@@ -53,7 +53,7 @@ test: setup lint
 	$(BIN)/python -m pytest -x -q -p no:cacheprovider
 
 bench: setup
-	$(BIN)/vtoken bench fragmentation --engine sim --json bench/fragmentation-sim.json --plot bench/fragmentation-sim.png
+	$(BIN)/vtoken bench fragmentation --engine sim --json bench/results/fragmentation-sim.json --plot bench/results/fragmentation-sim.png
 
 clean:
 	rm -rf $(VENV)

@@ -43,12 +43,37 @@ local function now_ms()
 end
 """
 
+# A tenant's prompt-token bucket: `capacity` tokens (rate x burst seconds, the same for
+# every request) refilled at `rate` per second from its last state. A prompt is taken when
+# the bucket holds it, or when the bucket is full: a prompt larger than the bucket leaves
+# it in debt, and later prompts wait until it has refilled. The key lapses only once the
+# bucket would be full again, so a missing bucket is a full one (an expiry sized on the
+# current request let a small prompt reset a bucket in debt: ~110x the rate). Returns 0
+# when taken, else the milliseconds until it would be.
+_TAKE_PROMPT_TOKENS = """
+local function take_prompt_tokens(key, rate, capacity, prompt, now)
+  local state = redis.call('HMGET', key, 'tokens', 'at_ms')
+  local tokens = capacity
+  if state[1] and state[2] then
+    local refilled = math.max(0, now - tonumber(state[2])) * rate / 1000
+    tokens = math.min(capacity, tonumber(state[1]) + refilled)
+  end
+  local needed = math.min(prompt, capacity)
+  if tokens < needed then return math.ceil((needed - tokens) * 1000 / rate) end
+  tokens = tokens - prompt
+  redis.call('HSET', key, 'tokens', tostring(tokens), 'at_ms', now)
+  redis.call('PEXPIRE', key, math.ceil((capacity - tokens) * 1000 / rate) + 1000)
+  return 0
+end
+"""
+
 # KEYS: quotas, usage, reservations, deadlines, rate bucket, reservation starts, total.
 # ARGV: tenant, request id, blocks, lease_ms, prompt_tokens, rate burst seconds, max_tokens,
 # steady blocks.
 # Returns {outcome, reason, retry_after_ms}.
 _ADMIT = (
     _NOW_MS
+    + _TAKE_PROMPT_TOKENS
     + """
 local raw = redis.call('HGET', KEYS[1], ARGV[1])
 if not raw then return {'rejected', 'unknown_tenant', 0} end
@@ -87,17 +112,10 @@ if math.max(reserved, reported) + blocks > quota['kv_budget_blocks'] then
 end
 local rate = quota['prompt_tokens_per_s']
 if rate ~= cjson.null then
+  local capacity = rate * tonumber(ARGV[6])
   local prompt = tonumber(ARGV[5])
-  local capacity = math.max(rate * tonumber(ARGV[6]), prompt)
-  local state = redis.call('HMGET', KEYS[5], 'tokens', 'at_ms')
-  local tokens = tonumber(state[1] or capacity)
-  local at_ms = tonumber(state[2] or now)
-  tokens = math.min(capacity, tokens + math.max(0, now - at_ms) * rate / 1000)
-  if tokens < prompt then
-    return {'throttled', 'prompt_token_rate', math.ceil((prompt - tokens) * 1000 / rate)}
-  end
-  redis.call('HSET', KEYS[5], 'tokens', tostring(tokens - prompt), 'at_ms', now)
-  redis.call('PEXPIRE', KEYS[5], math.ceil(capacity * 1000 / rate) + 1000)
+  local wait_ms = take_prompt_tokens(KEYS[5], rate, capacity, prompt, now)
+  if wait_ms > 0 then return {'throttled', 'prompt_token_rate', wait_ms} end
 end
 redis.call('HSET', KEYS[3], ARGV[2], blocks)
 redis.call('INCRBY', KEYS[7], blocks)

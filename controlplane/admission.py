@@ -536,10 +536,14 @@ class Admission:
             (seconds, microseconds), count, total, reported = await pipe.execute()
         now = seconds + microseconds / 1e6
         version = (int(count), int(total or 0))
-        schedule = self._held.get(tenant_id)
-        if schedule is None or not schedule.current(version, now):
-            held = await self._redis.hgetall(self.keys.reservations(tenant_id))
-            starts = await self._redis.hgetall(self.keys.reservation_starts(tenant_id))
+        cached = self._held.get(tenant_id)
+        if cached is not None and cached.current(version, now):
+            schedule = cached
+        else:
+            held: dict[str, str] = await self._redis.hgetall(self.keys.reservations(tenant_id))  # type: ignore[assignment]
+            starts: dict[str, str] = await self._redis.hgetall(  # type: ignore[assignment]
+                self.keys.reservation_starts(tenant_id)
+            )
             schedule = await asyncio.to_thread(HeldSchedule.parse, held, starts, now, version)
             self._held[tenant_id] = schedule
             while len(self._held) > MAX_CACHED_SCHEDULES:

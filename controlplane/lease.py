@@ -19,8 +19,12 @@ import redis.asyncio as aioredis
 from controlplane.keys import KeySpace
 from controlplane.models import RoutingPlan
 
-# KEYS: lease, fence counter. ARGV: owner, ttl_ms.
+# KEYS: lease, fence counter, plan fence. ARGV: owner, ttl_ms.
 # Returns {1, fence} when held (renewed or newly granted), {0, holder} otherwise.
+# A new grant's fence is above both the counter and the fence of the last plan written:
+# a lost counter (a Redis restart without persistence, an eviction) once restarted at 1,
+# under the stored plan's fence, and every plan write was refused as stale while the
+# leader kept renewing its lease, so no standby could take over either.
 _ACQUIRE = """
 local current = redis.call('GET', KEYS[1])
 if current then
@@ -31,7 +35,9 @@ if current then
   end
   return {0, owner or current}
 end
-local fence = redis.call('INCR', KEYS[2])
+local counter = tonumber(redis.call('GET', KEYS[2]) or '0')
+local fence = math.max(counter, tonumber(redis.call('GET', KEYS[3]) or '0')) + 1
+redis.call('SET', KEYS[2], fence)
 redis.call('SET', KEYS[1], ARGV[1] .. '|' .. fence, 'NX', 'PX', ARGV[2])
 return {1, fence}
 """
@@ -112,7 +118,8 @@ class ControllerLease:
     async def acquire_or_renew(self) -> LeaseState:
         """Take the lease if free, extend it if ours; report the holder otherwise."""
         held, value = await self._acquire(
-            keys=[self.keys.lease, self.keys.lease_fence], args=[self.owner, self.ttl_ms]
+            keys=[self.keys.lease, self.keys.lease_fence, self.keys.plan_fence],
+            args=[self.owner, self.ttl_ms],
         )
         return LeaseHeld(int(value)) if int(held) == 1 else LeaseNotHeld(str(value))
 

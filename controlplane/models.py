@@ -15,6 +15,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictInt,
     WithJsonSchema,
     model_validator,
 )
@@ -51,7 +52,8 @@ PrefixGroup = Annotated[
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # `Infinity`/`NaN` would pass `gt=0` and then fail to encode in a Lua script.
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 class TenantLimits(_Frozen):
@@ -65,11 +67,11 @@ class TenantLimits(_Frozen):
     enforces; it bounds a request's KV after prefill (never the prompt itself).
     """
 
-    kv_budget_blocks: int = Field(gt=0)
+    kv_budget_blocks: StrictInt = Field(gt=0)
     weight: float = Field(default=1.0, gt=0, le=1000)
-    max_concurrent_requests: int | None = Field(default=None, gt=0)
+    max_concurrent_requests: StrictInt | None = Field(default=None, gt=0)
     prompt_tokens_per_s: float | None = Field(default=None, gt=0)
-    eviction_budget_tokens: int | None = Field(default=None, gt=0)
+    eviction_budget_tokens: StrictInt | None = Field(default=None, gt=0)
     squeeze_to_floor: bool = False
     """Count the tenant's running requests at their floors (what their policy protects,
     plus a block) instead of their budgets: more requests are admitted, and the tenant's

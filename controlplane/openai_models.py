@@ -29,7 +29,7 @@ from pydantic import (
 from controlplane.models import PrefixGroup
 from controlplane.prefix import MAX_PREFIX_BLOCKS
 
-MaxTokens = Annotated[int, Field(ge=1, le=1_000_000)]
+MaxTokens = Annotated[StrictInt, Field(ge=1, le=1_000_000)]
 MAX_STOP_SEQUENCES = 4  # OpenAI's own limit
 MAX_STOP_CHARS = 256  # each stop string is matched against the output at every step
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
@@ -76,7 +76,7 @@ class StreamOptions(BaseModel):
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str = Field(min_length=1, max_length=256)
     max_tokens: MaxTokens = 16
@@ -84,13 +84,13 @@ class _Body(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    seed: StrictInt | None = Field(default=None, ge=0, le=2**63 - 1)
     stop: list[StopString] | None = Field(default=None, max_length=MAX_STOP_SEQUENCES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=256)  # the end user, for the client
     cache_salt: str | None = Field(default=None, exclude=True, max_length=256)  # dropped
-    n: int = Field(default=1, ge=1, le=MAX_N)
+    n: StrictInt = Field(default=1, ge=1, le=MAX_N)
 
     @model_validator(mode="before")
     @classmethod

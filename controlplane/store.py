@@ -23,11 +23,21 @@ from controlplane.models import ReplicaReport, RoutingPlan, TenantQuota
 
 logger = logging.getLogger(__name__)
 
-# KEYS: report hashes. Returns each one's `report` field ('' where the hash expired).
-_READ_REPORTS = """
-local out = {}
+# KEYS: report hashes. Returns each one's `report` field ('' where the hash expired, and
+# `WRONG_TYPE` where the key holds something else: one foreign record must not fail the
+# whole read with WRONGTYPE, which once stopped every plan until its registry entry aged out).
+WRONG_TYPE = "!wrongtype"
+_READ_REPORTS = f"""
+local out = {{}}
 for i, key in ipairs(KEYS) do
-  out[i] = redis.call('HGET', key, 'report') or ''
+  local kind = redis.call('TYPE', key)['ok']
+  if kind == 'hash' then
+    out[i] = redis.call('HGET', key, 'report') or ''
+  elseif kind == 'none' then
+    out[i] = ''
+  else
+    out[i] = '{WRONG_TYPE}'
+  end
 end
 return out
 """
@@ -168,6 +178,10 @@ class RedisStore:
             if raw is None:
                 stale.add(replica_id)
                 continue
+            if raw == WRONG_TYPE:
+                logger.error("store: replica %r's report key holds another type", replica_id)
+                invalid.add(replica_id)
+                continue
             try:
                 report = ReplicaReport.model_validate_json(raw, extra="ignore")
             except ValueError:
@@ -216,9 +230,17 @@ class RedisStore:
     # Plans and usage --------------------------------------------------------------------
 
     async def read_plan_version(self) -> int | None:
-        """The latest plan's version (cheap to poll), or None before the first plan."""
+        """The latest plan's version (cheap to poll), or None before the first plan and
+        while the stored version is not an integer (logged: readers fall back as they do
+        without a plan instead of dying on a ``ValueError`` in their polling loops)."""
         raw = await self.redis.get(self.keys.plan_version)
-        return None if raw is None else int(raw)
+        if raw is None:
+            return None
+        try:
+            return int(raw)
+        except ValueError:
+            logger.error("store: plan version %r is not an integer, ignored", raw[:64])
+            return None
 
     async def read_plan(self) -> RoutingPlan | None:
         """The latest plan, or None before the first plan."""

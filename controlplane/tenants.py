@@ -1,4 +1,9 @@
-"""Removing a tenant: its keys, its reservations and its quota, in one atomic script.
+"""A tenant's lifecycle in atomic scripts: writing its quota with a key, adding a key,
+and removing it (its keys, its reservations and its quota).
+
+Writes check the tenant's existence inside the same script: a key added while its tenant
+is being deleted once survived the deletion and authenticated as a later tenant of the
+same id, and a ``PUT`` that saw the tenant before a ``DELETE`` re-created it without a key.
 
 Keys go first inside the script, and the script is atomic, so no moment exists where the
 quota is gone but a key still maps to the tenant id: re-creating the id later never revives
@@ -9,10 +14,37 @@ controller's plan and is rewritten by it.
 
 from __future__ import annotations
 
+import enum
+from dataclasses import dataclass
+
 import redis.asyncio as aioredis
 from pydantic import BaseModel
 
+from controlplane.auth import digest, key_id
 from controlplane.keys import KeySpace
+from controlplane.models import TenantQuota
+
+# KEYS: quotas, quotas version, api keys, the tenant's key ids.
+# ARGV: tenant id, quota JSON ('' to add a key to an existing tenant), key digest ('' for
+# none), key id, 'chosen' or 'generated' (a generated key is given to a new tenant only).
+# Returns {outcome, existed}: outcome 'key', 'no_key', 'key_conflict' or 'no_tenant'.
+_WRITE_TENANT = """
+local existed = redis.call('HEXISTS', KEYS[1], ARGV[1])
+if ARGV[2] == '' and existed == 0 then return {'no_tenant', 0} end
+local give_key = ARGV[3] ~= '' and (ARGV[5] == 'chosen' or existed == 0)
+if give_key then
+  local owner = redis.call('HGET', KEYS[3], ARGV[3])
+  if owner and owner ~= ARGV[1] then return {'key_conflict', existed} end
+  redis.call('HSET', KEYS[3], ARGV[3], ARGV[1])
+  redis.call('HSET', KEYS[4], ARGV[4], ARGV[3])
+end
+if ARGV[2] ~= '' then
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+  redis.call('INCR', KEYS[2])
+end
+if give_key then return {'key', existed} end
+return {'no_key', existed}
+"""
 
 # KEYS: quotas, quotas version, api keys, the tenant's key ids, reservations, reservation
 # starts, reservation deadlines, rate bucket, reservation total. ARGV: tenant id.
@@ -42,6 +74,52 @@ local existed = redis.call('HDEL', KEYS[1], tenant)
 redis.call('INCR', KEYS[2])
 return {existed, revoked, reservations}
 """
+
+
+class TenantWriteOutcome(enum.Enum):
+    KEY = "key"  # written, and the key given to the tenant
+    NO_KEY = "no_key"  # written; no key given (none asked, or a generated one, not new)
+    KEY_CONFLICT = "key_conflict"  # the key belongs to another tenant: nothing written
+    NO_TENANT = "no_tenant"  # a key for a tenant that does not exist: nothing written
+
+
+@dataclass(frozen=True, slots=True)
+class TenantWrite:
+    outcome: TenantWriteOutcome
+    existed: bool
+    key_id: str | None
+    """The key's id when ``outcome`` is ``KEY``."""
+
+
+async def write_tenant(
+    redis: aioredis.Redis,
+    keys: KeySpace,
+    tenant_id: str,
+    quota: TenantQuota | None,
+    api_key: str | None,
+    chosen: bool,
+) -> TenantWrite:
+    """In one script: create or replace ``quota`` (``None``: the tenant must exist, its
+    quota stays) and give the tenant ``api_key``. A ``chosen`` key is always given; a
+    generated one (``chosen=False``) only when the tenant is new, so a replaced tenant
+    keeps its keys and a new one always gets one. Nothing is written on a conflict."""
+    if quota is not None and quota.tenant_id != tenant_id:
+        raise ValueError(f"quota of {quota.tenant_id!r} written as {tenant_id!r}")
+    script = redis.register_script(_WRITE_TENANT)
+    names = [keys.quotas, keys.quotas_version, keys.api_keys, keys.tenant_api_keys(tenant_id)]
+    args = [
+        tenant_id,
+        "" if quota is None else quota.model_dump_json(),
+        "" if api_key is None else digest(api_key),
+        "" if api_key is None else key_id(api_key),
+        "chosen" if chosen else "generated",
+    ]
+    raw_outcome, existed = await script(keys=names, args=args)
+    outcome = TenantWriteOutcome(
+        raw_outcome.decode() if isinstance(raw_outcome, bytes) else raw_outcome
+    )
+    given = key_id(api_key) if outcome is TenantWriteOutcome.KEY and api_key else None
+    return TenantWrite(outcome, bool(existed), given)
 
 
 class TenantRemoval(BaseModel):

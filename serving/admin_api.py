@@ -17,7 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from controlplane.auth import admin_token_ok, bearer, check_chosen_key, new_api_key
 from controlplane.models import TenantLimits, TenantQuota
 from controlplane.status import cluster_status, prometheus_targets
-from controlplane.tenants import remove_tenant
+from controlplane.tenants import TenantWriteOutcome, remove_tenant, write_tenant
 from serving.openai_http import HTTPError, IngressState, parse_body
 from serving.openapi_bodies import body_of
 
@@ -85,19 +85,19 @@ async def put_tenant(tenant_id: str, request: Request, state: AdminState) -> JSO
         raise HTTPError(
             400, f"invalid tenant: {error.errors()[0]['msg']}", "invalid_request"
         ) from None
-    existed = await state.store.get_quota(tenant_id) is not None
-    api_key = update.api_key or (None if existed else new_api_key())
+    api_key = update.api_key or new_api_key()  # a generated one is given to a new tenant only
+    store = state.store
+    written = await write_tenant(
+        store.redis, store.keys, tenant_id, quota, api_key, chosen=update.api_key is not None
+    )
+    if written.outcome is TenantWriteOutcome.KEY_CONFLICT:
+        raise HTTPError(409, "this API key belongs to another tenant", "conflict")
     body: dict[str, Any] = quota.model_dump()
-    # The key first: a key owned by another tenant is refused before anything changes.
-    if api_key is not None:
-        added = await state.tenant_keys.add_key(tenant_id, api_key)
-        if added is None:
-            raise HTTPError(409, "this API key belongs to another tenant", "conflict")
-        body["key_id"] = added
+    if written.key_id is not None:
+        body["key_id"] = written.key_id
         if update.api_key is None:
             body["api_key"] = api_key  # generated: shown this once
-    await state.store.put_quota(quota)
-    return JSONResponse(body, status_code=200 if existed else 201)
+    return JSONResponse(body, status_code=200 if written.existed else 201)
 
 
 @admin_routes.get("/admin/tenants/{tenant_id}")
@@ -134,10 +134,15 @@ async def add_key(tenant_id: str, request: Request, state: AdminState) -> dict[s
     await _existing(state, tenant_id)
     chosen = (await parse_body(request, NewKey)).api_key if await request.body() else None
     api_key = chosen or new_api_key()
-    added = await state.tenant_keys.add_key(tenant_id, api_key)
-    if added is None:
+    store = state.store
+    written = await write_tenant(store.redis, store.keys, tenant_id, None, api_key, chosen=True)
+    if written.outcome is TenantWriteOutcome.NO_TENANT:  # deleted since it was looked up
+        raise HTTPError(404, f"no tenant {tenant_id!r}", "not_found")
+    if written.outcome is TenantWriteOutcome.KEY_CONFLICT:
         raise HTTPError(409, "this API key belongs to another tenant", "conflict")
-    return {"tenant_id": tenant_id, "key_id": added} | ({} if chosen else {"api_key": api_key})
+    return {"tenant_id": tenant_id, "key_id": written.key_id} | (
+        {} if chosen else {"api_key": api_key}
+    )
 
 
 @admin_routes.get("/admin/tenants/{tenant_id}/keys")

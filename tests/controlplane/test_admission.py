@@ -1,13 +1,18 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from controlplane import telemetry
 from controlplane.admission import (
+    _TAKE_PROMPT_TOKENS,
+    HELD_SCHEDULE_TTL_S,
     Admission,
     AdmissionConfig,
     AdmissionOutcome,
@@ -16,8 +21,10 @@ from controlplane.admission import (
     kv_bounds,
 )
 from controlplane.keys import KeySpace
+from controlplane.redis_conn import RedisConfig, connect
 from controlplane.store import RedisStore
 from tests.controlplane.builders import quota
+from tests.redis_server import RedisServer, unique_keys
 
 
 @pytest.fixture
@@ -437,3 +444,110 @@ async def test_a_tenant_that_squeezes_to_floors_counts_its_requests_there(
     assert held == {"plain": 21, "deep": 2}  # 0.5 x 640 = 320 tokens + a block; 16 + a block
     assert await admission.reserved_blocks("deep") == 2
     await admission.check_invariants("deep")
+
+
+async def test_a_small_prompt_cannot_reset_a_bucket_in_debt(
+    admission: Admission, store: RedisStore
+) -> None:
+    """At 10 tokens/s a 2,000-token prompt leaves the bucket 1,990 tokens in debt: neither
+    another large prompt nor a small one (whose expiry once reset the bucket to full) is
+    admitted until it has refilled."""
+    tenant = quota("acme", budget=1000, prompt_tokens_per_s=10)
+    await store.put_quota(tenant)
+    assert (await admission.admit(tenant, "a", 2000, 1)).admitted
+    large = await admission.admit(tenant, "b", 2000, 1)
+    assert large.reason == "prompt_token_rate"
+    assert large.retry_after_s == pytest.approx(200, abs=0.5)  # refill to a full bucket
+    small = await admission.admit(tenant, "c", 5, 1)
+    assert small.reason == "prompt_token_rate"
+    assert small.retry_after_s == pytest.approx(199.5, abs=0.5)
+    await asyncio.sleep(2.1)  # past what the small prompt's expiry once was
+    assert not (await admission.admit(tenant, "d", 5, 1)).admitted
+
+
+class ReferenceBucket:
+    """The token bucket the admission script must implement, in plain Python."""
+
+    def __init__(self, rate: float, capacity: float) -> None:
+        self.rate, self.capacity = rate, capacity
+        self.tokens, self.at_ms = capacity, 0
+
+    def take(self, prompt: int, now_ms: int) -> int:
+        tokens = min(self.capacity, self.tokens + max(0, now_ms - self.at_ms) * self.rate / 1000)
+        needed = min(prompt, self.capacity)
+        if tokens < needed:
+            return math.ceil((needed - tokens) * 1000 / self.rate)
+        self.tokens, self.at_ms = tokens - prompt, now_ms
+        return 0
+
+
+_TAKE_AT = (
+    _TAKE_PROMPT_TOKENS
+    + "return take_prompt_tokens(KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), "
+    + "tonumber(ARGV[3]), tonumber(ARGV[4]))"
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rate=st.sampled_from([1.0, 7.5, 10.0, 250.0]),
+    burst_s=st.sampled_from([0.5, 1.0, 4.0]),
+    arrivals=st.lists(
+        st.tuples(st.integers(0, 5_000), st.integers(1, 3_000)), min_size=1, max_size=30
+    ),
+)
+async def test_prompt_token_bucket_matches_the_reference_model(
+    redis_server: RedisServer, rate: float, burst_s: float, arrivals: list[tuple[int, int]]
+) -> None:
+    """The script's bucket on a real Redis, driven on a synthetic clock (the key's expiry is
+    applied on that clock too: a bucket is deleted once its TTL has passed), decides and
+    answers Retry-After as the reference model does for any arrival sequence."""
+    client = connect(RedisConfig(url=redis_server.url))
+    take = client.register_script(_TAKE_AT)
+    key = f"{unique_keys().prefix}:bucket"
+    reference = ReferenceBucket(rate, rate * burst_s)
+    now_ms, expires_ms = 0, None
+    try:
+        for gap_ms, prompt in arrivals:
+            now_ms += gap_ms
+            if expires_ms is not None and now_ms >= expires_ms:
+                await client.delete(key)  # what Redis's expiry does at this time
+            wait_ms = await take(keys=[key], args=[rate, rate * burst_s, prompt, now_ms])
+            assert wait_ms == reference.take(prompt, now_ms)
+            ttl_ms = await client.pttl(key)
+            expires_ms = now_ms + ttl_ms if ttl_ms > 0 else expires_ms
+    finally:
+        await client.delete(key)
+        await client.aclose()
+
+
+async def test_retry_after_parses_a_tenants_reservations_once_while_they_hold(
+    redis: aioredis.Redis, keys: KeySpace, store: RedisStore
+) -> None:
+    """A flood of 429s must not read and walk every held reservation each time (388 ms per
+    429 at 20k reservations): the parsed schedule answers while the reservations' count and
+    total hold, for at most HELD_SCHEDULE_TTL_S, and equals a fresh parse."""
+    config = AdmissionConfig(block_size=16, throttle_retry_after_s=0.01)
+    admission = Admission(redis, config, keys)
+    tenant = quota("acme", budget=2000)
+    await store.put_quota(tenant)
+    now_ms = int(1000 * await admission.redis_now_s())
+    num_held = 2000
+    await redis.hset(keys.reservations("acme"), mapping={f"r{i}": 1 for i in range(num_held)})
+    starts = {f"r{i}": f"{now_ms} {10 + i} 16 1" for i in range(num_held)}
+    await redis.hset(keys.reservation_starts("acme"), mapping=starts)
+    await redis.set(keys.reservation_total("acme"), num_held)
+    asked_s = await admission.redis_now_s()
+    first = await admission.kv_retry_after_s(tenant, 100, seconds_per_token=0.01)
+    shortest_100_end_s = now_ms / 1000 + (10 + 99) * 0.01  # the 100 shortest end first
+    assert first == pytest.approx(shortest_100_end_s - asked_s, abs=0.05)
+    # Rewritten behind admission's back (count and total unchanged): the cached parse answers.
+    slower = {f"r{i}": f"{now_ms} {1000 + i} 16 1" for i in range(num_held)}
+    await redis.hset(keys.reservation_starts("acme"), mapping=slower)
+    asked_s = await admission.redis_now_s()
+    cached = await admission.kv_retry_after_s(tenant, 100, seconds_per_token=0.01)
+    assert cached == pytest.approx(shortest_100_end_s - asked_s, abs=0.05)
+    await asyncio.sleep(HELD_SCHEDULE_TTL_S)
+    asked_s = await admission.redis_now_s()
+    later = await admission.kv_retry_after_s(tenant, 100, seconds_per_token=0.01)
+    assert later == pytest.approx(now_ms / 1000 + (1000 + 99) * 0.01 - asked_s, abs=0.05)

@@ -71,3 +71,19 @@ async def test_usage_expires_when_no_plan_is_written(redis: aioredis.Redis, keys
     assert await RedisStore(redis, keys).read_usage() == {}
     with pytest.raises(ValueError, match="usage_ttl_s"):
         await lease.write_plan(plan(1, 1), {}, usage_ttl_s=0)
+
+
+async def test_a_lost_fence_counter_cannot_lock_every_writer_out(
+    redis: aioredis.Redis, keys: KeySpace
+) -> None:
+    """The counter is gone (restart without persistence, eviction) and the lease lapsed:
+    the next grant still fences above the last plan written, so its writes land."""
+    lease = ControllerLease(redis, "ctl-a", ttl_s=5, keys=keys)
+    for fence in (1, 2, 3):
+        assert await lease.acquire_or_renew() == LeaseHeld(fence)
+        await lease.release(fence)
+    assert await lease.acquire_or_renew() == LeaseHeld(4)
+    assert await lease.write_plan(plan(0, 4), {}, 60) is PlanWrite.WRITTEN
+    await redis.delete(keys.lease_fence, keys.lease)
+    assert await lease.acquire_or_renew() == LeaseHeld(5)
+    assert await lease.write_plan(plan(1, 5), {}, 60) is PlanWrite.WRITTEN

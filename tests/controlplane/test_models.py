@@ -1,9 +1,18 @@
 from __future__ import annotations
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
-from controlplane.models import EngineCounters, ReplicaReport, RoutingPlan, TenantQuota, TenantUsage
+from controlplane.models import (
+    EngineCounters,
+    ReplicaReport,
+    RoutingPlan,
+    TenantLimits,
+    TenantQuota,
+    TenantUsage,
+)
 from tests.controlplane.builders import quota, report
 
 
@@ -94,3 +103,25 @@ def test_plan_json_round_trip_and_bad_weight() -> None:
             }
         )
     assert TenantUsage().blocks == 0
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("prompt_tokens_per_s", float("inf")),
+        ("prompt_tokens_per_s", float("nan")),
+        ("weight", float("nan")),
+        ("kv_budget_blocks", True),
+        ("kv_budget_blocks", "5"),
+        ("max_concurrent_requests", 2.0),
+        ("eviction_budget_tokens", "64"),
+    ],
+)
+def test_limits_refuse_non_finite_numbers_and_loose_integers(field: str, value: object) -> None:
+    """JSON's `Infinity` once passed `gt=0` and made the stored quota unreadable by the
+    admission script; `true` and `"5"` once passed as integers."""
+    body = {"kv_budget_blocks": 8, field: value}
+    with pytest.raises(ValidationError, match=field):
+        TenantLimits.model_validate(body)
+    with pytest.raises(ValidationError, match=field):
+        TenantLimits.model_validate_json(json.dumps(body))

@@ -59,5 +59,7 @@ async def test_an_invalid_plan_is_parsed_once_and_the_last_pressure_kept(
     for _ in range(3):
         assert await follower.poll() == {"acme": 0.5}
     assert follower.plan_reads == 2 and follower.version == 4
+    await redis.set(keys.plan_version, "not a number")  # once a ValueError that killed the loop
+    assert await follower.poll() == {"acme": 0.5} and follower.version == 4
     with pytest.raises(ValueError, match="max_age_s"):
         PlanFollower(store, "r1", clock, max_age_s=0)

@@ -126,6 +126,18 @@ async def test_unreachable_redis_falls_back_and_keeps_the_plan(clock: FakeClock)
     await dead.aclose()
 
 
+async def test_a_non_integer_plan_version_keeps_the_plan(
+    store: RedisStore, clock: FakeClock
+) -> None:
+    """A version that is not an integer once raised ValueError in the refresh loop, which
+    catches only Redis errors: the loop died."""
+    core = RouterCore(store, clock, RouterConfig())
+    core.apply_plan(plan(version=3))
+    await store.redis.set(store.keys.plan_version, "4.5x")
+    assert await core.refresh() and core.redis_ok
+    assert core.plan is not None and core.plan.version == 3
+
+
 async def test_an_invalid_plan_is_ignored(store: RedisStore, clock: FakeClock) -> None:
     core = RouterCore(store, clock, RouterConfig())
     core.apply_plan(plan(version=3))

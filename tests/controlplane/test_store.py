@@ -54,6 +54,20 @@ async def test_reports_fresh_stale_and_expired(store: RedisStore) -> None:
     assert forgotten.fresh == {} and forgotten.stale_ids == set()
 
 
+async def test_a_wrong_typed_report_key_is_skipped_not_fatal(store: RedisStore) -> None:
+    """A registered replica whose key holds a string, a list or a set once failed the
+    whole read with WRONGTYPE (no plan, /admin/status 503): now it is counted invalid."""
+    now = 1000.0
+    await store.publish_report(report("good", now), ttl_s=60)
+    await store.redis.set(store.keys.replica("text"), "not a hash")
+    await store.redis.rpush(store.keys.replica("list"), "x")
+    await store.redis.sadd(store.keys.replica("set"), "x")
+    await store.redis.zadd(store.keys.replicas, {"text": now, "list": now, "set": now})
+    snapshot = await store.read_reports(now, max_age_s=1.0, forget_after_s=60.0)
+    assert sorted(snapshot.fresh) == ["good"]
+    assert snapshot.invalid_ids == {"text", "list", "set"}
+
+
 async def test_report_hash_has_a_ttl(store: RedisStore) -> None:
     await store.publish_report(report("r1", 1.0), ttl_s=0.3)
     ttl_ms = await store.redis.pttl(store.keys.replica("r1"))

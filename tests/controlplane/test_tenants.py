@@ -9,7 +9,12 @@ from controlplane.auth import TenantKeys, digest, new_api_key
 from controlplane.keys import KeySpace
 from controlplane.models import TenantQuota
 from controlplane.store import RedisStore
-from controlplane.tenants import remove_tenant
+from controlplane.tenants import (
+    TenantWrite,
+    TenantWriteOutcome,
+    remove_tenant,
+    write_tenant,
+)
 
 
 async def test_remove_tenant_takes_keys_reservations_and_quota(
@@ -61,3 +66,43 @@ async def test_keys_are_listed_by_id_and_revoked_alone(
     assert not await tenant_keys.revoke("globex", second_id)  # not globex's key
     assert await tenant_keys.tenant_for(first) is None
     assert await tenant_keys.tenant_for(second) == "acme"
+
+
+async def test_a_key_for_a_deleted_tenant_is_never_written(
+    redis: aioredis.Redis, store: RedisStore, keys: KeySpace
+) -> None:
+    """The admin API looked the tenant up, then a DELETE ran: the key must not be stored,
+    or it would authenticate as a tenant re-created later under the same id."""
+    tenant_keys = TenantKeys(redis, keys)
+    await store.put_quota(TenantQuota(tenant_id="acme", kv_budget_blocks=8))
+    await remove_tenant(redis, keys, "acme")
+    late = new_api_key()
+    written = await write_tenant(redis, keys, "acme", None, late, chosen=True)
+    assert written == TenantWrite(TenantWriteOutcome.NO_TENANT, False, None)
+    await store.put_quota(TenantQuota(tenant_id="acme", kv_budget_blocks=8))  # re-created
+    assert await tenant_keys.tenant_for(late) is None
+
+
+async def test_writing_a_tenant_gives_a_generated_key_to_a_new_tenant_only(
+    redis: aioredis.Redis, store: RedisStore, keys: KeySpace
+) -> None:
+    """A PUT that saw the tenant, raced by a DELETE, once re-created it with no key: the
+    script decides on existence itself, so a tenant it creates always gets its key."""
+    tenant_keys = TenantKeys(redis, keys)
+    quota = TenantQuota(tenant_id="acme", kv_budget_blocks=8)
+    first, second = new_api_key(), new_api_key()
+    created = await write_tenant(redis, keys, "acme", quota, first, chosen=False)
+    assert created.outcome is TenantWriteOutcome.KEY and not created.existed
+    replaced = await write_tenant(redis, keys, "acme", quota, second, chosen=False)
+    assert replaced == TenantWrite(TenantWriteOutcome.NO_KEY, True, None)
+    assert await tenant_keys.tenant_for(first) == "acme"
+    assert await tenant_keys.tenant_for(second) is None
+    await remove_tenant(redis, keys, "acme")
+    again = await write_tenant(redis, keys, "acme", quota, second, chosen=False)
+    assert again.outcome is TenantWriteOutcome.KEY and not again.existed
+    assert await tenant_keys.tenant_for(second) == "acme"
+    assert await tenant_keys.tenant_for(first) is None  # revoked with the old tenant
+    other = TenantQuota(tenant_id="globex", kv_budget_blocks=8)
+    conflict = await write_tenant(redis, keys, "globex", other, second, chosen=True)
+    assert conflict.outcome is TenantWriteOutcome.KEY_CONFLICT
+    assert await store.get_quota("globex") is None  # nothing written

@@ -557,15 +557,15 @@ class Bench:
         }
 
     async def kill_controller(self, http: Any) -> dict[str, Any]:
-        before = (await self.status(http) or {}).get("plan_version")
+        before = (await self.status(http) or {}).get("plan_heartbeat_s")
         actor = alive_actor("controller")
         os.kill(int(actor["Pid"]), signal.SIGKILL)
         seen = {before}
 
         async def new_plan() -> bool:
-            version = (await self.status(http) or {}).get("plan_version")
-            # A plan from the dead controller may land just before; wait for two moves.
-            seen.add(version)
+            heartbeat = (await self.status(http) or {}).get("plan_heartbeat_s")
+            # A write from the dead controller may land just before; wait for two moves.
+            seen.add(heartbeat)
             return len(seen) >= 3
 
         back_s = await self.wait_until(new_plan, timeout_s=120)

@@ -22,7 +22,7 @@ from controlplane import telemetry
 from controlplane.clock import Clock
 from controlplane.lease import ControllerLease, LeaseHeld, PlanWrite
 from controlplane.models import RoutingPlan, TenantQuota
-from controlplane.placement import PlanInputs, PlannerConfig, compute_plan
+from controlplane.placement import PlanInputs, PlannerConfig, PlanResult, compute_plan
 from controlplane.redis_conn import REDIS_ERRORS, Backoff
 from controlplane.store import RedisStore
 
@@ -99,6 +99,7 @@ class Controller:
         self._plan: RoutingPlan | None = None
         self._fence: int | None = None
         self._next_version = 0
+        self._stored_is_current = False  # whether Redis holds self._plan's content
         self._quotas: dict[str, TenantQuota] = {}
         self._quotas_version: int | None = None
         self._cycles_since_quota_read = 0
@@ -155,6 +156,7 @@ class Controller:
         )
         self._next_version = max(self._next_version, last + 1)
         self._fence = fence
+        self._stored_is_current = False  # the first plan under this fence is written whole
         logger.info("controller %s leads with fence %d", self._lease.owner, fence)
 
     async def _read_stored_plan(self) -> RoutingPlan | None:
@@ -185,11 +187,14 @@ class Controller:
         )
         with self._tracer.start_as_current_span(telemetry.SPAN_PLAN_COMPUTE):
             # ~0.1 s of CPU at 1000 replicas x 10000 tenants: off the event loop.
-            result = await asyncio.to_thread(compute_plan, inputs, self.planner_config)
+            result, changed = await asyncio.to_thread(self._compute, inputs)
+        plan = result.plan
+        if not changed and self._plan is not None:  # same content: the version stays
+            plan = self._plan.model_copy(update={"fence": fence, "created_s": now_s})
         plan_done = time.perf_counter()
         with self._tracer.start_as_current_span(telemetry.SPAN_PLAN_WRITE):
             write = await self._lease.write_plan(
-                result.plan, result.usage_blocks, self.config.usage_ttl_s
+                plan, result.usage_blocks, self.config.usage_ttl_s, changed=changed
             )
         timings = {
             "read_s": read_done - started,
@@ -203,10 +208,16 @@ class Controller:
         span.set_attribute(telemetry.ATTR_NUM_DRAINED, len(result.plan.drained_replica_ids))
         num_moves = result.num_moves
         if write is PlanWrite.WRITTEN:
-            self._plan = result.plan
-            self._next_version = result.plan.version + 1
+            self._plan = plan
+            self._next_version = max(self._next_version, plan.version + 1)
+            self._stored_is_current = True
             self._tune_gc()
             return CycleResult(True, self._plan, write, num_moves, **timings)
+        if write is PlanWrite.PLAN_MISSING:  # Redis lost it: write it whole next cycle
+            self._stored_is_current = False
+            logger.warning("controller %s: the stored plan is gone, rewriting", self._lease.owner)
+            return CycleResult(True, self._plan, write, 0, **timings)
+        self._stored_is_current = False
         if write is PlanWrite.STALE_VERSION:
             stored = await self._store.read_plan_version()
             self._next_version = max(self._next_version, (stored or 0) + 1)
@@ -214,6 +225,13 @@ class Controller:
             self._fence = None  # lost the lease between renew and write
         logger.warning("controller %s plan write refused: %s", self._lease.owner, write.value)
         return CycleResult(write is PlanWrite.STALE_VERSION, self._plan, write, 0, **timings)
+
+    def _compute(self, inputs: PlanInputs) -> tuple[PlanResult, bool]:
+        """The plan, and whether its content differs from the stored one's (always when
+        the stored plan may not be this controller's last one)."""
+        result = compute_plan(inputs, self.planner_config)
+        previous = self._plan if self._stored_is_current else None
+        return result, previous is None or not result.plan.same_content(previous)
 
     def _tune_gc(self) -> None:
         if not self.config.freeze_gc_after_cycle:

@@ -49,6 +49,12 @@ class KeySpace:
         return f"{self.prefix}:plan:version"
 
     @property
+    def plan_heartbeat(self) -> str:
+        """String: the leader's clock (s) at its latest plan write. It moves every cycle;
+        the plan's version moves only when the plan's content does."""
+        return f"{self.prefix}:plan:heartbeat"
+
+    @property
     def plan_fence(self) -> str:
         """Highest lease fence that wrote a plan; lower fences are rejected."""
         return f"{self.prefix}:plan:fence"

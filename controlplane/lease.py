@@ -50,8 +50,10 @@ end
 return 0
 """
 
-# KEYS: lease, plan, plan version, plan fence, usage.
-# ARGV: owner, fence, version, plan JSON, usage JSON (tenant -> blocks), usage ttl_ms.
+# KEYS: lease, plan, plan version, plan fence, usage, plan heartbeat.
+# ARGV: owner, fence, version, plan JSON ('' when the plan's content did not change: only
+# the heartbeat and the usage are written), usage JSON (tenant -> blocks), usage ttl_ms,
+# heartbeat (s).
 _WRITE_PLAN = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] .. '|' .. ARGV[2] then
   return 'lease_lost'
@@ -60,12 +62,18 @@ local fence = tonumber(ARGV[2])
 if fence < tonumber(redis.call('GET', KEYS[4]) or '0') then
   return 'stale_fence'
 end
-if tonumber(ARGV[3]) <= tonumber(redis.call('GET', KEYS[3]) or '-1') then
-  return 'stale_version'
+if ARGV[4] == '' and redis.call('GET', KEYS[3]) ~= ARGV[3] then
+  return 'plan_missing'
 end
-redis.call('SET', KEYS[2], ARGV[4])
-redis.call('SET', KEYS[3], ARGV[3])
+if ARGV[4] ~= '' then
+  if tonumber(ARGV[3]) <= tonumber(redis.call('GET', KEYS[3]) or '-1') then
+    return 'stale_version'
+  end
+  redis.call('SET', KEYS[2], ARGV[4])
+  redis.call('SET', KEYS[3], ARGV[3])
+end
 redis.call('SET', KEYS[4], ARGV[2])
+redis.call('SET', KEYS[6], ARGV[7])
 redis.call('DEL', KEYS[5])
 for tenant, blocks in pairs(cjson.decode(ARGV[5])) do
   redis.call('HSET', KEYS[5], tenant, blocks)
@@ -95,6 +103,7 @@ class PlanWrite(enum.Enum):
     LEASE_LOST = "lease_lost"
     STALE_FENCE = "stale_fence"
     STALE_VERSION = "stale_version"
+    PLAN_MISSING = "plan_missing"  # an unchanged plan whose stored copy is gone: rewrite it
 
 
 class ControllerLease:
@@ -128,9 +137,16 @@ class ControllerLease:
         return bool(await self._release(keys=[self.keys.lease], args=[self.owner, fence]))
 
     async def write_plan(
-        self, plan: RoutingPlan, usage_blocks: Mapping[str, int], usage_ttl_s: float
+        self,
+        plan: RoutingPlan,
+        usage_blocks: Mapping[str, int],
+        usage_ttl_s: float,
+        changed: bool = True,
     ) -> PlanWrite:
-        """Write `plan` and the per-tenant usage admission reads, iff still entitled to.
+        """Write `plan` and the per-tenant usage admission reads, iff still entitled to,
+        and the plan heartbeat (`plan.created_s`). With ``changed=False`` (the plan's
+        content equals the stored plan's) the stored plan and its version stay: readers
+        that follow the version parse nothing, and the heartbeat tells them it is current.
 
         The usage expires `usage_ttl_s` after the write: when no controller measures any
         more, admission counts the reservations alone instead of frozen numbers."""
@@ -143,14 +159,16 @@ class ControllerLease:
                 self.keys.plan_version,
                 self.keys.plan_fence,
                 self.keys.usage,
+                self.keys.plan_heartbeat,
             ],
             args=[
                 self.owner,
                 plan.fence,
                 plan.version,
-                plan.model_dump_json(),
+                plan.model_dump_json() if changed else "",
                 json.dumps(dict(usage_blocks), separators=(",", ":")),
                 max(1, int(usage_ttl_s * 1000)),
+                repr(plan.created_s),
             ],
         )
         return PlanWrite(outcome)

@@ -228,7 +228,9 @@ class EvictionPressure(_Frozen):
 class RoutingPlan(_Frozen):
     """The controller's output, versioned; written under the controller lease.
 
-    `version` grows by one per write; `fence` is the lease fencing token of the writer.
+    `version` grows by one each time the content changes (every field but the head:
+    `version`, `fence`, `created_s`); the leader's heartbeat moves every cycle
+    (`KeySpace.plan_heartbeat`). `fence` is the lease fencing token of the writer.
     `replica_ids` are the routable replicas; `drained_replica_ids` went stale or asked to
     drain and get no new requests. `pressure[replica_id][tenant_id]` is published for
     replicas to apply. `allowance[replica_id][tenant_id]` is the most blocks a tenant may
@@ -245,3 +247,11 @@ class RoutingPlan(_Frozen):
     tenants: dict[TenantId, TenantRoute] = Field(default_factory=dict)
     pressure: dict[ReplicaId, dict[TenantId, EvictionPressure]] = Field(default_factory=dict)
     allowance: dict[ReplicaId, dict[TenantId, NonNegativeInt]] = Field(default_factory=dict)
+
+    def same_content(self, other: RoutingPlan) -> bool:
+        """Whether ``other`` routes, drains, presses and allows exactly as this plan."""
+        return all(
+            getattr(self, name) == getattr(other, name)
+            for name in type(self).model_fields
+            if name not in ("version", "fence", "created_s")
+        )

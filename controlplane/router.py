@@ -5,10 +5,10 @@ us at 1000 replicas): the plan is turned into per-tenant tuples once per plan ve
 and the candidates' load order once per (candidate set, reports) pair. `refresh` (async)
 polls Redis; the Ray Serve `RequestRouter` wrapper calls `rank` from `choose_replicas`.
 
-Fallback to least-loaded routing happens when there is no plan, when the plan version
-has not advanced for `max_plan_age_s` (measured on this process's clock, so clock skew
-between hosts does not matter), when the last refresh could not reach Redis, or when
-none of the tenant's warm replicas is among the candidates.
+Fallback to least-loaded routing happens when there is no plan, when neither the plan
+version nor its leader's heartbeat has moved for `max_plan_age_s` (measured on this
+process's clock, so clock skew between hosts does not matter), when the last refresh
+could not reach Redis, or when none of the tenant's warm replicas is among the candidates.
 
 Prefix affinity (`controlplane/prefix.py`): a request that carries its prompt's prefix
 keys goes first to the replica whose reports hold the longest run of them (ties: the
@@ -99,6 +99,7 @@ class RouterCore:
         self._clock = clock
         self._plan: RoutingPlan | None = None
         self._plan_seen_s = 0.0
+        self._heartbeat_s: float | None = None
         self._warm: dict[str, tuple[str, ...]] = {}
         self._drained: frozenset[str] = frozenset()
         self._load: dict[str, float] = {}
@@ -174,13 +175,17 @@ class RouterCore:
         """Poll Redis: new plan version -> read the plan; reports every
         `report_refresh_s`. Returns False (and keeps everything) when Redis is away."""
         try:
-            version = await self._store.read_plan_version()
+            head = await self._store.read_plan_head()
+            version = head.version
             if (
                 version is not None
                 and version != self._rejected_version
                 and (self._plan is None or version != self._plan.version)
             ):
                 await self._read_plan(version)
+            elif head.heartbeat_s is not None and head.heartbeat_s != self._heartbeat_s:
+                self._plan_seen_s = self._clock.now()  # same plan, its leader still plans
+            self._heartbeat_s = head.heartbeat_s
             now_s = self._clock.now()
             if (
                 self._reports_read_s is None

@@ -26,6 +26,7 @@ async def cluster_status(store: RedisStore, now_s: float | None = None) -> dict[
     snapshot = await store.read_reports(now_s, REPORT_MAX_AGE_S, forget_after_s=3600.0)
     quotas = await store.list_quotas()
     plan = await store.read_plan()
+    head = await store.read_plan_head()
     replicas = [
         {
             "id": replica_id,
@@ -90,6 +91,7 @@ async def cluster_status(store: RedisStore, now_s: float | None = None) -> dict[
         )
     return {
         "plan_version": plan.version if plan else None,
+        "plan_heartbeat_s": head.heartbeat_s,  # moves every controller cycle
         "replicas": replicas,
         "tenants": tenants,
         "blocks_reclaimed": sum(r.get("blocks_reclaimed", 0) for r in replicas),

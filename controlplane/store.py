@@ -15,6 +15,7 @@ import json
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -69,6 +70,28 @@ class ReportSnapshot:
     invalid_ids: frozenset[str]
     last_heartbeat_s: dict[str, float] = field(default_factory=dict)
     """Each registered replica's last heartbeat (its registry score), stale ones too."""
+
+
+@dataclass(frozen=True, slots=True)
+class PlanHead:
+    """What followers poll: the plan's ``version`` (moves with its content) and the
+    leader's ``heartbeat_s`` (moves every cycle); ``None`` before the first plan, or
+    while the stored value does not parse."""
+
+    version: int | None
+    heartbeat_s: float | None
+
+
+def _parse(kind: type[int] | type[float], raw: Any, what: str) -> Any:
+    """``kind(raw)``; ``None`` when missing, and when malformed (logged: a follower falls
+    back as it does without a plan instead of dying on a ``ValueError`` in its loop)."""
+    if raw is None:
+        return None
+    try:
+        return kind(raw)
+    except ValueError:
+        logger.error("store: %s %r does not parse, ignored", what, str(raw)[:64])
+        return None
 
 
 class RedisStore:
@@ -229,18 +252,16 @@ class RedisStore:
 
     # Plans and usage --------------------------------------------------------------------
 
+    async def read_plan_head(self) -> PlanHead:
+        """The plan's version and heartbeat in one round trip (what followers poll)."""
+        version, heartbeat = await self.redis.mget(self.keys.plan_version, self.keys.plan_heartbeat)
+        return PlanHead(_parse(int, version, "plan version"), _parse(float, heartbeat, "heartbeat"))
+
     async def read_plan_version(self) -> int | None:
         """The latest plan's version (cheap to poll), or None before the first plan and
         while the stored version is not an integer (logged: readers fall back as they do
         without a plan instead of dying on a ``ValueError`` in their polling loops)."""
-        raw = await self.redis.get(self.keys.plan_version)
-        if raw is None:
-            return None
-        try:
-            return int(raw)
-        except ValueError:
-            logger.error("store: plan version %r is not an integer, ignored", raw[:64])
-            return None
+        return _parse(int, await self.redis.get(self.keys.plan_version), "plan version")
 
     async def read_plan(self) -> RoutingPlan | None:
         """The latest plan, or None before the first plan."""

@@ -13,6 +13,7 @@ from controlplane.controller import Controller, ControllerConfig
 from controlplane.keys import KeySpace
 from controlplane.lease import ControllerLease, PlanWrite
 from controlplane.placement import PlannerConfig
+from controlplane.plan_follower import PlanFollower
 from controlplane.redis_conn import REDIS_ERRORS, RedisConfig, connect
 from controlplane.router import RouterConfig, RouterCore, RouteSource
 from controlplane.store import RedisStore
@@ -43,7 +44,7 @@ async def test_quotas_and_plan_survive_a_controller_restart(
     restarted = make_controller(store, clock, "ctl-2")  # a fresh process: nothing in memory
     again = await restarted.step()
     assert again.leader and again.plan is not None
-    assert again.plan.version == result.plan.version + 1
+    assert again.plan.version == result.plan.version + 1  # a new leader writes its plan whole
     assert again.plan.fence > result.plan.fence
     assert sorted(await store.list_quotas()) == ["a", "b", "c"]
     assert {t: route.replicas for t, route in again.plan.tenants.items()} == placement
@@ -55,14 +56,18 @@ async def test_only_the_leader_writes(store: RedisStore, clock: FakeClock) -> No
     await store.publish_report(report("r1", clock.now()), ttl_s=60)
     leader, standby = make_controller(store, clock, "ctl-a"), make_controller(store, clock, "ctl-b")
     versions = []
-    for _ in range(3):
+    for cycle in range(4):
+        if cycle == 2:  # the plan's content changes: a new tenant
+            await store.put_quota(quota("b"))
         led = await leader.step()
         followed = await standby.step()
         assert led.leader and not followed.leader and followed.write is None
-        assert followed.plan == led.plan  # the standby serves the leader's plan
-        assert led.plan is not None
+        assert led.plan is not None and followed.plan is not None
+        assert followed.plan.version == led.plan.version  # the standby serves the leader's plan
+        assert followed.plan.same_content(led.plan)
         versions.append(led.plan.version)
-    assert versions == [0, 1, 2] and leader.is_leader and not standby.is_leader
+    # The version moves with the content only: readers that follow it parse nothing new.
+    assert versions == [0, 0, 1, 1] and leader.is_leader and not standby.is_leader
 
 
 async def test_stale_replica_leaves_within_two_periods_and_returns(
@@ -145,7 +150,8 @@ async def test_redis_restart_mid_loop(tmp_path: Path) -> None:
 
         async def resumed() -> bool:
             plan = controller.current_plan
-            return plan is not None and last is not None and plan.version > last.version + 2
+            # Planning again: its heartbeat moves (the version only if the content changed).
+            return plan is not None and last is not None and plan.created_s > last.created_s + 1
 
         await _wait_for(resumed)
         await _wait_for(lambda: _router_back(router))
@@ -230,3 +236,34 @@ async def test_a_stopped_controller_leaves_no_frozen_usage(
     assert (await admission.admit(tenant, "r1", 32, 0)).admitted
     with pytest.raises(ValueError, match="usage_ttl_s"):
         ControllerConfig(period_s=1.0, lease_ttl_s=2.0, usage_ttl_s=1.0)
+
+
+async def test_an_unchanged_plan_is_not_rewritten_and_its_heartbeat_keeps_readers_current(
+    store: RedisStore, clock: FakeClock
+) -> None:
+    """Every cycle once moved the version, so every replica re-parsed the whole plan (1.5 MB,
+    152 ms at 1,000 x 10,000). Now the version moves with the content; the heartbeat keeps
+    routers on the plan and followers' pressure alive past their max ages meanwhile."""
+    await store.put_quota(quota("a"))
+    controller = make_controller(store, clock, "ctl")
+    router = RouterCore(store, clock, RouterConfig(max_plan_age_s=2.0))
+    follower = PlanFollower(store, "r1", clock, max_age_s=3.0)
+    for _ in range(8):
+        await store.publish_report(report("r1", clock.now(), {"a": 3}), ttl_s=60)
+        assert (await controller.step()).write is PlanWrite.WRITTEN
+        await router.refresh()
+        await follower.poll()
+        clock.advance(1.0)
+    assert (await store.read_plan_version()) == 0 and follower.plan_reads == 1
+    assert router.rank("a", frozenset({"r1"})).source is RouteSource.PLAN  # 8 s, max age 2 s
+    head = await store.read_plan_head()
+    assert head.heartbeat_s == pytest.approx(clock.now() - 1.0)
+    clock.advance(2.5)  # no controller any more: the heartbeat stops
+    await router.refresh()
+    assert router.rank("a", frozenset({"r1"})).source is RouteSource.NO_PLAN
+    # Redis lost the plan: the unchanged write is refused, the next cycle writes it whole.
+    await store.redis.delete(store.keys.plan, store.keys.plan_version)
+    await store.publish_report(report("r1", clock.now(), {"a": 3}), ttl_s=60)
+    assert (await controller.step()).write is PlanWrite.PLAN_MISSING
+    assert (await controller.step()).write is PlanWrite.WRITTEN
+    assert (await store.read_plan_version()) == 1 and await store.read_plan() is not None

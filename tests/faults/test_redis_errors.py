@@ -87,7 +87,7 @@ async def test_the_controller_loop_survives_and_plans_again(
             assert plan is not None
             await asyncio.sleep(0.1)
             assert controller.current_plan == plan  # nothing written while Redis refuses
-        await _until(lambda: (controller.current_plan or plan).version > plan.version)
+        await _until(lambda: (controller.current_plan or plan).created_s > plan.created_s)
         assert await store.read_plan() is not None
     finally:
         stop.set()

@@ -163,9 +163,7 @@ class AdmissionConfig:
     `protected_tokens` and `protected_fraction`: what the engines' policy keeps whatever a
     request's budget `B` is, at most `protected_tokens + ceil(protected_fraction * B)`
     tokens (its sinks or the engines' pinned prefix, a fixed recent window, a recent window
-    sized on the budget): a request's steady bound is never under it (:func:`kv_bounds`).
-    `keep_ratio`, `floor_tokens` and the protection come from the engines' config
-    (`workers.config.VTokenConfig.admission_*`, built on the policy's `protection()`)."""
+    sized on the budget): a request's steady bound is never under it (:func:`kv_bounds`)."""
 
     block_size: int = 16
     keep_ratio: float | None = None
@@ -259,13 +257,9 @@ def kv_bounds(
     protects whatever its budget, ``protected_tokens + ceil(protected_fraction * B)``
     (sinks, a pinned prefix, recent windows: the engine keeps them past the budget).
     ``floor_tokens`` (a tenant that squeezes to floors) lowers the steady bound to that
-    floor plus one block.
-
-    The control plane imports nothing of the engine's, so it takes these as plain numbers;
-    their one source is the policy's ``protection()`` (``vtoken.policy.Protection``: the
-    engine keeps exactly ``Protection.num_protected(B)``, at most this rounding up), which
-    ``workers.config.VTokenConfig`` turns into ``keep_ratio``, ``floor_tokens`` and
-    ``protected_*`` for the ingress."""
+    floor plus one block. Plain numbers (the control plane imports nothing of the engine's):
+    their one source is the policy's ``protection()`` (``vtoken.policy.Protection``), which
+    ``workers.config.VTokenConfig.admission_*`` turn into these."""
     if prompt_tokens < 0 or max_tokens < 0 or prompt_tokens + max_tokens == 0:
         raise ValueError(
             f"need prompt_tokens >= 0, max_tokens >= 0, not both 0 "

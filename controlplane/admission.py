@@ -348,7 +348,9 @@ def kv_bounds(
     protects whatever its budget, ``protected_tokens + ceil(protected_fraction * B)``
     (sinks, a pinned prefix, recent windows: the engine keeps them past the budget).
     ``floor_tokens`` (a tenant that squeezes to floors) lowers the steady bound to that
-    floor plus one block."""
+    floor plus one block. Plain numbers (the control plane imports nothing of the engine's):
+    their one source is the policy's ``protection()`` (``vtoken.policy.Protection``), which
+    ``workers.config.VTokenConfig.admission_*`` turn into these."""
     if prompt_tokens < 0 or max_tokens < 0 or prompt_tokens + max_tokens == 0:
         raise ValueError(
             f"need prompt_tokens >= 0, max_tokens >= 0, not both 0 "

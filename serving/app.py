@@ -3,7 +3,6 @@ controller. ``build_app`` is the Serve config's ``import_path`` target."""
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
@@ -98,82 +97,13 @@ class AppArgs(AdminTokenSource):
         return url
 
 
-def policy_keep_ratio(vtoken: dict[str, Any]) -> float | None:
-    """The engines' keep ratio when their policy evicts to it whenever asked (admission
-    bounds a request without a tenant cap by it after prefill, counting what the policy
-    protects past it: :func:`policy_protection`); ``None`` otherwise (policy ``none``, an
-    absolute budget, a policy that compresses once, or naive mode).
-
-    In ``on_demand`` mode a request keeps more than its ratio while memory is free; that
-    excess is reclaimable, and the controller's pressure takes it back as soon as the
-    tenant's measured active KV passes its budget, so the ratio still bounds what the
-    tenant's requests count against it."""
-    from workers.config import VTokenConfig
-
-    config = VTokenConfig.model_validate(vtoken)
-    policy = config.make_policy()
-    if not (policy.holds_budget_every_step and policy.needs_budget):
-        return None
-    if config.mode != "vtoken":  # Naive-Evict frees no block by evicting
-        return None
-    return config.keep_ratio
-
-
-NOTHING_FREED = (2**31 - 1, 0.0)  # protection in naive mode: a request counts its length
-
-
-def policy_protection(vtoken: dict[str, Any]) -> tuple[int, float]:
-    """``(tokens, fraction)``: the engines keep at most ``tokens + ceil(fraction * B)`` of
-    a request's tokens that its policy protects whatever its budget ``B`` is: its sinks,
-    or the engines' pinned prefix (``prefix_pin_tokens``, which replaces fewer sinks), a
-    fixed recent window, a recent window sized on the budget (a gate's and the policy it
-    wraps, added). A request under a tenant's cap may run under ``policies.CAP_POLICY``
-    instead (``serving.engine_host.request_spec``): its recent share counts too. Admission
-    counts a request at no less (``kv_bounds``); forgetting it let a pinned system prompt
-    hold twice what admission counted. In naive mode eviction frees no block, so
-    everything counts (:data:`NOTHING_FREED`)."""
-    from policies import CAP_POLICY
-    from workers.config import VTokenConfig
-
-    config = VTokenConfig.model_validate(vtoken)
-    if config.mode != "vtoken":  # Naive-Evict frees no block by evicting: not even a cap's
-        return NOTHING_FREED
-    policy = config.make_policy()
-    tokens = max(policy.sinks, config.prefix_pin_tokens) + policy.recent
-    fraction = policy.recent_fraction
-    inner = getattr(policy, "inner", None)  # a gate (PAGE) protects its policy's tokens too
-    if inner is not None:
-        tokens += inner.sinks + inner.recent
-        fraction += inner.recent_fraction
-    # The cap policy keeps the pinned prefix (<= tokens) and its own recent share.
-    return tokens, min(1.0, max(fraction, CAP_POLICY().recent_fraction))
-
-
-def policy_floor_tokens(vtoken: dict[str, Any]) -> int | None:
-    """The fewest tokens the engines' policy can be squeezed to, when it evicts to any
-    budget whenever asked; ``None`` otherwise (nothing to squeeze a request toward:
-    ``squeeze_to_floor`` tenants are counted at their budgets then).
-
-    What the policy protects grows with the budget (``policy_protection``: ``P + f x B``),
-    so the floor is the budget that covers its own protection: ``ceil(P / (1 - f))``."""
-    from workers.config import VTokenConfig
-
-    config = VTokenConfig.model_validate(vtoken)
-    policy = config.make_policy()
-    if config.mode != "vtoken" or not (policy.holds_budget_every_step and policy.needs_budget):
-        return None
-    tokens, fraction = policy_protection(vtoken)
-    if fraction >= 1:
-        return None
-    return math.ceil(tokens / (1 - fraction))
-
-
 def build_app(args: dict[str, Any], *, admin_token: str | None = None) -> Application:
     """Serve builder: validates ``args`` (a bad value fails ``serve run`` with its field).
 
     The admin token is ``admin_token`` when a Python caller passes one, else read from the
     environment or the secret file ``args`` name; either way a placeholder or a token under
     32 characters fails here, at start, with a ``ValueError``."""
+    from workers.config import VTokenConfig
     from workers.models import resolve_model
 
     config = AppArgs.model_validate(args)
@@ -221,6 +151,10 @@ def build_app(args: dict[str, Any], *, admin_token: str | None = None) -> Applic
     controller = ControllerDeployment.bind(  # type: ignore[attr-defined]
         redis_url, config.key_prefix, config.controller_period_s
     )
+    vtoken = VTokenConfig.model_validate(engine_settings.vtoken)
+    active_kv = config.admission == "active_kv"
+    # Whatever the admission mode, a tenant's cap bounds its requests (worst_case too).
+    protection = vtoken.admission_protection()
     ingress_settings = {
         "model_name": engine_settings.name,
         "tokenizer_path": str(resolve_model(engine_settings.model)),
@@ -230,17 +164,12 @@ def build_app(args: dict[str, Any], *, admin_token: str | None = None) -> Applic
         "limits": config.limits.model_dump(),
         "redis_url": redis_url,
         "key_prefix": config.key_prefix,
-        "keep_ratio": (
-            policy_keep_ratio(engine_settings.vtoken) if config.admission == "active_kv" else None
-        ),
+        "keep_ratio": vtoken.admission_keep_ratio() if active_kv else None,
         "max_n": config.max_n,
-        "floor_tokens": (
-            policy_floor_tokens(engine_settings.vtoken) if config.admission == "active_kv" else None
-        ),
+        "floor_tokens": vtoken.admission_floor_tokens() if active_kv else None,
+        "protected_tokens": protection.tokens,
+        "protected_fraction": protection.fraction,
     }
-    # Whatever the admission mode, a tenant's cap bounds its requests (worst_case too).
-    protected = policy_protection(engine_settings.vtoken)
-    ingress_settings["protected_tokens"], ingress_settings["protected_fraction"] = protected
     ingress = Ingress.options(  # type: ignore[attr-defined]
         max_ongoing_requests=config.ingress_max_ongoing_requests
     )

@@ -10,13 +10,15 @@ Contract of :meth:`EvictionPolicy.select`: given a :class:`PolicyView` and a bud
 tokens, return the logical ids to evict (int64, unique, all live, none protected).
 
 Callers outside ``policies/`` never test a policy's name; they read its traits:
-``holds_budget_every_step`` (class) and ``needs_budget`` (instance), below. A policy that
-only decides *whether* another one evicts is a :class:`Gate` overriding ``gate``.
+``holds_budget_every_step`` (class) and ``needs_budget`` (instance), below, and what it
+protects past any budget: :meth:`EvictionPolicy.protection`, the one source of a request's
+KV bound for the engine, the serving layer and admission. A policy that only decides
+*whether* another one evicts is a :class:`Gate` overriding ``gate``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import numpy as np
@@ -48,6 +50,56 @@ class ScoreNeeds:
     @property
     def any(self) -> bool:
         return self.step_scores or self.query_window > 0 or self.per_head
+
+
+@dataclass(frozen=True, slots=True)
+class Protection:
+    """What a policy never evicts, whatever its budget ``B`` (tokens): its first ``sinks``
+    logical ids and its most recent ``max(recent, int(recent_fraction * B))``; a gate adds
+    what the policy it wraps protects (``inner``). A request keeps these past its budget.
+
+    One source, read two ways on purpose:
+
+    - the engine, exactly: :meth:`num_protected` (the eviction mask, the floors and the
+      room estimates of ``workers/`` and ``vtoken/manager.py``);
+    - admission, from above: ``tokens + ceil(fraction * B)`` with :attr:`tokens` and
+      :attr:`fraction` (``controlplane.admission.kv_bounds`` takes the two numbers, as
+      ``workers.config.VTokenConfig.admission_protection`` computes them for an engine).
+      Each level's ``max(recent, int(f * B)) <= recent + ceil(f * B)``, so admission never
+      counts fewer tokens than the engine keeps.
+    """
+
+    sinks: int = 0
+    recent: int = 0
+    recent_fraction: float = 0.0
+    inner: Protection | None = None
+
+    def num_recent(self, budget: int) -> int:
+        """This level's recent window at ``budget`` (``inner``'s not included)."""
+        return max(self.recent, int(self.recent_fraction * budget))
+
+    def num_protected(self, budget: int) -> int:
+        """The most tokens protected at ``budget``: no eviction brings a request below this
+        many (or all it holds, if fewer)."""
+        own = self.sinks + self.num_recent(budget)
+        return own if self.inner is None else own + self.inner.num_protected(budget)
+
+    @property
+    def tokens(self) -> int:
+        """What is protected whatever the budget: sinks and fixed recent windows, summed."""
+        own = self.sinks + self.recent
+        return own if self.inner is None else own + self.inner.tokens
+
+    @property
+    def fraction(self) -> float:
+        """The share of the budget protected as recent windows, summed over the levels."""
+        own = self.recent_fraction
+        return own if self.inner is None else own + self.inner.fraction
+
+    def pinned(self, num_tokens: int) -> Protection:
+        """This protection with the first ``num_tokens`` tokens protected too: a pinned
+        prefix joins the sinks (the larger of the two counts)."""
+        return replace(self, sinks=max(self.sinks, num_tokens))
 
 
 @dataclass(slots=True)
@@ -97,9 +149,9 @@ class EvictionPolicy:
     ``num_to_evict``). Each step ``select`` calls ``observe``, then ``gate``, then evicts
     ``num_to_evict`` tokens when the gate is open.
 
-    Protected tokens: the first ``sinks`` logical ids and the most recent
-    ``max(recent, recent_fraction * budget)`` ones. Among the others the lowest scores
-    are evicted; ties go to the older token.
+    Protected tokens (:meth:`protection`): the first ``sinks`` logical ids and the most
+    recent ``max(recent, recent_fraction * budget)`` ones. Among the others the lowest
+    scores are evicted; ties go to the older token.
 
     Traits (read by the engine and the serving layer instead of names):
 
@@ -149,14 +201,19 @@ class EvictionPolicy:
     def num_to_evict(self, view: PolicyView, budget: int) -> int:
         return max(0, view.num_live - budget)
 
+    def protection(self) -> Protection:
+        """What this policy keeps past any budget: its sinks and recent window, as they are
+        now (the engine may raise ``sinks`` to a pinned prefix)."""
+        return Protection(self.sinks, self.recent, self.recent_fraction)
+
     def num_protected(self, budget: int) -> int:
         """The most tokens ``protected`` keeps with ``budget`` (sinks + recent window): no
         eviction brings a request below this many (or all it holds, if fewer)."""
-        return self.sinks + max(self.recent, int(self.recent_fraction * budget))
+        return self.protection().num_protected(budget)
 
     def protected(self, view: PolicyView, budget: int) -> np.ndarray:
         """``[n_live]`` bool mask of tokens this policy never evicts at this step."""
-        num_recent = max(self.recent, int(self.recent_fraction * budget))
+        num_recent = self.protection().num_recent(budget)
         ids = view.logical_ids
         return (ids < self.sinks) | (ids >= view.num_logical - num_recent)
 
@@ -178,7 +235,8 @@ class Gate(EvictionPolicy):
     """A wrapper that decides, through ``gate``, whether the wrapped ``inner`` policy evicts.
 
     When the gate is open, ``inner`` counts (``num_to_evict``, after its own ``gate``) and
-    scores; protected are the gate's own sinks/recent tokens and those ``inner`` protects.
+    scores; protected are the gate's own sinks/recent tokens and those ``inner`` protects
+    (:meth:`protection` nests ``inner``'s).
     The gate's ``needs`` are merged with the inner policy's. ``inner`` must keep no
     per-token stats (``stat_names`` empty): the token table holds the gate's only.
     """
@@ -198,8 +256,8 @@ class Gate(EvictionPolicy):
     def score_needs(self) -> ScoreNeeds:
         return self.inner.score_needs().merge(self.needs)
 
-    def num_protected(self, budget: int) -> int:
-        return super().num_protected(budget) + self.inner.num_protected(budget)
+    def protection(self) -> Protection:
+        return replace(super().protection(), inner=self.inner.protection())
 
     def observe(self, view: PolicyView) -> None:
         self.inner.observe(view)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -21,6 +22,20 @@ REQUEST_KEY = "vtoken_policy"
 HOLD_TO_BLOCKS_KEY = "vtoken_hold_to_blocks"
 """``extra_args``: the most blocks the request may hold once its prefill ended (what
 admission counts it at); above it, it evicts at that step whatever the eviction mode."""
+
+
+@dataclass(frozen=True, slots=True)
+class ProtectionBound:
+    """What admission counts an engine's requests as keeping past any budget ``B``: at most
+    ``tokens + ceil(fraction * B)`` tokens (``controlplane.admission.kv_bounds`` takes the
+    two numbers; ``vtoken.policy.Protection`` explains the rounding)."""
+
+    tokens: int
+    fraction: float
+
+
+NOTHING_FREED = ProtectionBound(tokens=2**31 - 1, fraction=0.0)
+"""The protection in naive mode: eviction frees no block, so a request counts its length."""
 
 
 class PolicySpec(BaseModel):
@@ -131,6 +146,58 @@ class VTokenConfig(PolicySpec):
         if bad:
             raise ValueError(f"score_layers {bad} out of range: the model has {num_layers}")
         return list(self.score_layers)
+
+    def admission_keep_ratio(self) -> float | None:
+        """The keep ratio when the policy evicts to it whenever asked (admission bounds a
+        request without a tenant cap by it after prefill, counting what the policy protects
+        past it: :meth:`admission_protection`); ``None`` otherwise (policy ``none``, an
+        absolute budget, a policy that compresses once, or naive mode).
+
+        In ``on_demand`` mode a request keeps more than its ratio while memory is free; that
+        excess is reclaimable, and the controller's pressure takes it back as soon as the
+        tenant's measured active KV passes its budget, so the ratio still bounds what the
+        tenant's requests count against it."""
+        policy = self.make_policy()
+        if not (policy.holds_budget_every_step and policy.needs_budget):
+            return None
+        if self.mode != "vtoken":  # Naive-Evict frees no block by evicting
+            return None
+        return self.keep_ratio
+
+    def admission_protection(self) -> ProtectionBound:
+        """What the engine keeps of a request whatever its budget ``B``, at most ``tokens +
+        ceil(fraction * B)``: its policy's :meth:`~vtoken.policy.EvictionPolicy.protection`
+        (sinks, or the pinned prefix ``prefix_pin_tokens`` where it is longer, fixed recent
+        windows, recent windows sized on the budget; a gate's and the policy it wraps,
+        added). A request under a tenant's cap may run under ``policies.CAP_POLICY``
+        instead (``serving.engine_host.request_spec``): its recent share counts too.
+        Admission counts a request at no less (``kv_bounds``); forgetting it let a pinned
+        system prompt hold twice what admission counted. In naive mode eviction frees no
+        block, so everything counts (:data:`NOTHING_FREED`)."""
+        from policies import CAP_POLICY
+
+        if self.mode != "vtoken":  # Naive-Evict frees no block by evicting: not even a cap's
+            return NOTHING_FREED
+        protection = self.make_policy().protection().pinned(self.prefix_pin_tokens)
+        # The cap policy keeps the pinned prefix (<= tokens) and its own recent share.
+        fraction = max(protection.fraction, CAP_POLICY().protection().fraction)
+        return ProtectionBound(tokens=protection.tokens, fraction=min(1.0, fraction))
+
+    def admission_floor_tokens(self) -> int | None:
+        """The fewest tokens the policy can be squeezed to, when it evicts to any budget
+        whenever asked; ``None`` otherwise (nothing to squeeze a request toward:
+        ``squeeze_to_floor`` tenants are counted at their budgets then).
+
+        What the policy protects grows with the budget (:meth:`admission_protection`:
+        ``P + f x B``), so the floor is the budget that covers its own protection:
+        ``ceil(P / (1 - f))``."""
+        policy = self.make_policy()
+        if self.mode != "vtoken" or not (policy.holds_budget_every_step and policy.needs_budget):
+            return None
+        bound = self.admission_protection()
+        if bound.fraction >= 1:
+            return None
+        return math.ceil(bound.tokens / (1 - bound.fraction))
 
 
 def request_policy_spec(extra_args: Mapping[str, Any] | None) -> PolicySpec | None:

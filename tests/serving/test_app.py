@@ -1,5 +1,5 @@
-"""Serve application wiring that needs no Ray: what admission learns of the engines, and
-where the admin token comes from."""
+"""Serve application wiring that needs no Ray: the Serve config's arguments and where the
+admin token comes from (what admission learns of the engines: tests/workers/test_config.py)."""
 
 from __future__ import annotations
 
@@ -11,68 +11,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from serving.app import AppArgs, build_app, policy_keep_ratio
-
-
-@pytest.mark.parametrize(
-    ("vtoken", "expected"),
-    [
-        ({"policy": "h2o", "keep_ratio": 0.5}, 0.5),
-        ({"policy": "h2o", "keep_ratio": 0.2, "eviction": "on_demand"}, 0.2),
-        ({"policy": "none"}, None),  # never evicts: requests hold prompt + max_tokens
-        ({"policy": "snapkv", "keep_ratio": 0.2}, None),  # compresses once, not every step
-        ({"policy": "streaming_llm", "policy_args": {"sinks": 4, "recent": 60}}, None),
-        ({"policy": "h2o", "budget_tokens": 256}, None),  # an absolute budget, no ratio
-        ({"policy": "h2o", "keep_ratio": 0.2, "mode": "naive"}, None),  # frees no block
-        # 64 sinks are kept whatever the ratio: admission adds them (policy_protection)
-        ({"policy": "random", "policy_args": {"sinks": 64}, "keep_ratio": 0.1}, 0.1),
-        ({"policy": "h2o", "keep_ratio": 0.2, "policy_args": {"recent_fraction": 0.5}}, 0.2),
-    ],
-)
-def test_admission_learns_the_engines_keep_ratio_only_when_the_policy_evicts_to_it(
-    vtoken, expected
-):
-    assert policy_keep_ratio(vtoken) == expected
-
-
-@pytest.mark.parametrize(
-    ("vtoken", "expected"),
-    [
-        ({"policy": "h2o", "keep_ratio": 0.5}, (0, 0.5)),  # H2O's recent half of its budget
-        ({"policy": "h2o", "keep_ratio": 0.5, "prefix_pin_tokens": 512}, (512, 0.5)),
-        (
-            {
-                "policy": "h2o",
-                "keep_ratio": 0.5,
-                "policy_args": {"sinks": 4},
-                "prefix_pin_tokens": 2,
-            },
-            (4, 0.5),
-        ),
-        (  # under a tenant's cap a request may run under the cap policy (H2O): its recent half
-            {"policy": "random", "keep_ratio": 0.1, "policy_args": {"sinks": 4, "recent": 60}},
-            (64, 0.5),
-        ),
-        ({"policy": "page", "keep_ratio": 0.2, "policy_args": {"sinks": 3, "recent": 5}}, (8, 0.5)),
-        ({"policy": "none", "prefix_pin_tokens": 64}, (64, 0.5)),
-        ({"policy": "scissorhands", "keep_ratio": 0.3, "prefix_pin_tokens": 8}, (8, 0.5)),
-    ],
-)
-def test_admission_learns_what_the_policy_keeps_past_any_budget(vtoken, expected):
-    from serving.app import policy_protection
-
-    assert policy_protection(vtoken) == expected
-
-
-def test_in_naive_mode_a_capped_request_counts_its_whole_length():
-    """Naive-Evict frees no block by evicting, so a tenant's cap lowers nothing."""
-    from controlplane.admission import kv_bounds
-    from serving.app import policy_protection
-
-    tokens, fraction = policy_protection({"policy": "h2o", "keep_ratio": 0.2, "mode": "naive"})
-    bounds = kv_bounds(40, 24, 4, 12, protected_tokens=tokens, protected_fraction=fraction)
-    assert bounds.steady == kv_bounds(40, 24, 4, None).steady == 16
-
+from serving.app import AppArgs, build_app
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SECRET_KEYS = re.compile(r"^\s*(admin_token|api_key|password|secret|token)\s*:", re.MULTILINE)
@@ -140,20 +79,6 @@ def test_served_engines_evict_on_demand_unless_told_otherwise():
     assert settings.vtoken["eviction"] == "on_demand"
     eager = ReplicaSettings(vtoken={"policy": "h2o", "keep_ratio": 0.2, "eviction": "eager"})
     assert eager.vtoken["eviction"] == "eager"
-
-
-def test_the_floor_admission_counts_squeezing_tenants_at_is_what_the_policy_always_keeps():
-    """The budget that covers its own protection: H2O keeps sinks (or a pinned prefix)
-    plus half its budget as a recent window, so a budget under twice the sinks is not
-    what the request keeps."""
-    from serving.app import policy_floor_tokens
-
-    assert policy_floor_tokens({"policy": "h2o", "keep_ratio": 0.2}) == 0
-    h2o_sinks = {"policy": "h2o", "keep_ratio": 0.2, "policy_args": {"sinks": 4}}
-    assert policy_floor_tokens(h2o_sinks) == 8
-    assert policy_floor_tokens({"policy": "h2o", "keep_ratio": 0.2, "prefix_pin_tokens": 20}) == 40
-    assert policy_floor_tokens({"policy": "none"}) is None  # never evicts
-    assert policy_floor_tokens({"policy": "h2o", "keep_ratio": 0.2, "mode": "naive"}) is None
 
 
 def test_the_ingress_holds_many_streams_at_once(monkeypatch: pytest.MonkeyPatch):

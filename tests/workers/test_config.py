@@ -7,11 +7,15 @@ import pickle
 import numpy as np
 import pytest
 
+from controlplane.admission import kv_bounds
+from policies import CAP_POLICY, REGISTRY
 from vtoken.policy import ScoreNeeds, StepAttention
 from vtoken.repack_planner import ReclaimMode
 from workers.config import (
+    NOTHING_FREED,
     REQUEST_KEY,
     PolicySpec,
+    ProtectionBound,
     VTokenConfig,
     parse_config,
     request_policy_spec,
@@ -87,6 +91,129 @@ def test_score_layers_checked_against_the_model():
     assert config.layer_ids(6) == [0, 5]
     with pytest.raises(ValueError, match="out of range"):
         config.layer_ids(4)
+
+
+@pytest.mark.parametrize(
+    ("vtoken", "expected"),
+    [
+        ({"policy": "h2o", "keep_ratio": 0.5}, 0.5),
+        ({"policy": "h2o", "keep_ratio": 0.2, "eviction": "on_demand"}, 0.2),
+        ({"policy": "none"}, None),  # never evicts: requests hold prompt + max_tokens
+        ({"policy": "snapkv", "keep_ratio": 0.2}, None),  # compresses once, not every step
+        ({"policy": "streaming_llm", "policy_args": {"sinks": 4, "recent": 60}}, None),
+        ({"policy": "h2o", "budget_tokens": 256}, None),  # an absolute budget, no ratio
+        ({"policy": "h2o", "keep_ratio": 0.2, "mode": "naive"}, None),  # frees no block
+        # 64 sinks are kept whatever the ratio: admission adds them (admission_protection)
+        ({"policy": "random", "policy_args": {"sinks": 64}, "keep_ratio": 0.1}, 0.1),
+        ({"policy": "h2o", "keep_ratio": 0.2, "policy_args": {"recent_fraction": 0.5}}, 0.2),
+    ],
+)
+def test_admission_learns_the_engines_keep_ratio_only_when_the_policy_evicts_to_it(
+    vtoken, expected
+):
+    assert VTokenConfig.model_validate(vtoken).admission_keep_ratio() == expected
+
+
+@pytest.mark.parametrize(
+    ("vtoken", "expected"),
+    [
+        ({"policy": "h2o", "keep_ratio": 0.5}, (0, 0.5)),  # H2O's recent half of its budget
+        ({"policy": "h2o", "keep_ratio": 0.5, "prefix_pin_tokens": 512}, (512, 0.5)),
+        (
+            {
+                "policy": "h2o",
+                "keep_ratio": 0.5,
+                "policy_args": {"sinks": 4},
+                "prefix_pin_tokens": 2,
+            },
+            (4, 0.5),
+        ),
+        (  # under a tenant's cap a request may run under the cap policy (H2O): its recent half
+            {"policy": "random", "keep_ratio": 0.1, "policy_args": {"sinks": 4, "recent": 60}},
+            (64, 0.5),
+        ),
+        ({"policy": "page", "keep_ratio": 0.2, "policy_args": {"sinks": 3, "recent": 5}}, (8, 0.5)),
+        ({"policy": "none", "prefix_pin_tokens": 64}, (64, 0.5)),
+        ({"policy": "scissorhands", "keep_ratio": 0.3, "prefix_pin_tokens": 8}, (8, 0.5)),
+    ],
+)
+def test_admission_learns_what_the_policy_keeps_past_any_budget(vtoken, expected):
+    tokens, fraction = expected
+    protection = VTokenConfig.model_validate(vtoken).admission_protection()
+    assert protection == ProtectionBound(tokens=tokens, fraction=fraction)
+
+
+def test_in_naive_mode_a_capped_request_counts_its_whole_length():
+    """Naive-Evict frees no block by evicting, so a tenant's cap lowers nothing."""
+    config = VTokenConfig(policy="h2o", keep_ratio=0.2, mode=ReclaimMode.NAIVE)
+    protection = config.admission_protection()
+    assert protection == NOTHING_FREED
+    bounds = kv_bounds(
+        40, 24, 4, 12, protected_tokens=protection.tokens, protected_fraction=protection.fraction
+    )
+    assert bounds.steady == kv_bounds(40, 24, 4, None).steady == 16
+
+
+def test_the_floor_admission_counts_squeezing_tenants_at_is_what_the_policy_always_keeps():
+    """The budget that covers its own protection: H2O keeps sinks (or a pinned prefix)
+    plus half its budget as a recent window, so a budget under twice the sinks is not
+    what the request keeps."""
+
+    def floor(**vtoken):
+        return VTokenConfig.model_validate(vtoken).admission_floor_tokens()
+
+    assert floor(policy="h2o", keep_ratio=0.2) == 0
+    assert floor(policy="h2o", keep_ratio=0.2, policy_args={"sinks": 4}) == 8
+    assert floor(policy="h2o", keep_ratio=0.2, prefix_pin_tokens=20) == 40
+    assert floor(policy="none") is None  # never evicts
+    assert floor(policy="h2o", keep_ratio=0.2, mode="naive") is None
+
+
+PROTECTING = {"sinks": 3, "recent": 5, "recent_fraction": 0.25}
+
+
+@pytest.mark.parametrize("prefix_pin_tokens", [0, 12])
+@pytest.mark.parametrize(
+    "policy_args",
+    [
+        *({"name": name, **PROTECTING} for name in sorted(REGISTRY)),
+        {"name": "page", "inner": "streaming_llm", **PROTECTING},  # + its policy's 4 sinks
+    ],
+    ids=[*sorted(REGISTRY), "page-around-streaming_llm"],
+)
+def test_admission_counts_at_least_what_the_policy_protects_at_every_budget(
+    policy_args, prefix_pin_tokens
+):
+    """One source: the steady bound ``kv_bounds`` computes from the engine's
+    ``admission_protection`` never counts fewer tokens than ``protection()`` keeps at a
+    budget ``B`` (the engine's exact count, its pinned prefix as sinks), under the
+    engine's policy and under the cap policy a capped request may run under instead."""
+    args = dict(policy_args)
+    config = VTokenConfig(
+        policy=args.pop("name"),
+        policy_args=args,
+        keep_ratio=0.2,
+        prefix_pin_tokens=prefix_pin_tokens,
+    )
+    bound = config.admission_protection()
+    kept_by_engine = [
+        config.make_policy().protection().pinned(prefix_pin_tokens),
+        CAP_POLICY().protection().pinned(prefix_pin_tokens),
+    ]
+    prompt, max_tokens, block_size = 10_000, 10_000, 1  # in tokens: no block rounding
+    for budget in range(1, 400):
+        steady = kv_bounds(
+            prompt,
+            max_tokens,
+            block_size,
+            budget,
+            protected_tokens=bound.tokens,
+            protected_fraction=bound.fraction,
+        ).steady
+        counted = steady - 1  # kv_bounds adds a block (size 1) for the step's new token
+        for protection in kept_by_engine:
+            assert counted >= max(budget, protection.num_protected(budget)), (budget, protection)
+    assert bound.tokens == kept_by_engine[0].tokens  # the same sinks, pinned prefix, windows
 
 
 def test_other_vllm_versions_are_refused():

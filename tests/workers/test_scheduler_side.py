@@ -307,17 +307,17 @@ def test_admission_counts_at_least_what_the_engine_keeps(vtoken, cap, floor):
     the budget alone held twice what admission counted), also under the cap policy a
     capped request may run under, and for a tenant squeezed to its floors."""
     from controlplane.admission import kv_bounds
-    from serving.app import policy_floor_tokens, policy_keep_ratio, policy_protection
     from serving.engine_host import request_spec
     from workers.config import REQUEST_KEY
 
     prompt, max_tokens = 40, 24
-    keep_ratio = policy_keep_ratio(vtoken)
-    tokens, fraction = policy_protection(vtoken)
-    floor_tokens = policy_floor_tokens(vtoken) if floor else None
+    engines = VTokenConfig.model_validate(vtoken)
+    protection = engines.admission_protection()
+    floor_tokens = engines.admission_floor_tokens() if floor else None
     bounds = kv_bounds(
-        prompt, max_tokens, BLOCK_SIZE, cap, keep_ratio, floor_tokens=floor_tokens,
-        protected_tokens=tokens, protected_fraction=fraction,
+        prompt, max_tokens, BLOCK_SIZE, cap, engines.admission_keep_ratio(),
+        floor_tokens=floor_tokens, protected_tokens=protection.tokens,
+        protected_fraction=protection.fraction,
     )  # fmt: skip
     hold = bounds.steady
     assert hold < cdiv(prompt + max_tokens, BLOCK_SIZE)  # a bound that makes it evict

@@ -104,7 +104,10 @@ class TouchPoint:
 
 
 _RUNNER = "vllm.v1.worker.gpu_model_runner.GPUModelRunner"
-_REFUSE = "refuse an unsupported engine in the constructing process, before it builds anything"
+_REFUSE = (
+    "refuse an unsupported engine in the constructing process, before it builds anything;"
+    " on CUDA, FULL_AND_PIECEWISE graphs become PIECEWISE"
+)
 
 # Front ends and engine core refuse before any process, model or KV cache is built; the
 # scheduler checks again with the KV cache config (every way of building an engine passes

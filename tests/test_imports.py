@@ -1,4 +1,4 @@
-"""Imports run one way (ARCHITECTURE.md's folder table), and no module imports itself back.
+"""Imports run one way (README.md's folder table), and no module imports itself back.
 
 Every ``import`` and ``from ... import`` in every module counts, at module level or inside
 a function: a lazy import is still a dependency.

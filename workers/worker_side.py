@@ -1,7 +1,7 @@
 """Worker-side vToken: repack before the forward, physical offsets, attention statistics.
 
-One ``VTokenWorker`` per model runner (installed by ``workers/vllm_patches.py``). It holds
-no token tables: the scheduler decides, the worker copies. Per step:
+One ``VTokenWorker`` per model runner (built by ``workers/vllm_patches/runner_hooks.py``).
+It holds no token tables: the scheduler decides, the worker copies. Per step:
 
 1. ``repack`` the KV moves of ``StepOps`` in every layer (``kernels.repack``; synchronous
    on CPU, so done before the forward reads or writes any moved slot; on CUDA checked on

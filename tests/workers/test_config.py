@@ -21,7 +21,8 @@ from workers.config import (
     request_policy_spec,
 )
 from workers.messages import StepOps, StepScores
-from workers.vllm_patches import UnsupportedVLLMError, _version_guard, check_version
+from workers.vllm_patches import UnsupportedVLLMError, check_version
+from workers.vllm_patches.support import version_guard
 
 
 def test_absent_section_means_inert():
@@ -230,7 +231,7 @@ def test_version_guard_blocks_only_vtoken_engines():
             self.additional_config = additional_config
 
     started = []
-    guard = _version_guard(UnsupportedVLLMError("wrong vLLM"))(
+    guard = version_guard(UnsupportedVLLMError("wrong vLLM"))(
         lambda self, config: started.append(config)
     )
     guard(None, FakeConfig({}))

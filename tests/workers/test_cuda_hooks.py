@@ -28,12 +28,15 @@ from workers.vllm_patches import (
     CUDA_ATTENTION_IMPLS,
     LayerCapture,
     UnsupportedEngineError,
-    _attention_forward,
-    _initialize_kv_cache,
-    _make_worker,
-    _prepare_inputs,
     cuda_attention_impls,
     install,
+    support,
+)
+from workers.vllm_patches.runner_hooks import (
+    _make_worker,
+    attention_forward,
+    initialize_kv_cache,
+    prepare_inputs,
 )
 from workers.worker_side import VTokenWorker
 
@@ -53,7 +56,7 @@ def v2_by_default(monkeypatch):
     envs.disable_envs_cache()
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
-    vllm_patches._log_v1_runner_selected.cache_clear()
+    support._log_v1_runner_selected.cache_clear()
 
 
 def _config(vtoken: bool):
@@ -192,7 +195,7 @@ def test_capture_records_the_real_rows_heads_and_scale(backend_name):
     output = torch.zeros(5, NUM_HEADS, HEAD_SIZE)
     calls: list = []
     metadata = _metadata(backend_name, num_actual_tokens=3)
-    forward = _attention_forward(_stub_forward(calls))
+    forward = attention_forward(_stub_forward(calls))
     result = forward(impl, layer, query, query, query, kv_cache, metadata, output=output)
     assert result is output and len(calls) == 1
     captured = state.captured[3]
@@ -211,7 +214,7 @@ def test_capture_reads_an_fp8_cache_with_its_scales():
     layer.vtoken_capture = LayerCapture(state, 1, torch.float8_e4m3fn)
     query = torch.randn(4, NUM_HEADS, HEAD_SIZE).to(torch.float8_e4m3fn)
     kv_cache = torch.zeros(6, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE, dtype=torch.uint8)
-    forward = _attention_forward(_stub_forward([]))
+    forward = attention_forward(_stub_forward([]))
     forward(layer.impl, layer, query, None, None, kv_cache, _metadata("triton_attn", 2))
     captured = state.captured[1]
     assert captured.kv_cache.dtype == torch.float8_e4m3fn
@@ -225,7 +228,7 @@ def test_no_capture_in_the_profiling_run_or_while_no_policy_scores():
     state = _capturing_worker()
     layer.vtoken_capture = LayerCapture(state, 0)
     query = torch.randn(2, NUM_HEADS, HEAD_SIZE)
-    forward = _attention_forward(_stub_forward([]))
+    forward = attention_forward(_stub_forward([]))
     forward(layer.impl, layer, query, None, None, torch.zeros(1), None)
     assert not state.captured
     state.score_needs.clear()
@@ -301,7 +304,7 @@ def cuda_engine(tiny_llama_path, monkeypatch):
     monkeypatch.setenv(vllm_patches.UNVERIFIED_CUDA_ENV, "1")
     for cls in cuda_attention_impls():
         monkeypatch.setattr(cls, "forward", cls.forward)  # restored after the test
-        vllm_patches._wrap(cls, "forward", _attention_forward)
+        vllm_patches._wrap(cls, "forward", attention_forward)
     return config
 
 
@@ -426,7 +429,7 @@ def test_the_worker_is_built_and_checked_when_the_kv_cache_is(cuda_engine):
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     allocated = []
-    initialize = _initialize_kv_cache(lambda runner, config, *a, **k: allocated.append(config))
+    initialize = initialize_kv_cache(lambda runner, config, *a, **k: allocated.append(config))
     runner = _cuda_runner(cuda_engine, _backend("flash_attn"))
     initialize(runner, "profiling", is_profiling=True)
     assert allocated == ["profiling"] and not hasattr(runner, "vtoken")
@@ -487,7 +490,7 @@ def test_prepare_inputs_makes_every_copy_attention_reads_physical():
         return "result"
 
     output = SimpleNamespace(total_num_scheduled_tokens=3)
-    assert _prepare_inputs(original)(runner, output, scheduled) == "result"
+    assert prepare_inputs(original)(runner, output, scheduled) == "result"
     assert runner.seq_lens[:2].tolist() == [9, 6]
     assert runner.optimistic_seq_lens_cpu[:2].tolist() == [9, 6]
     assert runner.positions[:3].tolist() == [10, 11, 5]

@@ -17,10 +17,10 @@ from workers.vllm_patches import (
     SUPPORTED_WORKERS,
     UNVERIFIED_CUDA_ENV,
     UnsupportedEngineError,
-    _refuse_unsupported_engine,
     check_engine,
     fall_back_to_piecewise,
 )
+from workers.vllm_patches.support import refuse_unsupported_engine
 
 pytestmark = pytest.mark.slow
 
@@ -124,7 +124,7 @@ def test_vllms_default_cuda_graphs_fall_back_to_piecewise_at_construction(
     monkeypatch.setenv(UNVERIFIED_CUDA_ENV, "1")
     config = _graphs(_cuda_config(tiny_llama_path), "FULL_AND_PIECEWISE")
     seen = []
-    init = _refuse_unsupported_engine(lambda self, c: seen.append(c.compilation_config))
+    init = refuse_unsupported_engine(lambda self, c: seen.append(c.compilation_config))
     init(object(), config)
     assert [c.cudagraph_mode.name for c in seen] == ["PIECEWISE"]
     check_engine(config, _scheduler())
@@ -280,7 +280,7 @@ def test_worker_side_refuses_a_runner_it_does_not_wrap(tiny_llama_path):
     import torch
 
     from workers.config import parse_config
-    from workers.vllm_patches import _make_worker
+    from workers.vllm_patches.runner_hooks import _make_worker
 
     config = _vllm_config(tiny_llama_path)
     runner = SimpleNamespace(vllm_config=config, device=torch.device("cpu"))

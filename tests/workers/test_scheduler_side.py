@@ -161,7 +161,7 @@ def test_snapshot_crosses_vllms_utility_call_as_plain_data():
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder, UtilityResult
 
     from workers.api import engine_counters
-    from workers.vllm_patches import _engine_core_counters
+    from workers.vllm_patches.engine_core import vtoken_counters
 
     state, _, _ = make_state(ReclaimMode.NAIVE)
     run_prefill(state, FakeRequest("r", num_prompt_tokens=12))
@@ -170,7 +170,7 @@ def test_snapshot_crosses_vllms_utility_call_as_plain_data():
     engine_core = SimpleNamespace(
         scheduler=SimpleNamespace(kv_cache_manager=SimpleNamespace(vtoken=state))
     )
-    data = _engine_core_counters(engine_core)
+    data = vtoken_counters(engine_core)
     with pytest.raises(TypeError):
         MsgpackEncoder().encode(UtilityResult(state.snapshot()))
     sent = MsgpackDecoder(UtilityResult).decode(MsgpackEncoder().encode(UtilityResult(data)))

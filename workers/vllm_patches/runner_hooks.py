@@ -1,0 +1,294 @@
+"""Worker-side hooks (every worker process; the V1 ``GPUModelRunner``, which vLLM's CPU
+runner subclasses): each runner builds one ``VTokenWorker`` (``workers/worker_side.py``)
+that repacks and truncates blocks before the forward, makes what attention reads
+physical, and scores the queries its attention layers hand over after it.
+
+Per step: ``execute_model`` runs the step's ``StepOps`` before the forward and scores
+after it; ``prepare_inputs`` makes ``seq_lens`` and the slot mapping physical;
+``attention_forward`` hands a scored layer's queries to the worker; ``sample_tokens``
+attaches the ``StepScores`` to the ``ModelRunnerOutput``. On CUDA,
+``initialize_kv_cache`` builds and checks the worker at start.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kernels import KVLayout
+from workers.config import VTokenConfig, parse_config
+from workers.messages import OPS_ATTRIBUTE, SCORES_ATTRIBUTE
+from workers.tensor_parallel import RankReduction
+from workers.vllm_patches.cuda import cuda_key_dtype
+from workers.vllm_patches.support import (
+    SUPPORTED_RUNNERS,
+    WHERE_VTOKEN_RUNS,
+    UnsupportedEngineError,
+    check_engine,
+    qualname,
+)
+from workers.worker_side import ScoredRequest, VTokenWorker
+
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def worker_state(runner: Any) -> VTokenWorker | None:
+    """The runner's ``VTokenWorker``, created on first use (``None`` when vToken is off)."""
+    if hasattr(runner, "vtoken"):
+        return runner.vtoken
+    config = parse_config(runner.vllm_config.additional_config)
+    runner.vtoken = None if config is None else _make_worker(runner, config)
+    return runner.vtoken
+
+
+@dataclass(frozen=True, slots=True)
+class LayerCapture:
+    """What an attention layer's wrapped ``forward`` hands its worker: the worker, the
+    layer's index, and the float8 dtype an fp8 KV cache (uint8 storage) is read as
+    (``None``: the cache is read in its own dtype)."""
+
+    state: VTokenWorker
+    layer_id: int
+    key_dtype: torch.dtype | None = None
+
+
+def _make_worker(runner: Any, config: VTokenConfig) -> VTokenWorker:
+    # Defence in depth: the scheduler side refused unsupported engines at start; a
+    # runner that still reaches this point must be the one these hooks were written for.
+    vllm_config = runner.vllm_config
+    check_engine(vllm_config, vllm_config.scheduler_config.get_scheduler_cls())
+    device = runner.device.type
+    if qualname(type(runner)) != SUPPORTED_RUNNERS.get(device):
+        raise UnsupportedEngineError(
+            f"vToken cannot run in model runner {qualname(type(runner))} on"
+            f" {device!r}. {WHERE_VTOKEN_RUNS}"
+        )
+    layers = runner.vllm_config.compilation_config.static_forward_context
+    attention = {name: layer for name, layer in layers.items() if hasattr(layer, "impl")}
+    if device == "cpu":
+        layout, key_dtype = _cpu_layout(attention), None
+    else:
+        layout, key_dtype = KVLayout.BHNC, cuda_key_dtype(runner, attention)
+    ranks = RankReduction.of_vllm_group(vllm_config.parallel_config.tensor_parallel_size)
+    state = VTokenWorker(config, layout, len(attention), ranks)
+    for name, layer in attention.items():
+        match = _LAYER_INDEX.search(name)
+        if match is None:
+            raise ValueError(f"vToken: cannot read a layer index from {name!r}")
+        layer.vtoken_capture = LayerCapture(state, int(match.group(1)), key_dtype)
+    return state
+
+
+def _cpu_layout(attention: dict[str, Any]) -> KVLayout:
+    """The layout vLLM's CPU_ATTN writes, from the layers' one ``isa``."""
+    isas = {getattr(layer, "isa", None) for layer in attention.values()}
+    isa = next(iter(isas)) if len(isas) == 1 else None
+    if not isinstance(isa, str):
+        raise ValueError(f"vToken: cannot tell the CPU attention isa of the layers: {isas}")
+    return KVLayout.for_cpu_isa(isa)
+
+
+def initialize_kv_cache(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``GPUModelRunner.initialize_kv_cache``: on CUDA, build the worker as soon as the
+    KV cache exists (not at the first step, as on CPU), so that the checks of
+    ``cuda_key_dtype`` against the engine's layers, caches and attention implementations
+    refuse an engine the CUDA hooks do not cover at start, before it reports ready."""
+
+    def initialize_kv_cache(self: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, kv_cache_config, *args, **kwargs)
+        profiling = kwargs.get("is_profiling", args[0] if args else False)
+        if self.device.type != "cpu" and not profiling:
+            self.__dict__.pop("vtoken", None)  # built against the caches just allocated
+            worker_state(self)
+
+    return initialize_kv_cache
+
+
+def execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        state = worker_state(self)
+        ops = getattr(scheduler_output, OPS_ATTRIBUTE, None)
+        if state is None or ops is None:
+            return original(self, scheduler_output, *args, **kwargs)
+        _truncate_blocks(self, ops.num_blocks)
+        state.begin_step(ops, self.kv_caches)
+        output = original(self, scheduler_output, *args, **kwargs)
+        self.vtoken_scores = state.step_scores(_scored_requests(self))
+        if _is_runner_output(output):
+            _attach_scores(self, output)
+        return output
+
+    return execute_model
+
+
+def _truncate_blocks(runner: Any, num_blocks: dict[str, int]) -> None:
+    """Cut the tail blocks a repack emptied from the cached state and the batch row."""
+    batch = runner.input_batch
+    for request_id, count in num_blocks.items():
+        request = runner.requests.get(request_id)
+        if request is None:
+            continue
+        (block_ids,) = request.block_ids
+        del block_ids[count:]
+        row = batch.req_id_to_index.get(request_id)
+        if row is not None:
+            batch.block_table[0].num_blocks_per_row[row] = count
+
+
+def _scored_requests(runner: Any) -> list[ScoredRequest]:
+    batch = runner.input_batch
+    num_reqs = batch.num_reqs
+    starts = runner.query_start_loc.np[: num_reqs + 1]
+    # The host copy, physical after the ``_prepare_inputs`` hook and exact without spec
+    # decoding: reading the device copy would wait for the forward on CUDA.
+    seq_lens = runner.optimistic_seq_lens_cpu[:num_reqs].numpy()
+    table = batch.block_table[0]
+    return [
+        ScoredRequest(
+            request_id=request_id,
+            query_start=int(starts[row]),
+            query_len=int(starts[row + 1] - starts[row]),
+            seq_len=int(seq_lens[row]),
+            block_ids=table.block_table.np[row, : table.num_blocks_per_row[row]].copy(),
+        )
+        for row, request_id in enumerate(batch.req_ids[:num_reqs])
+    ]
+
+
+def _is_runner_output(output: Any) -> bool:
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+    return isinstance(output, ModelRunnerOutput) and output is not EMPTY_MODEL_RUNNER_OUTPUT
+
+
+def _attach_scores(runner: Any, output: Any) -> None:
+    scores = getattr(runner, "vtoken_scores", None)
+    if scores is not None:
+        setattr(output, SCORES_ATTRIBUTE, scores)
+        runner.vtoken_scores = None
+
+
+def sample_tokens(original: Callable[..., Any]) -> Callable[..., Any]:
+    def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
+        output = original(self, *args, **kwargs)
+        if getattr(self, "vtoken", None) is not None and _is_runner_output(output):
+            _attach_scores(self, output)
+        return output
+
+    return sample_tokens
+
+
+def prepare_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``GPUModelRunner._prepare_inputs`` (vLLM 0.32, the V1 runner on CPU and CUDA):
+    after the original derived everything from the logical ``num_computed_tokens``, turn
+    what attention reads into physical counts (logical minus the request's evicted
+    tokens, ``VTokenWorker.physical_offsets``). Every buffer the original fills that
+    carries a sequence length or a slot, and what happens to it here:
+
+    - ``seq_lens`` (device tensor, int32): attention metadata's ``seq_lens`` for every
+      backend (FlashAttention and Triton ``seqused_k``, FlashInfer's TRT-LLM paths,
+      ``CommonAttentionMetadata.compute_num_computed_tokens``): made physical on its
+      device.
+    - ``optimistic_seq_lens_cpu`` (host tensor, int32): read later by
+      ``_build_attention_metadata`` for ``max_seq_len`` and ``seq_lens_cpu_upper_bound``,
+      which FlashInfer's ``plan`` turns into page counts and kv lengths on the host: made
+      physical here, after the original used its logical values for
+      ``discard_request_mask`` (what to sample), which must stay logical.
+    - ``block_table.slot_mapping.gpu`` (per KV group; only the device copy is filled, by
+      vLLM's compute-slot-mapping kernel from ``positions`` and ``block_table.gpu``):
+      recomputed into the same buffer from physical positions, before
+      ``_get_slot_mappings`` slices it for the KV write and the metadata.
+    - ``positions`` (device): RoPE positions, stay logical; so do ``input_ids`` (read by
+      logical token index), ``num_computed_tokens`` (device copy of the host counts, read
+      only inside the original) and ``num_computed_tokens_cpu`` (``is_prefilling``
+      compares it with the prompt length: a phase, not a length).
+    - ``block_table.block_table`` (host rows copied to the device at the start): already
+      physical, the rows truncated by ``_truncate_blocks`` before the step.
+    - ``query_start_loc``, ``req_indices``, ``query_pos``, ``num_scheduled_tokens``:
+      query lengths, which eviction does not change.
+
+    On CPU each host/device pair of a ``CpuGpuBuffer`` is one tensor and ``seq_lens``
+    is a host tensor; on CUDA they are distinct, and nothing here relies on either.
+    Spec decoding (``num_accepted_tokens``, drafts), async scheduling (``prev_positions``),
+    decode context parallelism (``dcp_local_seq_lens``) and M-RoPE drift fill more; all
+    are refused by ``check_engine``."""
+
+    def _prepare_inputs(self: Any, scheduler_output: Any, num_scheduled_tokens: np.ndarray):
+        result = original(self, scheduler_output, num_scheduled_tokens)
+        state = getattr(self, "vtoken", None)
+        if state is None:
+            return result
+        num_reqs = self.input_batch.num_reqs
+        offsets = state.physical_offsets(self.input_batch.req_ids[:num_reqs])
+        if not offsets.any():
+            return result
+        total = scheduler_output.total_num_scheduled_tokens
+        per_token = torch.from_numpy(np.repeat(offsets, num_scheduled_tokens).astype(np.int64))
+        offsets_tensor = torch.from_numpy(offsets)
+        self.seq_lens[:num_reqs] -= offsets_tensor.to(self.seq_lens.device, self.seq_lens.dtype)
+        self.optimistic_seq_lens_cpu[:num_reqs] -= offsets_tensor.to(
+            self.optimistic_seq_lens_cpu.dtype
+        )
+        physical = self.positions[:total] - per_token.to(self.positions.device)
+        self.input_batch.block_table.compute_slot_mapping(
+            num_reqs, self.query_start_loc.gpu[: num_reqs + 1], physical
+        )
+        return result
+
+    return _prepare_inputs
+
+
+def attention_forward(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward(layer, query, key, value, kv_cache, attn_metadata, ...)`` of an attention
+    impl (``CPUAttentionBackendImpl``; on CUDA ``CUDA_ATTENTION_IMPLS``, which vLLM 0.32
+    calls alike from ``unified_attention_with_output``): after the original ran (the
+    step's KV is written), a layer with a ``LayerCapture`` hands its queries to the
+    worker while it captures. ``attn_metadata`` is ``None`` in vLLM's profiling run."""
+
+    def forward(
+        self: Any,
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        result = original(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+        capture: LayerCapture | None = getattr(layer, "vtoken_capture", None)
+        if capture is not None and attn_metadata is not None and capture.state.capturing:
+            _record_queries(self, layer, capture, query, kv_cache, attn_metadata.num_actual_tokens)
+        return result
+
+    return forward
+
+
+def _record_queries(
+    impl: Any,
+    layer: Any,
+    capture: LayerCapture,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    num_tokens: int,
+) -> None:
+    """Record the step's queries: the first ``num_tokens`` rows (``num_actual_tokens`` of
+    every wrapped backend's metadata; rows past it are CUDA-graph padding) as ``[num_tokens,
+    num_heads, head_size]``, with the logits' scale. An fp8 cache is handed over as its
+    float8 view with the layer's per-tensor ``_k_scale_float`` folded into the scale (the
+    scores compute ``scale * k_scale * q . k``, as the backends do); a query the layer
+    quantized to fp8 (``query_quant``) is dequantized by its per-tensor ``_q_scale_float``."""
+    query = query[:num_tokens].view(num_tokens, impl.num_heads, impl.head_size)
+    scale = impl.scale
+    if capture.key_dtype is not None:
+        kv_cache = kv_cache.view(capture.key_dtype)
+        scale *= layer._k_scale_float
+        if query.dtype.itemsize == 1:
+            query = query.float() * layer._q_scale_float
+    capture.state.record(capture.layer_id, query, kv_cache, scale)

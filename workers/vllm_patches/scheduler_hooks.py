@@ -1,0 +1,169 @@
+"""Scheduler-side hooks (engine-core process): vLLM's ``Scheduler`` builds and drives a
+``VTokenScheduler`` (``workers/scheduler_side.py``), and its ``KVCacheManager`` allocates
+and frees through it.
+
+Per step: ``schedule`` attaches the step's ``StepOps`` to the ``SchedulerOutput`` for the
+workers; ``update_from_output`` lets policies evict and repacks commit, before vLLM's own
+update (which may finish requests); ``allocate_slots`` turns physical counts into blocks,
+adopting prefix-cache hits and publishing cacheable blocks; ``free`` releases a finished,
+aborted or preempted request's table and ballast.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from workers.config import parse_config
+from workers.messages import OPS_ATTRIBUTE, SCORES_ATTRIBUTE
+from workers.scheduler_side import VTokenScheduler
+from workers.vllm_patches.support import check_engine
+
+logger = logging.getLogger(__name__)
+
+
+def scheduler_state(scheduler: Any) -> VTokenScheduler | None:
+    """The ``VTokenScheduler`` of a vLLM ``Scheduler`` (``None`` when vToken is off)."""
+    # A custom ``SchedulerInterface`` may have no ``kv_cache_manager`` (vLLM reads it so).
+    return getattr(getattr(scheduler, "kv_cache_manager", None), "vtoken", None)
+
+
+def scheduler_init(original: Callable[..., Any]) -> Callable[..., Any]:
+    def __init__(self: Any, vllm_config: Any, kv_cache_config: Any, *args: Any, **kw: Any):
+        config = parse_config(vllm_config.additional_config)
+        if config is not None:
+            check_engine(vllm_config, type(self), kv_cache_config)
+            config.layer_ids(vllm_config.model_config.get_num_layers(vllm_config.parallel_config))
+        original(self, vllm_config, kv_cache_config, *args, **kw)
+        if config is None:
+            return
+        manager = self.kv_cache_manager
+        (single_type_manager,) = manager.coordinator.single_type_managers
+        from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+        if type(single_type_manager) is not FullAttentionManager or self.defer_block_free:
+            raise ValueError("vToken needs plain full attention without deferred block frees")
+        if (
+            manager.enable_caching
+            and manager.block_pool.hash_block_size != single_type_manager.block_size
+        ):
+            raise ValueError(
+                "vToken shares prefix-cache blocks whole: the prefix-cache hash block size "
+                f"({manager.block_pool.hash_block_size}) must equal the block size "
+                f"({single_type_manager.block_size})"
+            )
+        manager.vtoken = VTokenScheduler(
+            config, manager.block_pool, single_type_manager, self.max_num_scheduled_tokens
+        )
+        logger.info("vToken active: %s", config.model_dump_json())
+
+    return __init__
+
+
+def schedule(original: Callable[..., Any]) -> Callable[..., Any]:
+    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        state = scheduler_state(self)
+        if state is not None:
+            state.step_times.begin()  # the engine step: scheduling, forward, update
+        output = original(self, *args, **kwargs)
+        if state is not None:
+            ops = state.take_ops(output.num_scheduled_tokens, self.requests)
+            setattr(output, OPS_ATTRIBUTE, ops)
+        return output
+
+    return schedule
+
+
+def update_from_output(original: Callable[..., Any]) -> Callable[..., Any]:
+    def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
+        state = scheduler_state(self)
+        if state is not None:
+            scores = getattr(model_runner_output, SCORES_ATTRIBUTE, None)
+            state.after_step(
+                scheduler_output.num_scheduled_tokens,
+                self.requests,
+                scores,
+                num_waiting_blocks=_waiting_head_blocks(self, state),
+            )
+        try:
+            return original(self, scheduler_output, model_runner_output)
+        finally:
+            if state is not None:
+                state.step_times.end()
+
+    return update_from_output
+
+
+def _waiting_head_blocks(scheduler: Any, state: VTokenScheduler) -> int:
+    """Blocks the head of vLLM's waiting queue needs to start (its whole sequence less the
+    prefix-cache hit blocks held already, plus vLLM's watermark), 0 when nothing waits."""
+    if not scheduler.waiting:
+        return 0
+    head = scheduler.waiting.peek_request()
+    manager = scheduler.kv_cache_manager
+    needed = state.blocks_needed_for(min(head.num_tokens, scheduler.max_model_len))
+    # Blocks of its cache hit that someone holds cost nothing (not with KV events on: the
+    # lookup would report the hit again at every step).
+    if manager.enable_caching and not manager.enable_kv_cache_events:
+        hit, _, _ = manager.get_computed_blocks(head)
+        needed -= sum(1 for block in (hit.blocks[0] if hit.blocks else ()) if block.ref_cnt > 0)
+    return needed + manager.watermark_blocks
+
+
+def allocate_slots(original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
+    def allocate_slots(self: Any, *args: Any, **kwargs: Any) -> Any:
+        state: VTokenScheduler | None = getattr(self, "vtoken", None)
+        if state is None:
+            return original(self, *args, **kwargs)
+        from vllm.v1.request import RequestStatus
+
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        request = a["request"]
+        unsupported = ("num_lookahead_tokens", "num_encoder_tokens", "num_external_computed_tokens")
+        if any(a[name] for name in unsupported):
+            raise RuntimeError(f"vToken: unsupported allocation {dict(a)}")
+        hit = a["new_computed_blocks"]
+        hit_blocks = list(hit.blocks[0]) if hit is not None and hit.blocks else []
+        if len(hit_blocks) * state.block_size != a["num_new_computed_tokens"]:
+            raise RuntimeError(f"vToken: a prefix-cache hit of partial blocks {dict(a)}")
+        reserve = a["reserved_blocks"]
+        if a["has_scheduled_reqs"] and request.status in (
+            RequestStatus.WAITING,
+            RequestStatus.PREEMPTED,
+        ):
+            reserve += self.watermark_blocks
+        if a["full_sequence_must_fit"] and not state.manages(request.request_id):
+            needed = state.blocks_needed_for(min(request.num_tokens, self.max_model_len))
+            needed -= sum(1 for block in hit_blocks if block.ref_cnt > 0)  # held already
+            if needed + reserve > self.block_pool.get_num_free_blocks():
+                return None
+        blocks = state.allocate(request, a["num_new_tokens"], reserve, hit_blocks)
+        if blocks is None:
+            return None
+        if self.enable_caching and not a["delay_cache_blocks"]:
+            computed = request.num_computed_tokens + a["num_new_computed_tokens"]
+            num_tokens = min(computed + a["num_new_tokens"], request.num_tokens)
+            self.coordinator.cache_blocks(
+                request, state.num_cacheable_tokens(request.request_id, num_tokens)
+            )
+        return self.create_kv_cache_blocks((blocks,))
+
+    return allocate_slots
+
+
+def free(original: Callable[..., Any]) -> Callable[..., Any]:
+    def free(self: Any, request: Any) -> None:
+        state: VTokenScheduler | None = getattr(self, "vtoken", None)
+        if state is not None and state.manages(request.request_id):
+            # vLLM frees a preempted request while it is still RUNNING, a finished one after.
+            state.free(request.request_id, preempted=not request.is_finished())
+            return
+        original(self, request)
+
+    return free

@@ -64,7 +64,7 @@ local function take_prompt_tokens(key, rate, capacity, prompt, now)
   if tokens < needed then return math.ceil((needed - tokens) * 1000 / rate) end
   tokens = tokens - prompt
   redis.call('HSET', key, 'tokens', tostring(tokens), 'at_ms', now)
-  redis.call('PEXPIRE', key, math.ceil((capacity - tokens) * 1000 / rate) + 1000)
+  redis.call('PEXPIRE', key, math.min(math.ceil((capacity - tokens) * 1000 / rate) + 1000, 2^31))
   return 0
 end
 """
@@ -253,35 +253,38 @@ class AdmissionDecision:
 
 
 HELD_SCHEDULE_TTL_S = 1.0
-"""How long a tenant's parsed reservations answer Retry-After while their count and total
-do not change: a flood of 429s parses them once a second, not once per 429 (388 ms per 429
-at 20k reservations, on the event loop, when each one read and walked them all)."""
+HELD_SCHEDULE_MIN_AGE_S = 0.1
+"""A tenant's parsed reservations answer Retry-After for HELD_SCHEDULE_TTL_S while their
+total holds, and for HELD_SCHEDULE_MIN_AGE_S whatever changed: a flood of 429s reads them
+at most ten times a second per tenant, one read at a time, not once per 429 (388 ms per
+429 at 20k reservations, on the event loop, when each one read and walked them all). The
+committed KV is read fresh each time; only the expected frees may be that old."""
 MAX_CACHED_SCHEDULES = 1024
+PARSE_INLINE_MAX = 1000  # fewer reservations parse faster than a hop to a thread
 
 
 @dataclass(frozen=True, slots=True)
 class HeldSchedule:
     """A tenant's held reservations as arrays, one entry per request: admitted at
     ``admitted_s`` (Redis's clock), answering ``max_tokens``, holding ``held`` blocks now
-    and ``steady`` once settled. ``version`` is (count, total) when read at ``read_at_s``."""
+    and ``steady`` once settled; read at ``read_at_s``, when their total was ``total``."""
 
-    version: tuple[int, int]
     read_at_s: float
+    total: int
     admitted_s: np.ndarray  # [n], float64
     max_tokens: np.ndarray  # [n], float64
     held: np.ndarray  # [n], int64
     steady: np.ndarray  # [n], int64
 
-    @property
-    def reserved(self) -> int:
-        return int(self.held.sum())
-
-    def current(self, version: tuple[int, int], now_s: float) -> bool:
-        return version == self.version and now_s - self.read_at_s < HELD_SCHEDULE_TTL_S
+    def current(self, total: int, now_s: float) -> bool:
+        age_s = now_s - self.read_at_s
+        return age_s < HELD_SCHEDULE_MIN_AGE_S or (
+            total == self.total and age_s < HELD_SCHEDULE_TTL_S
+        )
 
     @classmethod
     def parse(
-        cls, held: dict[str, str], starts: dict[str, str], now_s: float, version: tuple[int, int]
+        cls, held: dict[str, str], starts: dict[str, str], now_s: float, total: int
     ) -> HeldSchedule:
         """From the reservations hash and their starts (``admitted_ms max_tokens prompt
         steady``; a request without one counts as admitted now, ending at once)."""
@@ -292,8 +295,8 @@ class HeldSchedule:
             rows.append((float(start[0]) / 1000, float(start[1]), int(value), steady))
         columns = np.array(rows, dtype=np.float64).reshape(-1, 4)
         return cls(
-            version,
             now_s,
+            total,
             columns[:, 0],
             columns[:, 1],
             columns[:, 2].astype(np.int64),
@@ -393,6 +396,7 @@ class Admission:
         self._release = redis.register_script(_RELEASE)
         self._renew = redis.register_script(_RENEW)
         self._held: dict[str, HeldSchedule] = {}  # tenant -> its held reservations, parsed
+        self._reading: dict[str, asyncio.Future[HeldSchedule]] = {}  # reads in flight
 
     async def admit(
         self,
@@ -532,27 +536,41 @@ class Admission:
         tenant_id = quota.tenant_id
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.time()
-            pipe.hlen(self.keys.reservations(tenant_id))
             pipe.get(self.keys.reservation_total(tenant_id))
             pipe.hget(self.keys.usage, tenant_id)
-            (seconds, microseconds), count, total, reported = await pipe.execute()
+            (seconds, microseconds), total, reported = await pipe.execute()
         now = seconds + microseconds / 1e6
-        version = (int(count), int(total or 0))
-        cached = self._held.get(tenant_id)
-        if cached is not None and cached.current(version, now):
-            schedule = cached
-        else:
-            held: dict[str, str] = await self._redis.hgetall(self.keys.reservations(tenant_id))  # type: ignore[assignment]
-            starts: dict[str, str] = await self._redis.hgetall(  # type: ignore[assignment]
-                self.keys.reservation_starts(tenant_id)
-            )
-            schedule = await asyncio.to_thread(HeldSchedule.parse, held, starts, now, version)
-            self._held[tenant_id] = schedule
-            while len(self._held) > MAX_CACHED_SCHEDULES:
-                self._held.pop(next(iter(self._held)))
-        excess = max(schedule.reserved, int(reported or 0)) + blocks - quota.kv_budget_blocks
+        schedule = await self._held_schedule(tenant_id, now, int(total or 0))
+        excess = max(int(total or 0), int(reported or 0)) + blocks - quota.kv_budget_blocks
         at_s = schedule.room_at_s(excess, seconds_per_token, seconds_to_first_token)
         return floor if at_s is None else min(max(at_s - now, floor), ceiling)
+
+    async def _held_schedule(self, tenant_id: str, now_s: float, total: int) -> HeldSchedule:
+        """The tenant's parsed reservations (:data:`HELD_SCHEDULE_MIN_AGE_S`), read by one
+        caller at a time (the others await its read)."""
+        cached = self._held.get(tenant_id)
+        if cached is not None and cached.current(total, now_s):
+            return cached
+        reading = self._reading.get(tenant_id)
+        if reading is None:
+            reading = asyncio.ensure_future(self._read_schedule(tenant_id, now_s, total))
+            self._reading[tenant_id] = reading
+            reading.add_done_callback(lambda _: self._reading.pop(tenant_id, None))
+        return await asyncio.shield(reading)
+
+    async def _read_schedule(self, tenant_id: str, now_s: float, total: int) -> HeldSchedule:
+        held: dict[str, str] = await self._redis.hgetall(self.keys.reservations(tenant_id))  # type: ignore[assignment]
+        starts: dict[str, str] = await self._redis.hgetall(  # type: ignore[assignment]
+            self.keys.reservation_starts(tenant_id)
+        )
+        if len(held) < PARSE_INLINE_MAX:
+            schedule = HeldSchedule.parse(held, starts, now_s, total)
+        else:  # tens of ms at 20k reservations: off the event loop
+            schedule = await asyncio.to_thread(HeldSchedule.parse, held, starts, now_s, total)
+        self._held[tenant_id] = schedule
+        while len(self._held) > MAX_CACHED_SCHEDULES:
+            self._held.pop(next(iter(self._held)))
+        return schedule
 
     async def redis_now_s(self) -> float:
         """Redis's clock (`TIME`), the one admission times reservations with."""

@@ -137,8 +137,13 @@ class Controller:
 
     async def _follow(self) -> None:
         """As a standby, keep the leader's latest plan (read only when its version moved)."""
-        version = await self._store.read_plan_version()
-        if version is None or (self._plan is not None and self._plan.version == version):
+        head = await self._store.read_plan_head()
+        if head.version is None:
+            return
+        if self._plan is not None and self._plan.version == head.version:
+            if head.heartbeat_s is not None and head.heartbeat_s > self._plan.created_s:
+                # The leader still plans the same content: as fresh as its heartbeat.
+                self._plan = self._plan.model_copy(update={"created_s": head.heartbeat_s})
             return
         plan = await self._read_stored_plan()
         if plan is not None:
@@ -271,6 +276,11 @@ class Controller:
                     error,
                     delay,
                 )
+                await self._clock.sleep(delay)
+                continue
+            except Exception:  # noqa: BLE001 - a bad record must not end the loop
+                delay = backoff.next_delay_s()
+                logger.exception("controller: cycle failed; retry in %.2fs", delay)
                 await self._clock.sleep(delay)
                 continue
             backoff.reset()

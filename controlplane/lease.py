@@ -62,11 +62,13 @@ local fence = tonumber(ARGV[2])
 if fence < tonumber(redis.call('GET', KEYS[4]) or '0') then
   return 'stale_fence'
 end
-if ARGV[4] == '' and redis.call('GET', KEYS[3]) ~= ARGV[3] then
+if ARGV[4] == '' and (redis.call('GET', KEYS[3]) ~= ARGV[3]
+    or redis.call('EXISTS', KEYS[2]) == 0) then
   return 'plan_missing'
 end
 if ARGV[4] ~= '' then
-  if tonumber(ARGV[3]) <= tonumber(redis.call('GET', KEYS[3]) or '-1') then
+  -- A stored version that is not a number (a foreign write) is replaced, not compared.
+  if tonumber(ARGV[3]) <= (tonumber(redis.call('GET', KEYS[3]) or '-1') or -1) then
     return 'stale_version'
   end
   redis.call('SET', KEYS[2], ARGV[4])

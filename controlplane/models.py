@@ -51,6 +51,13 @@ PrefixGroup = Annotated[
 """A prefix-cache sharing group's name (see ``TenantLimits.prefix_group``)."""
 
 
+MAX_LIMIT = 2**31 - 1
+"""The largest integer limit (blocks, requests, tokens): far above any cluster's, and exact
+in the Lua scripts' doubles and the controller's float arithmetic."""
+MIN_RATE = 0.01
+"""The smallest prompt-token rate (tokens/s): a bucket refills within 2**31 ms."""
+
+
 class _Frozen(BaseModel):
     # `Infinity`/`NaN` would pass `gt=0` and then fail to encode in a Lua script.
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
@@ -67,11 +74,13 @@ class TenantLimits(_Frozen):
     enforces; it bounds a request's KV after prefill (never the prompt itself).
     """
 
-    kv_budget_blocks: StrictInt = Field(gt=0)
+    # Upper bounds: a 310-digit budget once passed and overflowed the controller's float
+    # arithmetic on every cycle; a rate of 1e-300 tokens/s made the bucket's expiry overflow.
+    kv_budget_blocks: StrictInt = Field(gt=0, le=MAX_LIMIT)
     weight: float = Field(default=1.0, gt=0, le=1000)
-    max_concurrent_requests: StrictInt | None = Field(default=None, gt=0)
-    prompt_tokens_per_s: float | None = Field(default=None, gt=0)
-    eviction_budget_tokens: StrictInt | None = Field(default=None, gt=0)
+    max_concurrent_requests: StrictInt | None = Field(default=None, gt=0, le=MAX_LIMIT)
+    prompt_tokens_per_s: float | None = Field(default=None, ge=MIN_RATE, le=MAX_LIMIT)
+    eviction_budget_tokens: StrictInt | None = Field(default=None, gt=0, le=MAX_LIMIT)
     squeeze_to_floor: bool = False
     """Count the tenant's running requests at their floors (what their policy protects,
     plus a block) instead of their budgets: more requests are admitted, and the tenant's

@@ -32,7 +32,8 @@ class PlanFollower:
         self.plan_reads = 0  # how often the whole plan was read and parsed
         self._store = store
         self._clock = clock
-        self._version: int | None = None
+        self._version: int | None = None  # last seen: read, or refused as invalid
+        self._held_version: int | None = None  # the plan whose pressure is held
         self._created_s = 0.0
         self._pressure: dict[str, float] = {}
         self._allowance: dict[str, int] = {}
@@ -62,8 +63,9 @@ class PlanFollower:
             head = await self._store.read_plan_head()
             if head.version is not None and head.version != self._version:
                 await self._read(head.version)
-            if head.heartbeat_s is not None:
-                self._created_s = max(self._created_s, head.heartbeat_s)
+            if head.heartbeat_s is not None and head.version == self._held_version:
+                # The plan held is the leader's current one: it is as fresh as its heartbeat.
+                self._created_s = head.heartbeat_s
         except REDIS_ERRORS as error:
             logger.warning("replica %s: plan not read (%s)", self.replica_id, error)
         return self.pressure_now()
@@ -81,5 +83,5 @@ class PlanFollower:
         mine = plan.pressure.get(self.replica_id, {})
         self._pressure = {tenant: p.keep_fraction for tenant, p in mine.items()}
         self._allowance = dict(plan.allowance.get(self.replica_id, {}))
-        self._created_s = max(self._created_s, plan.created_s)
-        self._version = plan.version
+        self._created_s = plan.created_s
+        self._version = self._held_version = plan.version

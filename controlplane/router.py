@@ -183,8 +183,13 @@ class RouterCore:
                 and (self._plan is None or version != self._plan.version)
             ):
                 await self._read_plan(version)
-            elif head.heartbeat_s is not None and head.heartbeat_s != self._heartbeat_s:
-                self._plan_seen_s = self._clock.now()  # same plan, its leader still plans
+            elif (
+                self._plan is not None
+                and version == self._plan.version
+                and head.heartbeat_s is not None
+                and head.heartbeat_s != self._heartbeat_s
+            ):
+                self._plan_seen_s = self._clock.now()  # the plan held is still the leader's
             self._heartbeat_s = head.heartbeat_s
             now_s = self._clock.now()
             if (

@@ -267,3 +267,70 @@ async def test_an_unchanged_plan_is_not_rewritten_and_its_heartbeat_keeps_reader
     assert (await controller.step()).write is PlanWrite.PLAN_MISSING
     assert (await controller.step()).write is PlanWrite.WRITTEN
     assert (await store.read_plan_version()) == 1 and await store.read_plan() is not None
+
+
+async def test_the_heartbeat_freshens_only_the_plan_it_belongs_to(
+    store: RedisStore, clock: FakeClock
+) -> None:
+    """A reader that could not take the leader's latest version (it did not parse) must not
+    treat the plan it still holds as current because the heartbeat moves."""
+    await store.put_quota(quota("a"))
+    await store.publish_report(report("r1", clock.now(), {"a": 3}), ttl_s=60)
+    controller = make_controller(store, clock, "ctl")
+    router = RouterCore(store, clock, RouterConfig(max_plan_age_s=2.0))
+    follower = PlanFollower(store, "r1", clock, max_age_s=3.0)
+    await controller.step()
+    await router.refresh()
+    await follower.poll()
+    held = await store.read_plan()
+    assert held is not None and router.plan == held
+    await store.redis.set(store.keys.plan, '{"version": 9, "surprise": true}')
+    await store.redis.set(store.keys.plan_version, 9)
+    for _ in range(5):  # the leader's heartbeat keeps moving; its plan is unreadable here
+        clock.advance(1.0)
+        await store.redis.set(store.keys.plan_heartbeat, repr(clock.now()))
+        await router.refresh()
+        await follower.poll()
+    assert router.plan == held
+    assert router.rank("a", frozenset({"r1"})).source is RouteSource.NO_PLAN
+    assert follower.pressure_now() == {} and follower.allowance_now() == {}
+
+
+async def test_a_lost_plan_key_or_a_foreign_version_is_rewritten(
+    store: RedisStore, clock: FakeClock
+) -> None:
+    await store.put_quota(quota("a"))
+    controller = make_controller(store, clock, "ctl")
+    for _ in range(2):
+        await store.publish_report(report("r1", clock.now(), {"a": 3}), ttl_s=60)
+        assert (await controller.step()).write is PlanWrite.WRITTEN
+    await store.redis.delete(store.keys.plan)  # the version key stays
+    assert (await controller.step()).write is PlanWrite.PLAN_MISSING
+    assert (await controller.step()).write is PlanWrite.WRITTEN
+    assert await store.read_plan() is not None
+    await store.redis.set(store.keys.plan_version, "4.5x")  # not ours, not a number
+    assert (await controller.step()).write is PlanWrite.PLAN_MISSING
+    assert (await controller.step()).write is PlanWrite.WRITTEN
+    assert await store.read_plan_version() == 2
+
+
+async def test_a_cycle_that_raises_does_not_end_the_loop(
+    store: RedisStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bad value anywhere in a cycle (once: a 310-digit budget overflowing a float) is
+    logged and retried; the loop lives on."""
+    controller = make_controller(store, SystemClock(), "ctl")
+    failures = 0
+
+    async def fails() -> None:
+        nonlocal failures
+        failures += 1
+        raise OverflowError("int too large to convert to float")
+
+    monkeypatch.setattr(controller, "step", fails)
+    stop = asyncio.Event()
+    task = asyncio.create_task(controller.run(stop))
+    await asyncio.sleep(0.3)
+    assert not task.done() and failures >= 2
+    stop.set()
+    await asyncio.wait_for(task, 5)

@@ -115,6 +115,11 @@ def test_plan_json_round_trip_and_bad_weight() -> None:
         ("kv_budget_blocks", "5"),
         ("max_concurrent_requests", 2.0),
         ("eviction_budget_tokens", "64"),
+        ("kv_budget_blocks", 10**310),
+        ("eviction_budget_tokens", 2**31),
+        ("max_concurrent_requests", 10**20),
+        ("prompt_tokens_per_s", 1e-300),
+        ("prompt_tokens_per_s", 1e300),
     ],
 )
 def test_limits_refuse_non_finite_numbers_and_loose_integers(field: str, value: object) -> None:

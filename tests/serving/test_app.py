@@ -133,15 +133,6 @@ def test_the_redis_url_comes_from_the_environment_never_with_a_password_in_the_c
     assert named.read_redis_url({"MY_REDIS": "redis://127.0.0.1:1/0"}) == "redis://127.0.0.1:1/0"
 
 
-def test_served_engines_evict_on_demand_unless_told_otherwise():
-    from serving.engine_host import ReplicaSettings
-
-    settings = ReplicaSettings(vtoken={"policy": "h2o", "keep_ratio": 0.2})
-    assert settings.vtoken["eviction"] == "on_demand"
-    eager = ReplicaSettings(vtoken={"policy": "h2o", "keep_ratio": 0.2, "eviction": "eager"})
-    assert eager.vtoken["eviction"] == "eager"
-
-
 def test_the_floor_admission_counts_squeezing_tenants_at_is_what_the_policy_always_keeps():
     """The budget that covers its own protection: H2O keeps sinks (or a pinned prefix)
     plus half its budget as a recent window, so a budget under twice the sinks is not

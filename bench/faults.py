@@ -79,7 +79,7 @@ PRE_FAULT_S = 4.0
 POST_FAULT_S = 10.0  # load after the fault (after recovery, where one is awaited)
 DRAIN_TIMEOUT_S = 20.0
 CLOCK_SKEW_S = 600.0
-RESERVATION_TTL_S = 600.0  # IngressSettings' default: what a skewed deadline is held to
+RESERVATION_TTL_S = 600.0  # AdmissionConfig's default: what a skewed deadline is held to
 TENANTS = (("steady-a", 400), ("steady-b", 400))
 MAX_RETRY_WAIT_S = 5.0
 
@@ -369,19 +369,20 @@ async def skewed_ingress(stack: Any, offset_s: float) -> AsyncIterator[str]:
     from transformers import AutoTokenizer
 
     from controlplane import telemetry
+    from controlplane.admission import AdmissionConfig
     from controlplane.local_redis import free_port
     from controlplane.redis_conn import RedisConfig, connect
     from serving.ingress import build_api
-    from serving.openai_http import IngressSettings, IngressState
+    from serving.openai_http import IngressState
+    from serving.settings import IngressSettings
 
     settings = IngressSettings(
         model_name=MODEL_NAME,
         tokenizer_path=stack.model_path,
         max_model_len=512,
-        block_size=32,
         admin_token=stack.admin_token,
         redis_url=stack.redis.url,
-        keep_ratio=0.5,
+        admission=AdmissionConfig(block_size=32, keep_ratio=0.5),
     )
     redis = connect(RedisConfig(url=stack.redis.url))
     state = IngressState(

@@ -88,7 +88,7 @@ class TenantTally:
     errors: list[str] = field(default_factory=list)
 
 
-REPORT_PERIOD_S = 0.1  # the replicas' default report period (serving.engine_host)
+REPORT_PERIOD_S = 0.1  # the replicas' default report period (serving.replica_reporter)
 
 
 def judge_stretches(

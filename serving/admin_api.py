@@ -18,7 +18,8 @@ from controlplane.auth import admin_token_ok, bearer, check_chosen_key, new_api_
 from controlplane.models import TenantLimits, TenantQuota
 from controlplane.status import cluster_status, prometheus_targets
 from controlplane.tenants import TenantWriteOutcome, remove_tenant, write_tenant
-from serving.openai_http import HTTPError, IngressState, parse_body
+from serving.errors import HTTPError
+from serving.openai_http import IngressState, parse_body
 from serving.openapi_bodies import body_of
 
 _TENANT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # models.TenantId

@@ -13,13 +13,15 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from controlplane.admin_token import AdminTokenSource, check_admin_token
+from controlplane.admission import AdmissionConfig
 from controlplane.openai_models import DEFAULT_MAX_N, MAX_N
 from controlplane.redis_conn import RedisConfig
 from serving.controller import ControllerDeployment
-from serving.engine_host import EngineReplica, ReplicaSettings
+from serving.engine_replica import EngineReplica
 from serving.ingress import Ingress
 from serving.input_limits import InputLimits
 from serving.router import VTokenRequestRouter
+from serving.settings import IngressSettings, ReplicaSettings
 
 
 class AppArgs(AdminTokenSource):
@@ -96,16 +98,62 @@ class AppArgs(AdminTokenSource):
             raise ValueError(f"the Redis URL has the unsupported scheme {scheme!r}") from None
         return url
 
+    def engine_settings(self, redis_url: str) -> ReplicaSettings:
+        """The engine replicas' settings: ``engine``, reporting to ``redis_url`` (unless it
+        names its own) under the app's key prefix."""
+        return self.engine.model_copy(
+            update={"redis_url": self.engine.redis_url or redis_url, "key_prefix": self.key_prefix}
+        )
+
+    def ingress_settings(
+        self, engine: ReplicaSettings, admin_token: str, redis_url: str
+    ) -> IngressSettings:
+        """The ingress replicas' settings, serving ``engine`` replicas."""
+        from workers.models import resolve_model
+
+        return IngressSettings(
+            model_name=engine.name,
+            tokenizer_path=str(resolve_model(engine.model)),
+            max_model_len=engine.max_model_len,
+            admin_token=admin_token,
+            redis_url=redis_url,
+            admission=admission_config(engine, self.admission),
+            key_prefix=self.key_prefix,
+            max_n=self.max_n,
+            limits=self.limits,
+        )
+
+    def routing_options(self) -> dict[str, Any]:
+        """The engine deployment's request router (none: Serve's default)."""
+        # The router's kwargs are part of the engine deployment's config (Serve shows it):
+        # a URL read from the environment (it may carry a password) is named, not copied.
+        where = (
+            {"redis_url": self.redis_url}
+            if self.redis_url is not None
+            else {"redis_url_env": self.redis_url_env}
+        )
+        routing = {}
+        if self.router == "vtoken":
+            routing["request_router_config"] = RequestRouterConfig(
+                request_router_class=VTokenRequestRouter,  # type: ignore[arg-type]
+                request_router_kwargs={**where, "key_prefix": self.key_prefix},
+            )
+        elif self.router == "serve_prefix_cache_affinity":
+            from serving.prefix_router import ServePrefixCacheAffinityRouter
+
+            routing["request_router_config"] = RequestRouterConfig(
+                request_router_class=ServePrefixCacheAffinityRouter,  # type: ignore[arg-type]
+            )
+        return routing
+
 
 def build_app(args: dict[str, Any], *, admin_token: str | None = None) -> Application:
-    """Serve builder: validates ``args`` (a bad value fails ``serve run`` with its field).
+    """Serve builder: validates ``args`` (a bad value fails ``serve run`` with its field)
+    and hands each deployment its typed settings whole.
 
     The admin token is ``admin_token`` when a Python caller passes one, else read from the
     environment or the secret file ``args`` name; either way a placeholder or a token under
     32 characters fails here, at start, with a ``ValueError``."""
-    from workers.config import VTokenConfig
-    from workers.models import resolve_model
-
     config = AppArgs.model_validate(args)
     token = (
         check_admin_token(admin_token, "build_app(admin_token=...)")
@@ -113,31 +161,7 @@ def build_app(args: dict[str, Any], *, admin_token: str | None = None) -> Applic
         else config.read(os.environ)
     )
     redis_url = config.read_redis_url(os.environ)
-    engine_settings = config.engine.model_copy(
-        update={
-            "redis_url": config.engine.redis_url or redis_url,
-            "key_prefix": config.key_prefix,
-        }
-    )
-    # The router's kwargs are part of the engine deployment's config (Serve shows it):
-    # a URL read from the environment (it may carry a password) is named, not copied.
-    where = (
-        {"redis_url": config.redis_url}
-        if config.redis_url is not None
-        else {"redis_url_env": config.redis_url_env}
-    )
-    routing = {}
-    if config.router == "vtoken":
-        routing["request_router_config"] = RequestRouterConfig(
-            request_router_class=VTokenRequestRouter,  # type: ignore[arg-type]
-            request_router_kwargs={**where, "key_prefix": config.key_prefix},
-        )
-    elif config.router == "serve_prefix_cache_affinity":
-        from serving.prefix_router import ServePrefixCacheAffinityRouter
-
-        routing["request_router_config"] = RequestRouterConfig(
-            request_router_class=ServePrefixCacheAffinityRouter,  # type: ignore[arg-type]
-        )
+    engine_settings = config.engine_settings(redis_url)
     engine = EngineReplica.options(  # type: ignore[attr-defined]
         num_replicas=config.num_replicas,
         max_ongoing_requests=config.max_ongoing_requests,
@@ -146,31 +170,32 @@ def build_app(args: dict[str, Any], *, admin_token: str | None = None) -> Applic
             "num_gpus": config.replica_num_gpus,
             "resources": config.replica_resources,
         },
-        **routing,
-    ).bind(engine_settings.model_dump(), token)  # the token guards each replica's /metrics
+        **config.routing_options(),
+    ).bind(engine_settings, token)  # the token guards each replica's /metrics
     controller = ControllerDeployment.bind(  # type: ignore[attr-defined]
         redis_url, config.key_prefix, config.controller_period_s
     )
-    vtoken = VTokenConfig.model_validate(engine_settings.vtoken)
-    active_kv = config.admission == "active_kv"
-    # Whatever the admission mode, a tenant's cap bounds its requests (worst_case too).
-    protection = vtoken.admission_protection()
-    ingress_settings = {
-        "model_name": engine_settings.name,
-        "tokenizer_path": str(resolve_model(engine_settings.model)),
-        "max_model_len": engine_settings.max_model_len,
-        "block_size": engine_settings.block_size,
-        "admin_token": token,
-        "limits": config.limits.model_dump(),
-        "redis_url": redis_url,
-        "key_prefix": config.key_prefix,
-        "keep_ratio": vtoken.admission_keep_ratio() if active_kv else None,
-        "max_n": config.max_n,
-        "floor_tokens": vtoken.admission_floor_tokens() if active_kv else None,
-        "protected_tokens": protection.tokens,
-        "protected_fraction": protection.fraction,
-    }
+    ingress_settings = config.ingress_settings(engine_settings, token, redis_url)
     ingress = Ingress.options(  # type: ignore[attr-defined]
         max_ongoing_requests=config.ingress_max_ongoing_requests
     )
     return ingress.bind(engine, ingress_settings, controller)  # type: ignore[no-any-return]
+
+
+def admission_config(
+    engine: ReplicaSettings, admission: Literal["active_kv", "worst_case"]
+) -> AdmissionConfig:
+    """How the ingresses admit requests to ``engine`` replicas: in ``active_kv`` mode, what
+    the engines' policy evicts to and keeps (``VTokenConfig.admission_keep_ratio`` and
+    ``admission_floor_tokens``); in either mode, what it protects past any budget
+    (``VTokenConfig.admission_protection``), since a tenant's cap bounds its requests in both."""
+    vtoken = engine.vtoken
+    active_kv = admission == "active_kv"
+    protection = vtoken.admission_protection()
+    return AdmissionConfig(
+        block_size=engine.block_size,
+        keep_ratio=vtoken.admission_keep_ratio() if active_kv else None,
+        floor_tokens=vtoken.admission_floor_tokens() if active_kv else None,
+        protected_tokens=protection.tokens,
+        protected_fraction=protection.fraction,
+    )

@@ -22,7 +22,6 @@ from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.input_limits import ASGIApp, InputError, Message, Receive, Scope, Send
-from serving.openai_http import HTTPError
 
 logger = logging.getLogger("vtoken.ingress")
 
@@ -48,7 +47,16 @@ _SERVER_MESSAGES = {
 }
 
 
+class HTTPError(Exception):
+    """An error answered as OpenAI-style JSON."""
+
+    def __init__(self, status: int, message: str, kind: str, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.headers = status, message, kind, headers
+
+
 def error_body(status: int, message: str, kind: str) -> dict[str, Any]:
+    """The OpenAI error body, for JSON responses and SSE error events alike."""
     return {"error": {"message": message, "type": kind, "code": status}}
 
 

@@ -24,9 +24,10 @@ from controlplane.redis_conn import RedisConfig, connect
 from controlplane.tracing import configure_tracing
 from serving.admin_api import NewKey, TenantUpdate, admin_routes
 from serving.errors import RequestIdMiddleware, answer_input_error, install_error_handlers
-from serving.input_limits import InputLimits, InputLimitsMiddleware
-from serving.openai_http import IngressSettings, IngressState
+from serving.input_limits import InputLimitsMiddleware
+from serving.openai_http import IngressState
 from serving.openapi_bodies import body_of, openapi_with_bodies
+from serving.settings import IngressSettings
 
 
 def _state(request: Request) -> IngressState:
@@ -38,18 +39,18 @@ State = Annotated[IngressState, Depends(_state)]
 openai_routes = APIRouter()
 
 
-def build_api(state: IngressState, limits: InputLimits | None = None) -> FastAPI:
+def build_api(state: IngressState) -> FastAPI:
     """The ingress app serving ``state``: OpenAI API, health, metrics, admin API.
 
-    Bodies are checked against ``limits`` (default :class:`InputLimits`) before any route
-    runs; every error is an OpenAI error body and every response has an ``x-request-id``
+    Bodies are checked against the settings' ``limits`` before any route runs; every
+    error is an OpenAI error body and every response has an ``x-request-id``
     (:mod:`serving.errors`). ``/openapi.json`` documents the JSON bodies the routes read."""
     api = FastAPI(title="vtoken", description="OpenAI-compatible serving with per-tenant KV quotas")
     api.state.ingress = state
     install_error_handlers(api)
     api.add_middleware(
         InputLimitsMiddleware,
-        limits=limits if limits is not None else InputLimits(),
+        limits=state.settings.limits,
         on_error=answer_input_error,
     )
     api.add_middleware(RequestIdMiddleware)  # added last: outermost
@@ -88,26 +89,22 @@ async def health() -> dict[str, str]:
 @serve.ingress()
 class Ingress:
     """One ingress replica: builds the real Redis client, clock, tokenizer and tracer from
-    ``settings`` (an :class:`IngressSettings` as a dict, plus ``limits``: an
-    :class:`InputLimits` as a dict); Serve then asks it for its app."""
+    ``settings``; Serve then asks it for its app."""
 
-    def __init__(self, replicas: Any, settings: dict[str, Any], controller: Any = None) -> None:
+    def __init__(self, replicas: Any, settings: IngressSettings, controller: Any = None) -> None:
         from transformers import AutoTokenizer
 
         configure_tracing("vtoken-ingress")
         configure_metrics("vtoken-ingress")
-        settings = dict(settings)
-        self.limits = InputLimits.model_validate(settings.pop("limits", {}))
-        config = IngressSettings(**settings)
         self.state = IngressState(
-            config,
+            settings,
             replicas,
-            redis=connect(RedisConfig(url=config.redis_url)),
+            redis=connect(RedisConfig(url=settings.redis_url)),
             clock=SystemClock(),
-            tokenizer=AutoTokenizer.from_pretrained(config.tokenizer_path),
+            tokenizer=AutoTokenizer.from_pretrained(settings.tokenizer_path),
             tracer=trace.get_tracer(telemetry.TRACER_INGRESS),
         )
         self.controller = controller  # bound so the controller deploys with the app
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_api(self.state, self.limits)
+        return build_api(self.state)

@@ -4,11 +4,11 @@ Every request: authenticate the tenant from ``Authorization: Bearer <key>``; val
 body; tokenize (so admission knows the prompt size and an oversize prompt is a 400 before
 any engine sees it); admit against the tenant's KV budget for all ``n`` sequences of the
 answer (429 + Retry-After when over);
-call a replica through Ray Serve (the vtoken router picks which); renew the reservation
-every third of its TTL while the answer runs; release it when the answer is complete,
-whatever happens (best-effort: a release Redis cannot take now is retried in the
-background, never turned into an error for a finished answer). Prompts and keys never
-reach spans or logs.
+call a replica through Ray Serve (the vtoken router picks which) while the reservation
+is held (:class:`serving.reservation.HeldReservation`: renewed every third of its TTL,
+settled to its steady bound once no prefill is left, released when the answer is
+complete whatever happens); shape the chunks as an OpenAI answer
+(:mod:`serving.openai_answers`). Prompts and keys never reach spans or logs.
 
 Faults reach clients as OpenAI error bodies (``{"error": {"message", "type", "code"}}``),
 never as plain-text 500s and never with internals (Redis's address, a traceback, a Ray
@@ -28,7 +28,6 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import redis.asyncio as aioredis
@@ -41,19 +40,17 @@ from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 
 from controlplane import telemetry
-from controlplane.admission import Admission, AdmissionConfig, AdmissionOutcome, Reservation
+from controlplane.admission import Admission, AdmissionOutcome, Reservation
 from controlplane.auth import TenantKeys, bearer
 from controlplane.clock import Clock
 from controlplane.keys import KeySpace
 from controlplane.metrics import IngressMetrics
 from controlplane.models import TenantQuota
 from controlplane.openai_models import (
-    DEFAULT_MAX_N,
     ChatCompletionRequest,
     CompletionRequest,
     GenerateChunk,
     GenerateRequest,
-    TokenLogprob,
 )
 from controlplane.otel_metrics import RequestMetrics
 from controlplane.prefix import cache_salt, prefix_keys
@@ -61,6 +58,11 @@ from controlplane.redis_conn import REDIS_ERRORS
 from controlplane.releases import Releaser
 from controlplane.store import RedisStore
 from controlplane.tracing import inject_context
+from serving.errors import HTTPError
+from serving.openai_answers import Answer, collect, sse
+from serving.reservation import HeldReservation
+from serving.settings import IngressSettings
+from serving.stream_progress import ChunkTiming, StreamProgress, TokenPace
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -75,34 +77,6 @@ THROTTLE_REASONS = {
     "max_concurrent_requests": "at its concurrent-request limit",
     "prompt_token_rate": "over its prompt-token rate",
 }
-
-
-class HTTPError(Exception):
-    """An error answered as OpenAI-style JSON."""
-
-    def __init__(self, status: int, message: str, kind: str, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.headers = status, message, kind, headers
-
-
-@dataclass(frozen=True, slots=True)
-class IngressSettings:
-    """What the ingress serves. ``tokenizer_path`` and ``redis_url`` are read only where the
-    real dependencies are built (:class:`serving.ingress.Ingress`)."""
-
-    model_name: str
-    tokenizer_path: str
-    max_model_len: int
-    block_size: int
-    admin_token: str
-    redis_url: str
-    key_prefix: str = "vtoken"
-    keep_ratio: float | None = None  # the engines' policy budget (admission's steady bound)
-    floor_tokens: int | None = None  # what the policy always keeps (squeeze_to_floor tenants)
-    protected_tokens: int = 0  # what the policy keeps past any budget B: these tokens ...
-    protected_fraction: float = 0.0  # ... plus this share of B (admission's steady bound)
-    reservation_ttl_s: float = 600.0  # a running request renews it every third of this
-    max_n: int = DEFAULT_MAX_N  # choices one request may ask for (each is a sequence's KV)
 
 
 class Tokenizer(Protocol):
@@ -141,19 +115,7 @@ class IngressState:
         keys = KeySpace(settings.key_prefix)
         self.store = RedisStore(redis, keys)
         self.tenant_keys = TenantKeys(redis, keys)
-        self.admission = Admission(
-            redis,
-            AdmissionConfig(
-                block_size=settings.block_size,
-                keep_ratio=settings.keep_ratio,
-                floor_tokens=settings.floor_tokens,
-                protected_tokens=settings.protected_tokens,
-                protected_fraction=settings.protected_fraction,
-                reservation_ttl_s=settings.reservation_ttl_s,
-            ),
-            keys,
-            tracer=tracer,
-        )
+        self.admission = Admission(redis, settings.admission, keys, tracer=tracer)
         self.releaser = Releaser(self.admission)
         self.metrics = IngressMetrics()
         # OpenTelemetry (admissions, TTFT, TPOT per tenant): the global meter provider's
@@ -215,41 +177,9 @@ class IngressState:
             request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             span.set_attribute(telemetry.ATTR_REQUEST_ID, request_id)
             reservation = await self.admit(quota, request_id, len(ids), body.max_tokens, body.n)
-            generate = GenerateRequest(
-                request_id=request_id,
-                tenant_id=quota.tenant_id,
-                prompt_token_ids=ids,
-                max_tokens=body.max_tokens,
-                temperature=body.temperature,
-                top_p=body.top_p,
-                seed=body.seed,
-                stop=body.stop,
-                presence_penalty=body.presence_penalty,
-                frequency_penalty=body.frequency_penalty,
-                n=body.n,
-                logprobs=body.num_logprobs,
-                eviction_budget_tokens=quota.eviction_budget_tokens,
-                prefix_group=quota.prefix_group,
-                prefix_keys=list(
-                    prefix_keys(
-                        ids,
-                        self.settings.block_size,
-                        cache_salt(quota.tenant_id, quota.prefix_group),
-                    )
-                ),
-                hold_to_blocks=self.hold_to_blocks(reservation, len(ids), body.max_tokens, body.n),
-                trace_context=inject_context(),
-            )
+            generate = self._generate_request(quota, request_id, ids, body, reservation)
             chunks = self._generate(generate, reservation, started)
-            answer = Answer(
-                request_id,
-                body.model,
-                chat,
-                int(started),
-                body.n,
-                body.num_logprobs,
-                include_usage=body.stream_options is not None and body.stream_options.include_usage,
-            )
+            answer = Answer.of(request_id, body, chat, int(started))
             if body.stream:
                 # The background task releases the reservation even when the client goes
                 # away before the stream starts (release is idempotent).
@@ -259,6 +189,43 @@ class IngressState:
                     background=BackgroundTask(self.releaser.release, reservation),
                 )
             return JSONResponse(await collect(chunks, answer))
+
+    def _generate_request(
+        self,
+        quota: TenantQuota,
+        request_id: str,
+        ids: list[int],
+        body: CompletionRequest | ChatCompletionRequest,
+        reservation: Reservation,
+    ) -> GenerateRequest:
+        """What the replica is asked: the prompt's ids, the body's sampling, the tenant's
+        cap and prefix group, the prompt's prefix keys (router affinity), the bound the
+        engine holds the request to and the trace to join."""
+        return GenerateRequest(
+            request_id=request_id,
+            tenant_id=quota.tenant_id,
+            prompt_token_ids=ids,
+            max_tokens=body.max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            seed=body.seed,
+            stop=body.stop,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            n=body.n,
+            logprobs=body.num_logprobs,
+            eviction_budget_tokens=quota.eviction_budget_tokens,
+            prefix_group=quota.prefix_group,
+            prefix_keys=list(
+                prefix_keys(
+                    ids,
+                    self.settings.block_size,
+                    cache_salt(quota.tenant_id, quota.prefix_group),
+                )
+            ),
+            hold_to_blocks=self.hold_to_blocks(reservation, len(ids), body.max_tokens, body.n),
+            trace_context=inject_context(),
+        )
 
     async def admit(
         self,
@@ -309,98 +276,65 @@ class IngressState:
     async def _generate(
         self, request: GenerateRequest, reservation: Reservation, started: float
     ) -> AsyncIterator[GenerateChunk]:
-        renewal = asyncio.get_running_loop().create_task(self._renew_while_running(reservation))
+        """The replica's chunks for ``request`` while ``reservation`` is held (renewed,
+        settled once no prefill is left, released at the end however it ends); a request
+        the replica refuses is a 400, a replica that fails or vanishes a 503."""
         stream: Any = None
         try:
-            stream = self.replicas.options(stream=True).generate.remote(request.model_dump())
-            tokens_seen, seen_at = 0, self.clock.now()
-            first_token_at: float | None = None
-            decoding: set[int] = set()  # choices past their prefill
-            finished: set[int] = set()  # choices with their finish reason
-            async for raw in stream:
-                chunk = GenerateChunk.model_validate(raw)
-                if chunk.error:
-                    raise HTTPError(400, chunk.error, "invalid_request")
-                now = self.clock.now()
-                if tokens_seen and chunk.completion_tokens > tokens_seen:  # decode, not prefill
-                    # The n sequences decode side by side: each step adds about n tokens.
-                    self.pace.observe(
-                        now - seen_at, (chunk.completion_tokens - tokens_seen) / request.n
+            async with HeldReservation(self.admission, self.releaser, reservation) as held:
+                try:
+                    stream = self.replicas.options(stream=True).generate.remote(
+                        request.model_dump()
                     )
-                if chunk.completion_tokens > tokens_seen:
-                    tokens_seen, seen_at = chunk.completion_tokens, now
-                    if first_token_at is None:
-                        first_token_at = now
-                        self.request_metrics.first_token(request.tenant_id, now - started)
-                        # Queueing and prefill: when reservations settle.
-                        self.first_token.observe(now - started, 1)
-                if chunk.completion_tokens:  # a piece of this choice: its prefill is over
-                    decoding.add(chunk.index)
-                if len(decoding) >= request.n and reservation.blocks > reservation.steady:
-                    # Every sequence has a token out, so no prefill is left: from here the
-                    # policy bounds the KV.
-                    reservation = await self._settle(reservation)
-                if chunk.finish_reason is not None:
-                    finished.add(chunk.index)
-                yield chunk
-            stream = None  # ended: nothing to cancel
-            if len(finished) < request.n:  # a replica that vanished: not a short answer
-                raise RuntimeError("the replica's stream ended without a finish reason")
-            if first_token_at is not None:  # answered: its latencies, per sequence
-                self.request_metrics.request_done(
-                    request.tenant_id,
-                    first_token_at - started,
-                    seen_at - started,
-                    round(tokens_seen / request.n),
-                )
-        except HTTPError:
-            raise
-        except asyncio.CancelledError:
-            raise
-        except Exception as error:  # the replica died or refused mid-request
-            # The error's text (a Ray traceback, addresses) is for the logs, not the client.
-            logger.warning("request %s: replica failed: %r", request.request_id, error)
-            raise HTTPError(
-                503,
-                "the engine replica failed; retry the request",
-                "server_error",
-                headers={"Retry-After": str(REPLICA_RETRY_AFTER_S)},
-            ) from None
+                    progress = StreamProgress(request.n, started, seen_at=self.clock.now())
+                    async for raw in stream:
+                        chunk = GenerateChunk.model_validate(raw)
+                        if chunk.error:
+                            raise HTTPError(400, chunk.error, "invalid_request")
+                        self._observe(request.tenant_id, progress.observe(chunk, self.clock.now()))
+                        if progress.past_prefill:  # from here the policy bounds the KV
+                            await held.settle()
+                        yield chunk
+                    stream = None  # ended: nothing to cancel
+                    self._answered(request, progress)
+                except (HTTPError, asyncio.CancelledError):
+                    raise
+                except Exception as error:  # the replica died or refused mid-request
+                    # Its text (a Ray traceback, addresses) is for the logs, not the client.
+                    logger.warning("request %s: replica failed: %r", request.request_id, error)
+                    raise HTTPError(
+                        503,
+                        "the engine replica failed; retry the request",
+                        "server_error",
+                        headers={"Retry-After": str(REPLICA_RETRY_AFTER_S)},
+                    ) from None
+                finally:
+                    if stream is not None and hasattr(stream, "cancel"):
+                        stream.cancel()  # the client left or we failed: the engine aborts
         finally:
-            renewal.cancel()
-            if stream is not None and hasattr(stream, "cancel"):
-                stream.cancel()  # the client left or we failed: the engine aborts, frees KV
-            # Shielded: a client disconnect cancels this generator, not the release, and
-            # the release never raises (a failed one is retried in the background).
-            await asyncio.shield(self.releaser.release(reservation))
             self.metrics.latency(request.tenant_id, self.clock.now() - started)
 
-    async def _settle(self, reservation: Reservation) -> Reservation:
-        """Shrink to the steady bound; on a Redis error keep the peak (over-reserving is
-        safe) and let the answer go on."""
-        try:
-            return await self.admission.settle(reservation)
-        except REDIS_ERRORS as error:
-            logger.warning("settle of %s failed: %s", reservation.request_id, type(error).__name__)
-            return reservation
+    def _answered(self, request: GenerateRequest, progress: StreamProgress) -> None:
+        """The stream ended: every choice must have its finish reason (a replica that
+        vanished is not a short answer); the answer's latencies, per sequence."""
+        if not progress.all_finished:
+            raise RuntimeError("the replica's stream ended without a finish reason")
+        if progress.first_token_at is not None:
+            self.request_metrics.request_done(
+                request.tenant_id,
+                progress.first_token_at - progress.started,
+                progress.seen_at - progress.started,
+                progress.tokens_per_sequence,
+            )
 
-    async def _renew_while_running(self, reservation: Reservation) -> None:
-        """Renew the reservation every third of its TTL until cancelled, so a request
-        running longer than the TTL keeps counting against its tenant's quota. A renewal
-        Redis refuses is retried at the next third (two may fail before it lapses).
-        Timed with the event loop's clock: it paces calls, the deadline is Redis's."""
-        period_s = self.admission.config.reservation_ttl_s / 3
-        while True:
-            await asyncio.sleep(period_s)
-            try:
-                if not await self.admission.renew(reservation):
-                    logger.warning(
-                        "reservation of %s lapsed before renewal", reservation.request_id
-                    )
-            except REDIS_ERRORS as error:
-                logger.warning(
-                    "renewal of %s failed: %s", reservation.request_id, type(error).__name__
-                )
+    def _observe(self, tenant_id: str, timing: ChunkTiming) -> None:
+        """A chunk's timing into the paces admission reads and the tenant's metrics."""
+        if timing.decode_s is not None:
+            self.pace.observe(timing.decode_s, timing.decode_tokens)
+        if timing.first_token_s is not None:
+            self.request_metrics.first_token(tenant_id, timing.first_token_s)
+            # Queueing and prefill: when reservations settle.
+            self.first_token.observe(timing.first_token_s, 1)
 
 
 async def redis_or_503(call: Awaitable[T]) -> T:
@@ -416,24 +350,6 @@ async def redis_or_503(call: Awaitable[T]) -> T:
             "server_error",
             headers={"Retry-After": str(REDIS_RETRY_AFTER_S)},
         ) from None
-
-
-class TokenPace:
-    """An exponential moving average of seconds per token. The ingress keeps two: time per
-    output token of the answers it streams (over decode chunks; the first chunk, which
-    carries the prefill, is left out), and time from arrival to first token (per request:
-    one "token"). ``seconds_per_token`` is ``None`` until a sample was seen."""
-
-    def __init__(self, weight: float = 0.1) -> None:
-        self.weight = weight
-        self.seconds_per_token: float | None = None
-
-    def observe(self, seconds: float, num_tokens: float) -> None:
-        sample = max(seconds, 0.0) / num_tokens
-        previous = self.seconds_per_token
-        self.seconds_per_token = (
-            sample if previous is None else previous + self.weight * (sample - previous)
-        )
 
 
 async def parse_body(request: Request, model: type[BaseModel]) -> Any:
@@ -452,180 +368,3 @@ async def parse_body(request: Request, model: type[BaseModel]) -> Any:
             f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in error.errors()
         )
         raise HTTPError(400, f"invalid request: {problems}", "invalid_request") from None
-
-
-@dataclass(frozen=True, slots=True)
-class Answer:
-    """What every piece of one OpenAI answer repeats (``created``: seconds since the epoch),
-    and how its choices are shaped: ``n`` of them, with log-probabilities (``logprobs``
-    alternatives per token) unless ``logprobs`` is ``None``."""
-
-    request_id: str
-    model: str
-    chat: bool
-    created: int
-    n: int = 1
-    logprobs: int | None = None
-    include_usage: bool = False  # a streamed answer ends with a usage chunk
-
-    def envelope(self, choices: list[dict[str, Any]], streaming: bool) -> dict[str, Any]:
-        if self.chat:
-            kind = "chat.completion.chunk" if streaming else "chat.completion"
-        else:
-            kind = "text_completion"
-        return {
-            "id": self.request_id,
-            "object": kind,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-
-    def choice(
-        self,
-        index: int,
-        text: str,
-        finish: str | None,
-        streaming: bool,
-        logprobs: list[TokenLogprob] | None = None,
-        text_offset: int = 0,
-    ) -> dict[str, Any]:
-        """One choice (or a streamed piece of one) in vLLM's OpenAI server's shape; a
-        ``logprobs`` key only when the request asked for log-probabilities."""
-        choice: dict[str, Any] = {"index": index}
-        if not self.chat:
-            choice["text"] = text
-        else:
-            key = "delta" if streaming else "message"
-            choice[key] = {"role": "assistant", "content": text} if text or not streaming else {}
-        if self.logprobs is not None:
-            entries = logprobs or []
-            choice["logprobs"] = (
-                chat_logprobs(entries, self.logprobs)
-                if self.chat
-                else completion_logprobs(entries, self.logprobs, text_offset)
-            )
-        choice["finish_reason"] = finish
-        return choice
-
-
-def completion_logprobs(
-    entries: list[TokenLogprob], num_logprobs: int, text_offset: int = 0
-) -> dict[str, Any]:
-    """The completions API's ``logprobs`` object (as vLLM's OpenAI server builds it): per
-    token its text, log-probability, the sampled token's and the ``num_logprobs`` most
-    likely alternatives' log-probabilities, and its character offset in the choice's text
-    (from ``text_offset``: where this piece starts)."""
-    tokens: list[str] = []
-    token_logprobs: list[float | None] = []
-    top_logprobs: list[dict[str, float] | None] = []
-    offsets: list[int] = []
-    for entry in entries:
-        offsets.append(text_offset)
-        text_offset += len(entry.token)
-        tokens.append(entry.token)
-        token_logprobs.append(entry.logprob)
-        top = entry.top
-        top_logprobs.append(None if top is None else dict(top[: num_logprobs + 1]))
-    return {
-        "text_offset": offsets,
-        "token_logprobs": token_logprobs,
-        "tokens": tokens,
-        "top_logprobs": top_logprobs,
-    }
-
-
-def _token_bytes(token: str) -> list[int]:
-    return list(token.encode("utf-8", errors="replace"))
-
-
-def chat_logprobs(entries: list[TokenLogprob], top_logprobs: int) -> dict[str, Any]:
-    """The chat API's ``logprobs`` object: ``content``, per token its text, bytes,
-    log-probability and the first ``top_logprobs`` of the engine's alternatives (as
-    vLLM's OpenAI server builds it)."""
-    return {
-        "content": [
-            {
-                "token": entry.token,
-                "logprob": -9999.0 if entry.logprob is None else entry.logprob,
-                "bytes": _token_bytes(entry.token),
-                "top_logprobs": [
-                    {"token": token, "logprob": logprob, "bytes": _token_bytes(token)}
-                    for token, logprob in (entry.top or [])[:top_logprobs]
-                ],
-            }
-            for entry in entries
-        ]
-    }
-
-
-async def collect(chunks: AsyncIterator[GenerateChunk], answer: Answer) -> dict[str, Any]:
-    """The whole answer as one OpenAI response body: its choices by index, with the token
-    usage of all of them."""
-    texts: dict[int, list[str]] = {}
-    finishes: dict[int, str | None] = {}
-    logprobs: dict[int, list[TokenLogprob]] = {}
-    last = GenerateChunk()
-    cached = 0
-    async for chunk in chunks:
-        cached = max(cached, chunk.cached_tokens)  # with n > 1: any choice's hit
-        texts.setdefault(chunk.index, []).append(chunk.text)
-        logprobs.setdefault(chunk.index, []).extend(chunk.logprobs or [])
-        if chunk.finish_reason is not None:
-            finishes[chunk.index] = chunk.finish_reason
-        last = chunk
-    choices = [
-        answer.choice(index, "".join(texts[index]), finishes.get(index), False, logprobs[index])
-        for index in sorted(texts)
-    ]
-    body = answer.envelope(choices, streaming=False)
-    body["usage"] = usage(last, cached)
-    return body
-
-
-def usage(last: GenerateChunk, cached_tokens: int) -> dict[str, Any]:
-    """OpenAI's ``usage`` from an answer's last piece; ``prompt_tokens_details.
-    cached_tokens``: the prompt tokens served from the replica's prefix cache (the most
-    any piece reported)."""
-    return {
-        "prompt_tokens": last.prompt_tokens,
-        "completion_tokens": last.completion_tokens,
-        "total_tokens": last.prompt_tokens + last.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
-
-
-def _error_event(message: str, kind: str, code: int) -> dict[str, Any]:
-    """The OpenAI error body, for JSON responses and SSE error events alike."""
-    return {"error": {"message": message, "type": kind, "code": code}}
-
-
-async def sse(chunks: AsyncIterator[GenerateChunk], answer: Answer) -> AsyncIterator[str]:
-    """Server-sent events, one per chunk, then ``[DONE]``; an error after the headers went
-    out is reported as an ``error`` event (the OpenAI error body) before ``[DONE]``: a stream
-    never just stops."""
-    text_offsets: dict[int, int] = {}  # per choice: where its next piece's text starts
-    last = GenerateChunk()
-    cached = 0
-    try:
-        async for chunk in chunks:
-            last = chunk
-            cached = max(cached, chunk.cached_tokens)
-            offset = text_offsets.get(chunk.index, 0)
-            choice = answer.choice(
-                chunk.index, chunk.text, chunk.finish_reason, True, chunk.logprobs, offset
-            )
-            # Advanced by the tokens reported, as vLLM does: text held back for a stop
-            # string lags its tokens.
-            text_offsets[chunk.index] = offset + sum(len(e.token) for e in chunk.logprobs or [])
-            yield f"data: {json.dumps(answer.envelope([choice], streaming=True))}\n\n"
-        if answer.include_usage:
-            body = {**answer.envelope([], streaming=True), "usage": usage(last, cached)}
-            yield f"data: {json.dumps(body)}\n\n"
-    except HTTPError as error:
-        yield f"data: {json.dumps(_error_event(error.message, error.kind, error.status))}\n\n"
-    except Exception as error:  # headers are sent: report in the stream, then end it
-        logger.exception("request %s: stream failed", answer.request_id, exc_info=error)
-        body = _error_event("internal error; retry the request", "server_error", 500)
-        yield f"data: {json.dumps(body)}\n\n"
-    yield "data: [DONE]\n\n"

@@ -7,7 +7,7 @@ One family, each number computed once: a request's counts come from its token ta
 
 Pydantic models because an engine report crosses processes: vLLM's engine core dumps it
 to plain data for its utility call, the caller validates it back (``workers/api.py``);
-``serving/engine_host.py`` maps it to the control plane's report schema.
+``serving/engine_translators.py`` maps it to the control plane's report schema.
 """
 
 from __future__ import annotations

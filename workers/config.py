@@ -170,7 +170,7 @@ class VTokenConfig(PolicySpec):
         (sinks, or the pinned prefix ``prefix_pin_tokens`` where it is longer, fixed recent
         windows, recent windows sized on the budget; a gate's and the policy it wraps,
         added). A request under a tenant's cap may run under ``policies.CAP_POLICY``
-        instead (``serving.engine_host.request_spec``): its recent share counts too.
+        instead (``serving.engine_translators.request_spec``): its recent share counts too.
         Admission counts a request at no less (``kv_bounds``); forgetting it let a pinned
         system prompt hold twice what admission counted. In naive mode eviction frees no
         block, so everything counts (:data:`NOTHING_FREED`)."""

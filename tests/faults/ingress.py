@@ -14,10 +14,13 @@ import httpx
 import redis.asyncio as aioredis
 
 from controlplane import telemetry
+from controlplane.admission import AdmissionConfig
 from controlplane.clock import Clock
+from controlplane.keys import KeySpace
 from controlplane.models import TenantQuota
 from serving.ingress import build_api
-from serving.openai_http import IngressSettings, IngressState
+from serving.openai_http import IngressState
+from serving.settings import IngressSettings
 from tests.redis_server import unique_keys
 
 MODEL = "smollm2"
@@ -105,18 +108,21 @@ class Ingress:
 
 
 def make_ingress(
-    redis: aioredis.Redis, clock: Clock, tokenizer: Any, **settings: Any
+    redis: aioredis.Redis,
+    clock: Clock,
+    tokenizer: Any,
+    keys: KeySpace | None = None,
+    reservation_ttl_s: float = 600.0,
 ) -> tuple[IngressState, FakeReplicas]:
-    keys = settings.pop("keys", None) or unique_keys()
+    keys = keys or unique_keys()
     config = IngressSettings(
         model_name=MODEL,
         tokenizer_path="unused: the tokenizer is injected",
         max_model_len=128,
-        block_size=16,
         admin_token="admin-token-of-the-fault-suite",
         redis_url="unused: the client is injected",
+        admission=AdmissionConfig(block_size=16, reservation_ttl_s=reservation_ttl_s),
         key_prefix=keys.prefix,
-        **settings,
     )
     replicas = FakeReplicas()
     state = IngressState(config, replicas, redis, clock, tokenizer, telemetry.NOOP_TRACER)

@@ -11,6 +11,7 @@ from typing import Any
 import uvicorn
 from opentelemetry.trace import NoOpTracer
 
+from controlplane.admission import AdmissionConfig
 from controlplane.auth import TenantKeys, new_api_key
 from controlplane.clock import SystemClock
 from controlplane.keys import KeySpace
@@ -18,7 +19,8 @@ from controlplane.models import TenantQuota
 from controlplane.redis_conn import RedisConfig, connect
 from controlplane.store import RedisStore
 from serving.ingress import build_api
-from serving.openai_http import IngressSettings, IngressState
+from serving.openai_http import IngressState
+from serving.settings import IngressSettings
 from tests.redis_server import free_port, unique_keys
 from tests.serving.ingress_harness import ADMIN, BLOCK_SIZE, MODEL, FakeReplicas
 
@@ -58,9 +60,9 @@ class ServerThread:
             model_name=MODEL,
             tokenizer_path="unused: the tokenizer is injected",
             max_model_len=128,
-            block_size=BLOCK_SIZE,
             admin_token=ADMIN,
             redis_url=self.redis_url,
+            admission=AdmissionConfig(block_size=BLOCK_SIZE),
             key_prefix=self.keys.prefix,
         )
         redis = connect(RedisConfig(url=self.redis_url))

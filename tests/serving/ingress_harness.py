@@ -20,11 +20,13 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from controlplane.admission import AdmissionConfig
 from controlplane.keys import KeySpace
 from controlplane.redis_conn import RedisConfig, connect
 from serving.ingress import build_api
 from serving.input_limits import InputLimits
-from serving.openai_http import IngressSettings, IngressState
+from serving.openai_http import IngressState
+from serving.settings import IngressSettings
 from tests.controlplane.fakes import FakeClock
 from tests.redis_server import unique_keys
 
@@ -146,10 +148,11 @@ async def running_ingress(
         model_name=MODEL,
         tokenizer_path="unused: the tokenizer is injected",
         max_model_len=128,
-        block_size=BLOCK_SIZE,
         admin_token=ADMIN,
         redis_url=redis_url,
+        admission=AdmissionConfig(block_size=BLOCK_SIZE),
         key_prefix=keys.prefix,
+        limits=limits if limits is not None else InputLimits(),
     )
     redis, clock, spans = connect(RedisConfig(url=redis_url)), FakeClock(), InMemorySpanExporter()
     provider = TracerProvider()
@@ -160,7 +163,7 @@ async def running_ingress(
     state = IngressState(
         settings, replicas, redis, clock, tokenizer, provider.get_tracer("test"), meter
     )
-    api = build_api(state, limits)
+    api = build_api(state)
     transport = httpx.ASGITransport(app=api)
     async with httpx.AsyncClient(transport=transport, base_url="http://ingress") as client:
         under_test = Ingress(client, state, replicas, clock, spans, keys, api, metric_reader=reader)

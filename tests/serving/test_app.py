@@ -72,15 +72,6 @@ def test_the_redis_url_comes_from_the_environment_never_with_a_password_in_the_c
     assert named.read_redis_url({"MY_REDIS": "redis://127.0.0.1:1/0"}) == "redis://127.0.0.1:1/0"
 
 
-def test_served_engines_evict_on_demand_unless_told_otherwise():
-    from serving.engine_host import ReplicaSettings
-
-    settings = ReplicaSettings(vtoken={"policy": "h2o", "keep_ratio": 0.2})
-    assert settings.vtoken["eviction"] == "on_demand"
-    eager = ReplicaSettings(vtoken={"policy": "h2o", "keep_ratio": 0.2, "eviction": "eager"})
-    assert eager.vtoken["eviction"] == "eager"
-
-
 def test_the_ingress_holds_many_streams_at_once(monkeypatch: pytest.MonkeyPatch):
     """Serve's default max_ongoing_requests (5) would queue the sixth request (and admin
     status) behind five long streams at the ingress."""

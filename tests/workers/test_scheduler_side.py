@@ -307,7 +307,7 @@ def test_admission_counts_at_least_what_the_engine_keeps(vtoken, cap, floor):
     the budget alone held twice what admission counted), also under the cap policy a
     capped request may run under, and for a tenant squeezed to its floors."""
     from controlplane.admission import kv_bounds
-    from serving.engine_host import request_spec
+    from serving.engine_translators import request_spec
     from workers.config import REQUEST_KEY
 
     prompt, max_tokens = 40, 24
@@ -326,7 +326,7 @@ def test_admission_counts_at_least_what_the_engine_keeps(vtoken, cap, floor):
     state = VTokenScheduler(config, pool, manager)
     extra = {"tenant": "acme", "vtoken_hold_to_blocks": hold}
     if cap is not None:
-        extra[REQUEST_KEY] = request_spec(vtoken, cap)
+        extra[REQUEST_KEY] = request_spec(VTokenConfig.model_validate(vtoken), cap)
     request = FakeRequest("r", prompt, sampling_params=SimpleNamespace(extra_args=extra))
     run_prefill(state, request)
     rng = np.random.default_rng(0)

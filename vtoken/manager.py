@@ -112,7 +112,7 @@ class VTokenManager:
         prefix-cache hit): their tokens are its first ``len(block_ids) * block_size``
         logical ids, at the same slots. The caller took its reference on the blocks (they
         are not allocated from the pool) and must keep those tokens where they are: it
-        never lets the request's policy evict them (``workers/scheduler_side.py``)."""
+        never lets the request's policy evict them (``workers/prefix_cache.py``)."""
         request = self.requests[request_id]
         if request.table.num_logical or request.ballast:
             raise ValueError(f"request {request_id!r}: only an empty table adopts blocks")

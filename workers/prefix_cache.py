@@ -33,7 +33,7 @@ slots and a repack moves tokens across blocks. So, per request:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -156,3 +156,15 @@ class PrefixCacheRule:
         reach = num_published // self.block_size
         shared = [i for i, b in enumerate(kv.table.block_ids) if self.pool.ref_count(b) > 1]
         assert all(i < reach for i in shared), f"{kv.request_id}: shares unpublished blocks"
+
+    def check_holders(self, records: Iterable[ScheduledRequest]) -> None:
+        """vLLM's reference counts are the holders (several only for shared blocks), and
+        each shared block is charged once."""
+        holders: dict[int, int] = {}
+        for record in records:
+            for block_id in record.kv.table.block_ids + record.kv.ballast:
+                holders[block_id] = holders.get(block_id, 0) + 1
+        for block_id, count in holders.items():
+            assert self.pool.ref_count(block_id) == count, f"block {block_id}: ref count"
+        charged = sum(report.allocated_blocks for report in self.manager.reports())
+        assert charged == len(holders), "a shared block is charged other than once"

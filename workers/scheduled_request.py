@@ -43,6 +43,17 @@ class ScheduledRequest:
         """Blocks it holds (ballast included) less those another request pays for."""
         return self.kv.num_held_blocks - self.shared_elsewhere
 
+    def check_invariants(self, vllm_block_ids: list[int], naive: bool) -> None:
+        """Its table holds vLLM's block list (``vllm_block_ids``), repacked, with exactly
+        Naive-Evict's ballast in naive mode (none otherwise), and never the null block."""
+        kv, request_id = self.kv, self.kv.request_id
+        assert vllm_block_ids == kv.table.block_ids, f"{request_id}: vLLM blocks != token table"
+        assert kv.table.num_slots == kv.table.num_live, f"{request_id}: not repacked"
+        assert len(kv.table.block_ids) == kv.table.num_ideal_blocks
+        ballast = kv.table.num_naive_blocks() - len(kv.table.block_ids) if naive else 0
+        assert len(kv.ballast) == ballast, f"{request_id}: ballast is not Naive-Evict's"
+        assert 0 not in kv.table.block_ids + kv.ballast, "the null block was handed out"
+
 
 @dataclass(frozen=True, slots=True)
 class FinishedRequest:

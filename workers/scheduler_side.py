@@ -353,23 +353,9 @@ class VTokenScheduler:
     def check_invariants(self) -> None:
         self.manager.check_invariants()
         assert self.requests.keys() == self.manager.requests.keys(), "records out of sync"
+        naive = self.config.mode is ReclaimMode.NAIVE
         for request_id, record in self.requests.items():
-            kv = record.kv
             vllm_ids = [block.block_id for block in self.stm.req_to_blocks[request_id]]
-            assert vllm_ids == kv.table.block_ids, f"{request_id}: vLLM blocks != token table"
-            assert kv.table.num_slots == kv.table.num_live, f"{request_id}: not repacked"
-            assert len(kv.table.block_ids) == kv.table.num_ideal_blocks
-            naive = self.config.mode is ReclaimMode.NAIVE
-            ballast = kv.table.num_naive_blocks() - len(kv.table.block_ids) if naive else 0
-            assert len(kv.ballast) == ballast, f"{request_id}: ballast is not Naive-Evict's"
-            assert 0 not in kv.table.block_ids + kv.ballast, "the null block was handed out"
+            record.check_invariants(vllm_ids, naive)
             self.prefix.check_invariants(record)
-        # vLLM's reference counts are the holders: several only for shared (pinned) blocks.
-        holders: dict[int, int] = {}
-        for record in self.requests.values():
-            for block_id in record.kv.table.block_ids + record.kv.ballast:
-                holders[block_id] = holders.get(block_id, 0) + 1
-        for block_id, count in holders.items():
-            assert self.pool.ref_count(block_id) == count, f"block {block_id}: ref count"
-        charged = sum(report.allocated_blocks for report in self.manager.reports())
-        assert charged == len(holders), "a shared block is charged other than once"
+        self.prefix.check_holders(self.requests.values())

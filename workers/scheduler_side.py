@@ -41,7 +41,7 @@ request holds what a block-granular manager would (``vtoken/manager.py``).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -208,7 +208,9 @@ class VTokenScheduler:
         self._refresh_shared()
         for request_id in decoding:  # what room estimates read (sinks) is this step's
             self._protect_shared(self.requests[request_id])
-        plan = self.squeeze_planner(requests).plan(decoding, num_waiting_blocks)
+        # Eager: every decoding request evicts to budget and nothing else is read.
+        viewed = decoding if self.config.eviction == "eager" else None
+        plan = self.squeeze_planner(requests, viewed).plan(decoding, num_waiting_blocks)
         for request_id in decoding:
             attention = attention_of.get(request_id, StepAttention())
             self._evict(self.requests[request_id], plan, attention)
@@ -256,10 +258,13 @@ class VTokenScheduler:
     def _protect_shared(self, record: ScheduledRequest) -> None:
         self.prefix.protect_shared(record, self.budgets.pinned_hit(record))
 
-    def squeeze_planner(self, requests: Mapping[str, Any] | None = None) -> SqueezePlanner:
-        """The squeeze arithmetic over every running request as it stands now
-        (``requests``: vLLM's, for what each one's next step needs)."""
-        return self.budgets.planner(self.requests, requests or {}, self.pool.num_free_blocks)
+    def squeeze_planner(
+        self, requests: Mapping[str, Any] | None = None, viewed: Iterable[str] | None = None
+    ) -> SqueezePlanner:
+        """The squeeze arithmetic over the running requests (``viewed``, default all) as
+        they stand now (``requests``: vLLM's, for what each one's next step needs)."""
+        records = self.requests if viewed is None else {r: self.requests[r] for r in viewed}
+        return self.budgets.planner(records, requests or {}, self.pool.num_free_blocks)
 
     def blocks_above_budget(self, request_id: str) -> int:
         """See :meth:`SqueezePlanner.blocks_above_budget`."""

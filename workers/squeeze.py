@@ -26,7 +26,11 @@ from kernels.intmath import cdiv
 @dataclass(frozen=True, slots=True)
 class RequestView:
     """What the squeeze arithmetic reads of one running request, taken before any eviction
-    of the step. Token counts are live tokens, block counts blocks of ``block_size``."""
+    of the step. Token counts are live tokens, block counts blocks of ``block_size``.
+
+    Two fields are functions: what its policy protects depends on the budget asked about,
+    and counting the blocks only it holds reads every block's reference count, which is
+    needed only for the requests that end with this step and for vLLM's likely victim."""
 
     tenant: str
     num_blocks: int  # blocks of its token table (ballast not included)

@@ -24,7 +24,7 @@ class StreamingLLM(EvictionPolicy):
         return not self.recent  # an explicit window is its own limit
 
     def num_to_evict(self, view: PolicyView, budget: int) -> int:
-        limit = self.sinks + self.recent if self.recent else budget
+        limit = max(self.sinks, view.num_pinned) + self.recent if self.recent else budget
         return max(0, view.num_live - limit)
 
     def score(self, view: PolicyView) -> np.ndarray:

@@ -23,7 +23,7 @@ MIN_LOGPROB = -9999.0  # what vLLM's OpenAI server answers for -inf (JSON has no
 
 def published_blocks(settings: ReplicaSettings, extra_args: dict[str, Any] | None) -> int:
     """How many leading blocks of a request's prompt its engine is expected to keep in the
-    prefix cache (``workers/scheduler_side.py``): a request publishes every full block
+    prefix cache (``workers/prefix_cache.py``): a request publishes every full block
     until it first evicts, then keeps those below its first eviction and never fewer than
     its pinned prefix (``prefix_pin_tokens``). So: all of them under a policy that never
     evicts or when evicting on demand (it evicts only when memory runs short), the pinned

@@ -45,6 +45,7 @@ class RequestKV:
     policy: EvictionPolicy | None
     ballast: list[int] = field(default_factory=list)
     num_shared_blocks: int = 0  # leading blocks adopted from the prefix cache
+    num_pinned: int = 0  # leading tokens the engine pins: its policy protects them as sinks
     num_steps: int = 0
     num_evicted: int = 0
     num_moves: int = 0
@@ -111,7 +112,7 @@ class VTokenManager:
         prefix-cache hit): their tokens are its first ``len(block_ids) * block_size``
         logical ids, at the same slots. The caller took its reference on the blocks (they
         are not allocated from the pool) and must keep those tokens where they are: it
-        never lets the request's policy evict them (``workers/scheduler_side.py``)."""
+        never lets the request's policy evict them (``workers/prefix_cache.py``)."""
         request = self.requests[request_id]
         if request.table.num_logical or request.ballast:
             raise ValueError(f"request {request_id!r}: only an empty table adopts blocks")
@@ -129,6 +130,7 @@ class VTokenManager:
             step=request.num_steps,
             stats={name: values[live_slots].copy() for name, values in table.stats.items()},
             attention=attention if attention is not None else StepAttention(),
+            num_pinned=request.num_pinned,
         )
 
     def evict(
@@ -253,7 +255,7 @@ class VTokenManager:
         evicts = policy is not None and policy.holds_budget_every_step and policy.needs_budget
         if budget_tokens is not None and evicts and vtoken:
             assert policy is not None
-            keep = max(budget_tokens, policy.num_protected(budget_tokens))
+            keep = max(budget_tokens, policy.num_protected(budget_tokens, request.num_pinned))
             floor = min(floor, cdiv(min(table.num_live, keep), self.block_size))
         shared = charged_elsewhere
         return RequestReport(

@@ -125,6 +125,7 @@ class PolicyView:
     step: int  # forward steps completed for this request (1 after the first prefill step)
     stats: dict[str, np.ndarray] = field(default_factory=dict)
     attention: StepAttention = field(default_factory=StepAttention)
+    num_pinned: int = 0  # leading logical ids the engine pins: protected like sinks
 
     @property
     def num_live(self) -> int:
@@ -149,9 +150,10 @@ class EvictionPolicy:
     ``num_to_evict``). Each step ``select`` calls ``observe``, then ``gate``, then evicts
     ``num_to_evict`` tokens when the gate is open.
 
-    Protected tokens (:meth:`protection`): the first ``sinks`` logical ids and the most
-    recent ``max(recent, recent_fraction * budget)`` ones. Among the others the lowest
-    scores are evicted; ties go to the older token.
+    Protected tokens (:meth:`protection`): the first ``max(sinks, view.num_pinned)``
+    logical ids (an engine may pin a longer prefix at a step: it says so on the view, the
+    policy stays as built) and the most recent ``max(recent, recent_fraction * budget)``
+    ones. Among the others the lowest scores are evicted; ties go to the older token.
 
     Traits (read by the engine and the serving layer instead of names):
 
@@ -202,20 +204,20 @@ class EvictionPolicy:
         return max(0, view.num_live - budget)
 
     def protection(self) -> Protection:
-        """What this policy keeps past any budget: its sinks and recent window, as they are
-        now (the engine may raise ``sinks`` to a pinned prefix)."""
+        """What this policy keeps past any budget: its sinks and recent window."""
         return Protection(self.sinks, self.recent, self.recent_fraction)
 
-    def num_protected(self, budget: int) -> int:
-        """The most tokens ``protected`` keeps with ``budget`` (sinks + recent window): no
-        eviction brings a request below this many (or all it holds, if fewer)."""
-        return self.protection().num_protected(budget)
+    def num_protected(self, budget: int, num_pinned: int = 0) -> int:
+        """The most tokens ``protected`` keeps with ``budget`` and a pinned prefix of
+        ``num_pinned`` tokens (sinks + recent window): no eviction brings a request below
+        this many (or all it holds, if fewer)."""
+        return self.protection().pinned(num_pinned).num_protected(budget)
 
     def protected(self, view: PolicyView, budget: int) -> np.ndarray:
         """``[n_live]`` bool mask of tokens this policy never evicts at this step."""
         num_recent = self.protection().num_recent(budget)
         ids = view.logical_ids
-        return (ids < self.sinks) | (ids >= view.num_logical - num_recent)
+        return (ids < max(self.sinks, view.num_pinned)) | (ids >= view.num_logical - num_recent)
 
     def select(self, view: PolicyView, budget: int) -> np.ndarray:
         if budget < 0:

@@ -111,7 +111,7 @@ class VTokenConfig(PolicySpec):
     - ``prefix_pin_tokens``: the leading tokens of every request that eviction never takes
       (added to its policy's sinks); with vLLM's prefix caching on, their full blocks stay
       in the cache however hard the request is squeezed (a tenant's system prompt,
-      few-shot examples), see ``workers/scheduler_side.py``;
+      few-shot examples), see ``workers/prefix_cache.py``;
     - ``pin_cache_hits``: a request also keeps, for its whole life and on top of its
       policy's budget, the tokens it took from a prefix-cache hit, so they stay cached for
       the next request (a conversation's next turn) at the cost of the memory they hold;

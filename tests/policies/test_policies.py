@@ -180,6 +180,20 @@ def test_a_gate_runs_the_wrapped_policy_only_when_both_gates_open():
         _Open(inner=make_policy("h2o"))
 
 
+def test_a_pinned_prefix_on_the_view_is_protected_like_sinks_and_leaves_the_policy_alone():
+    pinned = view(20)
+    pinned.num_pinned = 8
+    policy = make_policy("random", sinks=2, recent=2)
+    evicted = policy.select(pinned, budget=10)
+    assert kept(20, evicted)[:8] == list(range(8)) and policy.sinks == 2
+    assert policy.num_protected(10, num_pinned=8) == 8 + 2
+    assert policy.num_protected(10) == 2 + 2
+    window = make_policy("streaming_llm", sinks=1, recent=3)
+    assert kept(20, window.select(pinned, budget=100)) == [*range(8), 17, 18, 19]
+    gate = _Open(inner=make_policy("streaming_llm", sinks=1), sinks=2)
+    assert gate.num_protected(10, num_pinned=8) == 8 + 1  # the gate's sinks, not its inner's
+
+
 def test_traits_say_which_policies_hold_a_budget_every_step_and_which_need_one():
     every_step = {name for name, cls in REGISTRY.items() if cls.holds_budget_every_step}
     assert every_step == {"h2o", "random", "scissorhands", "tova", "streaming_llm"}

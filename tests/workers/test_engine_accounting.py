@@ -78,7 +78,7 @@ def _reclamation(llm, mode: str) -> dict:
             num_holey_steps += naive_blocks > report.ideal_blocks
         if counters_seen is None and len(state.manager.requests) == 4:
             counters_seen = engine_counters(llm)
-    assert state.num_preemptions == 0
+    assert state.counters.num_preemptions == 0
     override = state.finished[internal_request_id(state, "r3")].report
     config = engine_scheduler(llm).kv_cache_config
     return {
@@ -112,7 +112,7 @@ def _accounting(llm) -> dict:
         "free_at_start": free_at_start,
         "free_at_end": pool.get_num_free_blocks(),
         "total": pool.num_gpu_blocks - 1,
-        "preemptions": state.num_preemptions,
+        "preemptions": state.counters.num_preemptions,
         "tables_left": len(state.manager.requests),
     }
 

@@ -54,7 +54,7 @@ def test_without_pressure_nothing_is_evicted_and_tokens_equal_vanilla(tiny_llama
     llm = make_llm(tiny_llama_path, H2O_ON_DEMAND, **kwargs)
     assert _generate(llm, prompts, 40) == expected
     state = engine_state(llm)
-    assert state.num_evictions_under_pressure == 0 and state.num_preemptions == 0
+    assert state.counters.num_evictions_under_pressure == 0 and state.counters.num_preemptions == 0
     assert all(step.size == 0 for steps in _evictions(llm, ["0", "1"]) for step in steps)
 
 
@@ -71,13 +71,13 @@ def test_a_small_pool_evicts_running_requests_instead_of_preempting(tiny_llama_p
     never_evicts = {"policy": "none", "check_invariants": True}
     llm, tokens = _squeezed_run(tiny_llama_path, never_evicts, prompts, 60, **kwargs)
     assert all(len(t) == 60 for t in tokens)
-    assert engine_state(llm).num_preemptions > 0  # without eviction vLLM must preempt
+    assert engine_state(llm).counters.num_preemptions > 0  # without eviction vLLM must preempt
     del llm
     llm, tokens = _squeezed_run(tiny_llama_path, H2O_ON_DEMAND, prompts, 60, **kwargs)
     assert all(len(t) == 60 for t in tokens)
     state = engine_state(llm)
-    assert state.num_preemptions == 0
-    assert state.num_evictions_under_pressure > 0
+    assert state.counters.num_preemptions == 0
+    assert state.counters.num_evictions_under_pressure > 0
     evictions = _evictions(llm, ["0", "1", "2", "3"])
     assert any(step.size for steps in evictions for step in steps)
     # Squeezed only under pressure: some steps of every request evicted nothing.
@@ -95,12 +95,12 @@ def test_budgets_that_do_not_fit_are_squeezed_below_instead_of_preempted(tiny_ll
     at_budget = H2O_ON_DEMAND | {"squeeze_below_budget": False}
     llm, tokens = _squeezed_run(tiny_llama_path, at_budget, prompts, 60, **kwargs)
     assert all(len(t) == 60 for t in tokens)
-    assert engine_state(llm).num_preemptions > 0
+    assert engine_state(llm).counters.num_preemptions > 0
     del llm
     llm, tokens = _squeezed_run(tiny_llama_path, H2O_ON_DEMAND, prompts, 60, **kwargs)
     assert all(len(t) == 60 for t in tokens)
     state = engine_state(llm)
-    assert state.num_preemptions == 0 and state.num_evictions_below_budget > 0
+    assert state.counters.num_preemptions == 0 and state.counters.num_evictions_below_budget > 0
     final = [state.finished[internal_request_id(state, r)].report for r in "0123"]
     assert min(report.live_tokens for report in final) < 80  # someone went below budget
     assert all(report.live_tokens >= 40 for report in final)  # none under its floor
@@ -128,10 +128,10 @@ def test_squeezed_tokens_equal_the_reference_engine(
     run = _squeezed_run(str(smollm2_path), H2O_ON_DEMAND, prompts, new_tokens, **kwargs)
     llm, tokens = run
     state = engine_state(llm)
-    assert state.num_preemptions == 0 and state.num_evictions_under_pressure > 0
+    assert state.counters.num_preemptions == 0 and state.counters.num_evictions_under_pressure > 0
     evictions = _evictions(llm, [str(i) for i in range(num_prompts)])
     assert any(step.size for steps in evictions for step in steps), "vacuous: no pressure"
-    assert (state.num_evictions_below_budget > 0) == (num_prompts == 4)
+    assert (state.counters.num_evictions_below_budget > 0) == (num_prompts == 4)
     del llm
     for prompt, expected, evicted in zip(prompts, tokens, evictions, strict=True):
         manager = VTokenManager(StandaloneBlockPool(64), BLOCK_SIZE)
@@ -188,7 +188,7 @@ def test_controller_pressure_squeezes_running_requests_of_that_tenant_only(tiny_
         set_pressure({"a": 1.5})
     while engine.has_unfinished_requests():
         engine.step()
-    assert state.num_preemptions == 0
+    assert state.counters.num_preemptions == 0
 
 
 def test_a_prompt_in_chunks_gets_room_from_requests_above_budget(tiny_llama_path):
@@ -215,8 +215,8 @@ def test_a_prompt_in_chunks_gets_room_from_requests_above_budget(tiny_llama_path
     engine.add_request("B", TokensPrompt(prompt_token_ids=late), params)
     while engine.has_unfinished_requests():
         engine.step()
-    assert state.num_evictions_under_pressure > 0
-    assert state.num_preemptions == 0
+    assert state.counters.num_evictions_under_pressure > 0
+    assert state.counters.num_preemptions == 0
 
 
 def test_pressure_during_chunked_prefill_applies_to_the_whole_prompt(tiny_llama_path):

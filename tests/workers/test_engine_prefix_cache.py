@@ -1,4 +1,4 @@
-"""vLLM's prefix caching beside vToken (``workers/scheduler_side.py``, the pinning rule).
+"""vLLM's prefix caching beside vToken (``workers/prefix_cache.py``, the pinning rule).
 
 - policy ``none`` with prefix caching on is bit-identical to vanilla vLLM with prefix
   caching on (tokens, log-probabilities and cache hits), over batches with a repeated

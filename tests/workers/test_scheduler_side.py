@@ -250,9 +250,9 @@ def test_a_request_never_holds_more_than_admission_counts(hold):
             assert record.kv.num_held_blocks <= hold, (step, grown)
     assert max(grown) == (3 if hold else 12)
     # Counted apart from evictions for room or under pressure (there was neither).
-    assert state.num_evictions_under_pressure == 0
-    assert (state.num_evictions_to_bound > 1) == bool(hold)
-    assert state.snapshot().num_evictions_to_bound == state.num_evictions_to_bound
+    assert state.counters.num_evictions_under_pressure == 0
+    assert (state.counters.num_evictions_to_bound > 1) == bool(hold)
+    assert state.snapshot().num_evictions_to_bound == state.counters.num_evictions_to_bound
 
 
 @pytest.mark.parametrize(
@@ -382,13 +382,13 @@ def _decode_on_a_full_pool(squeeze_below_budget: bool, steps: int = 40, policy: 
             if state.allocate(request, 1) is None:
                 return state, step, seen
             request.num_computed_tokens += 1
-        squeezed = state.num_evictions_below_budget
+        squeezed = state.counters.num_evictions_below_budget
         state.after_step({r: 1 for r in requests}, requests, scores())
-        if state.num_evictions_below_budget > squeezed:  # no deeper than the step needs
+        if state.counters.num_evictions_below_budget > squeezed:  # no deeper than the step needs
             assert state.pool.num_free_blocks <= 1
         seen.append(
             {
-                r: (record.kv.table.num_live, state._budget(record))
+                r: (record.kv.table.num_live, state.budgets.budget(record))
                 for r, record in state.requests.items()
             }
         )
@@ -410,7 +410,7 @@ def test_on_demand_squeezes_below_budget_before_vllm_would_preempt(policy):
     assert below, "vacuous: nobody was squeezed below budget"
     assert all(2 * live >= budget for live, budget in below)  # squeeze_floor 0.5
     assert min(2 * live - budget for live, budget in below) < 2 * BLOCK_SIZE  # floor reached
-    assert state.num_evictions_below_budget > 0
+    assert state.counters.num_evictions_below_budget > 0
 
 
 def _at_budget_state(num_requests: int, num_tokens: int, num_blocks: int = 128, **config):
@@ -422,7 +422,7 @@ def _at_budget_state(num_requests: int, num_tokens: int, num_blocks: int = 128, 
     for i in range(num_requests):
         request = requests[f"r{i}"] = FakeRequest(f"r{i}", num_tokens)
         run_prefill(state, request)
-        keep = state._budget(state.requests[request.request_id])
+        keep = state.budgets.budget(state.requests[request.request_id])
         state.manager.evict_ids(request.request_id, np.arange(num_tokens - keep))
         state._reclaim(state.requests[request.request_id])
     return state, requests
@@ -431,23 +431,23 @@ def _at_budget_state(num_requests: int, num_tokens: int, num_blocks: int = 128, 
 def test_below_budget_takes_only_the_blocks_the_step_needs():
     state, requests = _at_budget_state(4, 200)  # budgets 100 tokens: 25 blocks of 4 each
     decoding = list(requests)
-    before = {r: state._room(r) for r in decoding}
+    planner = state.squeeze_planner()
+    before = {r: planner.room(r) for r in decoding}
     for need in (1, 3):
-        below = state.below_budget(decoding, need)
-        assert sum(state._room(r, t) - before[r] for r, t in below.items()) == need
+        below = planner.below_budget(decoding, need)
+        assert sum(planner.room(r, t) - before[r] for r, t in below.items()) == need
         assert len(below) == need  # one block each from the fullest shares
         # each keeps what its remaining blocks hold with the next token
         assert all((t + 1) % BLOCK_SIZE == 0 for t in below.values())
-    assert state.below_budget(decoding, 0) == {}
+    assert planner.below_budget(decoding, 0) == {}
 
 
 def test_the_waiting_queue_never_squeezes_below_budget():
     state, requests = _at_budget_state(3, 40, num_blocks=40)
     free = state.pool.num_free_blocks
-    always, for_room, below = state._to_squeeze(list(requests), requests, free + 20)
-    assert below == {} and not always and not for_room  # at budget: nothing gives room
-    always, for_room, below = state._to_squeeze(list(requests), requests, 0)
-    assert below == {}  # the running requests fit
+    plan = state.squeeze_planner(requests).plan(list(requests), free + 20)
+    assert plan.below == {} and not plan.always and not plan.for_room  # nothing gives room
+    assert state.squeeze_planner(requests).plan(list(requests), 0).below == {}  # they fit
 
 
 def test_a_request_with_a_pinned_hit_can_still_be_squeezed_below_budget():
@@ -465,22 +465,24 @@ def test_a_request_with_a_pinned_hit_can_still_be_squeezed_below_budget():
     assert state.allocate(second, 56, hit_blocks=hit) is not None
     second.num_computed_tokens = 64
     state._protect_shared(state.requests["b"])
-    budget = state._budget(state.requests["b"])  # 8 pinned + 0.5 x 56
+    budget = state.budgets.budget(state.requests["b"])  # 8 pinned + 0.5 x 56
     assert budget == 36
-    below = state.below_budget(["b"], 2)
-    assert below and state._room("b", below["b"]) - state._room("b") == 2
+    planner = state.squeeze_planner()
+    below = planner.below_budget(["b"], 2)
+    assert below and planner.room("b", below["b"]) - planner.room("b") == 2
     assert 8 + 14 <= below["b"] < budget  # the pin and half its own budget stay
     # 4 blocks: down to 6 blocks (23 tokens and the next), just above its floor of 22
-    assert state.below_budget(["b"], 4) == {"b": 23}
-    assert state.below_budget(["b"], 5) == {}  # not without going under its floor
+    assert planner.below_budget(["b"], 4) == {"b": 23}
+    assert planner.below_budget(["b"], 5) == {}  # not without going under its floor
 
 
 def test_no_squeeze_when_the_floors_cannot_free_enough():
     """vLLM preempts then, and the preempted request's blocks are the room: squeezing the
     others as well would only cost them context."""
     state, requests = _at_budget_state(2, 40)  # budgets 20 tokens: floors 10
-    assert state.below_budget(list(requests), 2)
-    assert state.below_budget(list(requests), 100) == {}
+    planner = state.squeeze_planner()
+    assert planner.below_budget(list(requests), 2)
+    assert planner.below_budget(list(requests), 100) == {}
 
 
 @dataclass
@@ -511,14 +513,14 @@ def test_a_request_ending_with_this_step_gives_its_blocks_instead_of_squeezing_o
     going_on = EndingRequest("r0", 40, max_tokens=100, num_output_tokens=0)
     state, requests = _full_pool_at_budget(going_on)
     decoding = ["r0", "r1", "r2", "r3"]
-    assert state._to_squeeze(decoding, requests, 0)[2]  # 4 blocks short: squeezed below
+    assert state.squeeze_planner(requests).plan(decoding, 0).below  # 4 blocks short
     ending = EndingRequest("r0", 40, max_tokens=5, num_output_tokens=4)
     state, requests = _full_pool_at_budget(ending)
-    always, for_room, below = state._to_squeeze(decoding, requests, 0)
-    assert (always, for_room, below) == (set(), set(), {})  # its 5 blocks cover the 3
+    plan = state.squeeze_planner(requests).plan(decoding, 0)
+    assert (plan.always, plan.for_room, plan.below) == (set(), set(), {})  # 5 blocks cover 3
     resumable = EndingRequest("r0", 40, max_tokens=5, num_output_tokens=4, resumable=True)
     state, requests = _full_pool_at_budget(resumable)
-    assert state._to_squeeze(decoding, requests, 0)[2]  # it keeps its blocks
+    assert state.squeeze_planner(requests).plan(decoding, 0).below  # it keeps its blocks
 
 
 def test_a_request_ending_with_this_step_counts_out_of_its_tenants_allowance():
@@ -530,10 +532,11 @@ def test_a_request_ending_with_this_step_counts_out_of_its_tenants_allowance():
     requests = {"x0": ending, "x1": FakeRequest("x1", 40, sampling_params=params)}
     for request in requests.values():
         run_prefill(state, request)  # 10 blocks each, nothing evicted: memory is plenty
-    state.allowance = {"x": 15}  # x0's 10 blocks come back with this step: x fits
-    assert state._to_squeeze(["x0", "x1"], requests, 0) == (set(), set(), {})
+    state.set_pressure({}, {"x": 15})  # x0's 10 blocks come back with this step: x fits
+    plan = state.squeeze_planner(requests).plan(["x0", "x1"], 0)
+    assert (plan.always, plan.for_room, plan.below) == (set(), set(), {})
     ending.max_tokens = 100
-    assert state._to_squeeze(["x0", "x1"], requests, 0)[1]  # going on: x is over
+    assert state.squeeze_planner(requests).plan(["x0", "x1"], 0).for_room  # x is over
 
 
 def test_the_smaller_budget_is_not_the_first_to_give():
@@ -546,21 +549,22 @@ def test_the_smaller_budget_is_not_the_first_to_give():
         run_prefill(state, FakeRequest(request_id, length))
         state.manager.evict_ids(request_id, np.arange(length - length // 2))
         state._reclaim(state.requests[request_id])
-    assert state.below_budget(["a", "b"], 1) == {"b": 39}
+    assert state.squeeze_planner().below_budget(["a", "b"], 1) == {"b": 39}
 
 
 def test_short_of_floors_the_others_give_only_what_vllms_victim_leaves_short():
     state, requests = _at_budget_state(2, 40)  # 3 blocks each above their floors
     decoding = list(requests)
-    assert state.below_budget(decoding, 7) == {}  # 6 < 7, no victim known: nothing
-    below = state.below_budget(decoding, 7, victim=("v", 3))  # the victim gives 3
-    assert sum(state._room(r, t) - state._room(r) for r, t in below.items()) == 4
-    assert state.below_budget(decoding, 7, victim=("v", 8)) == {}  # the victim covers it
-    everything = state.below_budget(decoding, 20, victim=("v", 3))  # more preemptions
-    assert sum(state._room(r, t) - state._room(r) for r, t in everything.items()) == 6
+    planner = state.squeeze_planner(requests)
+    assert planner.below_budget(decoding, 7) == {}  # 6 < 7, no victim known: nothing
+    below = planner.below_budget(decoding, 7, victim=("v", 3))  # the victim gives 3
+    assert sum(planner.room(r, t) - planner.room(r) for r, t in below.items()) == 4
+    assert planner.below_budget(decoding, 7, victim=("v", 8)) == {}  # the victim covers it
+    everything = planner.below_budget(decoding, 20, victim=("v", 3))  # more preemptions
+    assert sum(planner.room(r, t) - planner.room(r) for r, t in everything.items()) == 6
     # The newest running request is the one vLLM's scheduler would preempt.
-    assert state._likely_victim(requests, set()) == ("r1", 5 + 1)
-    assert state._likely_victim(requests, {"r1"}) == ("r0", 5 + 1)
+    assert planner.likely_victim(set()) == ("r1", 5 + 1)
+    assert planner.likely_victim({"r1"}) == ("r0", 5 + 1)
 
 
 def test_the_victim_counts_what_it_gives_after_its_own_eviction():
@@ -582,12 +586,14 @@ def test_the_victim_counts_what_it_gives_after_its_own_eviction():
             state.manager.evict_ids(request_id, np.arange(20))
             state._reclaim(state.requests[request_id])
     assert pool.get_num_free_blocks() == 0
-    always, for_room, below = state._to_squeeze(["r0", "r1", "r2"], requests, 0)
-    assert for_room == {"r2"} and below == {"r0": 11, "r1": 11}
-    assert state._likely_victim(requests, set(), {"r2"}) == ("r2", 11 - 5)
+    planner = state.squeeze_planner(requests)
+    plan = planner.plan(["r0", "r1", "r2"], 0)
+    assert plan.for_room == {"r2"} and plan.below == {"r0": 11, "r1": 11}
+    assert planner.likely_victim(set(), {"r2"}) == ("r2", 11 - 5)
     # A request whose first allocation failed is waiting, not vLLM's victim.
     assert state.allocate(FakeRequest("w", 64), 64) is None
-    assert state._likely_victim(requests | {"w": FakeRequest("w", 64)}, set())[0] == "r2"
+    waiting = state.squeeze_planner(requests | {"w": FakeRequest("w", 64)})
+    assert waiting.likely_victim(set())[0] == "r2"
 
 
 def test_a_tenant_over_its_allowance_goes_below_budget_first():
@@ -602,18 +608,19 @@ def test_a_tenant_over_its_allowance_goes_below_budget_first():
         run_prefill(state, request)
         state.manager.evict_ids(request_id, np.arange(20))
         state._reclaim(state.requests[request_id])
-    state.allowance = {"x": 6, "y": 100}  # x holds 10
-    excess = state._excess_over_allowance(set(), set())
+    state.set_pressure({}, {"x": 6, "y": 100})  # x holds 10
+    planner = state.squeeze_planner()
+    excess = planner.excess_over_allowance(set(), set())
     assert excess == {"x": 4, "y": -95}
-    below = state.below_budget(list(requests), 2, excess)
+    below = planner.below_budget(list(requests), 2, excess)
     assert set(below) == {"x1", "x2"}
     # Once within its allowance the tenant gives no more than its share.
     # Over by 1 held block: x1's first block given is its next step's (20 tokens fill 5
     # blocks), so x gives again; x1's second frees a held one, then shares are level.
-    below = state.below_budget(list(requests), 4, {"x": 1})
+    below = planner.below_budget(list(requests), 4, {"x": 1})
     assert below == {"x1": 15, "x2": 19, "a1": 19}
-    state.allowance = {}
-    assert "a1" in state.below_budget(list(requests), 2)  # level shares otherwise
+    state.set_pressure({}, {})
+    assert "a1" in state.squeeze_planner().below_budget(list(requests), 2)  # level shares
 
 
 def test_a_bad_hold_value_is_ignored() -> None:
@@ -652,7 +659,7 @@ def test_a_hit_is_shared_pinned_and_released_by_reference_count():
     assert [b.ref_cnt for b in hit] == [2, 2]
     assert manager.req_to_blocks["b"][:2] == hit and manager.num_cached_block["b"] == 2
     record = state.requests["b"]
-    assert record.protected == 4 and record.kv.policy.sinks == 4  # the pin, until it evicts
+    assert record.kv.num_pinned == 4 and record.kv.policy.sinks == 1  # the pin, not the policy
     reports = {r.request_id: r for r in state.manager.reports()}
     assert reports["a"].allocated_blocks == 3 and reports["a"].shared_blocks == 0
     assert reports["b"].allocated_blocks == 2 and reports["b"].shared_blocks == 2  # 4 held
@@ -683,7 +690,7 @@ def test_a_hit_on_free_blocks_counts_them_as_taken_and_a_refusal_takes_nothing()
 def test_a_policy_that_never_evicts_publishes_every_full_block():
     state, _, _ = make_state(ReclaimMode.VTOKEN)
     run_prefill(state, FakeRequest("r", num_prompt_tokens=10))
-    assert state.requests["r"].cacheable is None and state.requests["r"].protected == 0
+    assert state.requests["r"].cacheable is None and state.requests["r"].kv.num_pinned == 0
     assert state.num_cacheable_tokens("r", 10) == 10
 
 
@@ -701,7 +708,7 @@ def test_an_eviction_unpublishes_what_it_changes_and_protects_what_is_shared():
     record = state.requests["a"]
     first.num_computed_tokens = 16
     state.after_step({"a": 1}, {"a": first}, None)  # streaming_llm keeps sinks + recent: 3
-    assert record.protected == 8 and record.kv.policy.sinks == 8  # the shared blocks
+    assert record.kv.num_pinned == 8 and record.kv.policy.sinks == 1  # the shared blocks
     table = record.kv.table
     assert table.is_alive(np.arange(8)).all() and table.num_live < 16  # it evicted past them
     assert pool.unpublished == changed  # blocks 2-3; nothing shared was dropped
@@ -728,7 +735,7 @@ def test_a_block_nobody_else_holds_is_the_adopters_own():
     assert state.allocate(second, 8, hit_blocks=hit)
     _decode(state, second)  # streaming_llm: 1 sink + 2 recent
     record = state.requests["b"]
-    assert record.protected == 0 and record.kv.table.num_live == 3
+    assert record.kv.num_pinned == 0 and record.kv.table.num_live == 3
     assert pool.unpublished == {b.block_id for b in hit}
     assert manager.num_cached_block["b"] == 0 and record.cacheable == 0
     state.check_invariants()
@@ -754,7 +761,7 @@ def test_shared_blocks_cost_the_adopter_nothing_of_its_budget():
     assert state.allocate(second, 8, hit_blocks=hit)
     _decode(state, second)
     record = state.requests["b"]
-    assert record.shared_elsewhere == 2 and record.protected == 8  # a still holds them
+    assert record.shared_elsewhere == 2 and record.kv.num_pinned == 8  # a still holds them
     # its keep ratio on the tokens it pays for: 8 shared + ceil(0.5 * (16 - 8)) of its own
     assert record.kv.table.num_live == 8 + 4
     reports = {r.request_id: r for r in state.manager.reports()}
@@ -770,7 +777,7 @@ def test_pinned_cache_hits_stay_protected_and_cached_outside_the_budget():
     assert state.allocate(second, 16, hit_blocks=hit)
     _decode(state, second)
     record = state.requests["b"]
-    assert record.protected == 8 and record.shared_elsewhere == 0
+    assert record.kv.num_pinned == 8 and record.shared_elsewhere == 0
     table = record.kv.table
     assert table.is_alive(np.arange(8)).all()
     # keep ratio on the rest: 8 pinned + ceil(0.5 * (24 - 8)) of its own
@@ -787,7 +794,7 @@ def test_hard_bounds_come_before_pinned_hits_and_a_resumed_request_pins_nothing(
     state.requests["b"].hold_blocks = 3  # admission counts it at 3 blocks
     _decode(state, bounded)
     record = state.requests["b"]
-    assert record.protected == 0 and record.kv.table.num_live <= 2 * BLOCK_SIZE
+    assert record.kv.num_pinned == 0 and record.kv.table.num_live <= 2 * BLOCK_SIZE
     state.free("b")
     resumed = FakeRequest("c", num_prompt_tokens=24)
     resumed.num_preemptions = 1  # its hit is its own former sequence

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.scheduler_side import StepTimes
+from workers.step_times import StepTimes
 
 
 class Clock:

@@ -1,0 +1,128 @@
+"""What each running request may keep this step, and the squeeze planner's view of it.
+
+Reads the scheduler side's records, vLLM's block lists and the tenants' pressure; changes
+nothing. ``workers/scheduler_side.py`` asks it for a :class:`SqueezePlanner` per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
+
+from vtoken.repack_planner import ReclaimMode
+from workers.config import VTokenConfig
+from workers.prefix_cache import PrefixCacheRule
+from workers.scheduled_request import ScheduledRequest, ends_with_this_step
+from workers.squeeze import RequestView, SqueezePlanner
+from workers.tenant_pressure import TenantPressure
+
+
+class RequestBudgets:
+    """Budgets and squeeze views of one engine core's running requests (``stm``: vLLM's
+    ``FullAttentionManager``; ``max_step_tokens``: vLLM's token budget of one step)."""
+
+    def __init__(
+        self,
+        config: VTokenConfig,
+        block_size: int,
+        prefix: PrefixCacheRule,
+        tenants: TenantPressure,
+        stm: Any,
+        max_step_tokens: int | None,
+    ) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.prefix = prefix
+        self.tenants = tenants
+        self.stm = stm
+        self.max_step_tokens = max_step_tokens
+
+    def pinned_hit(self, record: ScheduledRequest) -> int:
+        """Tokens of its cache hit the request keeps for life (``pin_cache_hits``)."""
+        return self.prefix.pinned_hit(record, self.tenants.applies_to(record.kv.tenant))
+
+    def unbudgeted(self, record: ScheduledRequest) -> int:
+        """Leading tokens kept outside its policy's budget: blocks another request pays for
+        and, with ``pin_cache_hits``, its cache hit (both are prefixes of its table)."""
+        return max(record.shared_elsewhere * self.block_size, self.pinned_hit(record))
+
+    def budget(self, record: ScheduledRequest) -> int:
+        """Live tokens the request may keep after this step.
+
+        Its policy's budget applies to the tokens it pays for and did not pin: blocks
+        another request pays for (shared prefix blocks) and, with ``pin_cache_hits``, its
+        cache hit are kept on top of it. Then the hard bounds, on what it pays for: its
+        ``hold_blocks`` (what admission counts it at, a block for the step) and its
+        tenant's pressure (``fraction x anchor``). The policy still keeps what it protects
+        (:meth:`SqueezePlanner.blocks_above_budget` counts it)."""
+        unpaid = record.shared_elsewhere * self.block_size
+        kept = self.unbudgeted(record)
+        budget = record.spec.budget(max(0, record.kv.table.num_logical - kept)) + kept
+        if record.hold_blocks is not None:
+            budget = min(budget, max(1, (record.hold_blocks - 1) * self.block_size) + unpaid)
+        bound = self.tenants.bound(record.kv.tenant, record.pressure_anchor)
+        if bound is not None:
+            budget = min(budget, bound + unpaid)
+        return budget
+
+    def planner(
+        self,
+        records: Mapping[str, ScheduledRequest],
+        requests: Mapping[str, Any],
+        num_free_blocks: int,
+    ) -> SqueezePlanner:
+        """The squeeze arithmetic over ``records`` (every running request, in the order
+        vLLM added them) as they stand now (``requests``: vLLM's, for what each one's next
+        step needs)."""
+        return SqueezePlanner(
+            {request_id: self.view(record, requests) for request_id, record in records.items()},
+            num_free_blocks=num_free_blocks,
+            block_size=self.block_size,
+            allowance=self.tenants.allowance,
+            eager=self.config.eviction == "eager",
+            frees_blocks=self.config.mode is not ReclaimMode.NAIVE,
+            squeeze_below_budget=self.config.squeeze_below_budget,
+            squeeze_floor=self.config.squeeze_floor,
+        )
+
+    def view(self, record: ScheduledRequest, requests: Mapping[str, Any]) -> RequestView:
+        """What the squeeze planner reads of one running request now."""
+        kv, request = record.kv, requests.get(record.kv.request_id)
+        policy, table = kv.policy, kv.table
+        assert policy is not None
+        return RequestView(
+            tenant=kv.tenant,
+            num_blocks=len(table.block_ids),
+            num_paid_blocks=record.paid_blocks,
+            num_live=table.num_live,
+            num_next_token_blocks=table.num_blocks_needed(1),
+            num_next_step_blocks=self.next_step_blocks(record, request),
+            budget=self.budget(record),
+            num_unbudgeted=self.unbudgeted(record),
+            protected_at=partial(policy.num_protected, num_pinned=kv.num_pinned),
+            sole_blocks=partial(self.sole_blocks, kv.request_id),
+            evicts_to_budget=policy.holds_budget_every_step and policy.needs_budget,
+            own_timing=not policy.holds_budget_every_step,
+            capped=record.capped,
+            under_pressure=self.tenants.applies_to(kv.tenant),
+            hold_blocks=record.hold_blocks,
+            running=request is not None,
+            ending=request is not None and ends_with_this_step(request),
+        )
+
+    def next_step_blocks(self, record: ScheduledRequest, request: Any | None) -> int:
+        """Blocks one running request may open next step (0 if it ends with this one): a
+        prompt still in prefill its next chunk (at most the step's token budget), a
+        decoding request one block at a block boundary."""
+        if request is not None and ends_with_this_step(request):
+            return 0  # its blocks come back instead
+        remaining = 0 if request is None else request.num_tokens - request.num_computed_tokens
+        if self.max_step_tokens is not None:
+            remaining = min(remaining, self.max_step_tokens)  # one chunk per step
+        return record.kv.table.num_blocks_needed(max(remaining, 1))
+
+    def sole_blocks(self, request_id: str) -> int:
+        """Blocks back in the pool when the request ends: those nobody else holds (read
+        only when asked: it reads every block's reference count)."""
+        return sum(1 for block in self.stm.req_to_blocks[request_id] if block.ref_cnt == 1)

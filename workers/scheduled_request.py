@@ -1,0 +1,119 @@
+"""What the scheduler side keeps of one running request, its ops outbox, and what it reads
+of vLLM's requests."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from vtoken.manager import RequestKV
+from vtoken.policy import ScoreNeeds
+from vtoken.reports import RequestReport
+from workers.config import HOLD_TO_BLOCKS_KEY, PolicySpec
+from workers.messages import StepOps
+
+EMPTY_SLOTS = np.zeros(0, dtype=np.int64)
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One running request of the engine core: the manager's entry (its pinned prefix is
+    ``kv.num_pinned``), its policy spec, what the workers still have to apply (repack
+    moves, the block count after the repack), and every step's evicted logical ids when
+    ``record_evictions`` is on."""
+
+    kv: RequestKV
+    spec: PolicySpec
+    capped: bool = False  # its spec is a per-request override (the tenant's cap)
+    cacheable: int | None = None  # tokens it may publish; None: every full block
+    shared_elsewhere: int = 0  # blocks it holds that another request pays for (this step)
+    hit_tokens: int = 0  # tokens it took from a prefix-cache hit
+    hold_blocks: int | None = None  # what admission counts it at once its prefill ended
+    pressure_anchor: int | None = None  # live tokens when its tenant's pressure reached it
+    pending_src: np.ndarray = field(default_factory=lambda: EMPTY_SLOTS)
+    pending_dst: np.ndarray = field(default_factory=lambda: EMPTY_SLOTS)
+    pending_num_blocks: int | None = None
+    evictions: list[np.ndarray] = field(default_factory=list)
+
+    @property
+    def paid_blocks(self) -> int:
+        """Blocks it holds (ballast included) less those another request pays for."""
+        return self.kv.num_held_blocks - self.shared_elsewhere
+
+    def check_invariants(self, vllm_block_ids: list[int], naive: bool) -> None:
+        """Its table holds vLLM's block list (``vllm_block_ids``), repacked, with exactly
+        Naive-Evict's ballast in naive mode (none otherwise), and never the null block."""
+        kv, request_id = self.kv, self.kv.request_id
+        assert vllm_block_ids == kv.table.block_ids, f"{request_id}: vLLM blocks != token table"
+        assert kv.table.num_slots == kv.table.num_live, f"{request_id}: not repacked"
+        assert len(kv.table.block_ids) == kv.table.num_ideal_blocks
+        ballast = kv.table.num_naive_blocks() - len(kv.table.block_ids) if naive else 0
+        assert len(kv.ballast) == ballast, f"{request_id}: ballast is not Naive-Evict's"
+        assert 0 not in kv.table.block_ids + kv.ballast, "the null block was handed out"
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedRequest:
+    """A finished request's last report and (``record_evictions``) its evictions."""
+
+    report: RequestReport
+    evictions: list[np.ndarray]
+
+
+def hold_blocks_of(extra: Mapping[str, Any]) -> int | None:
+    """The request's ``HOLD_TO_BLOCKS_KEY`` (a positive int), else ``None``."""
+    value = extra.get(HOLD_TO_BLOCKS_KEY)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
+
+
+def ends_with_this_step(request: Any) -> bool:
+    """Whether a decoding vLLM ``Request`` reaches its ``max_tokens`` with the token this
+    step samples (vLLM's stop check runs after the vToken step hook). Stop tokens and
+    strings are not foreseen: such a request counts as going on."""
+    max_tokens = getattr(request, "max_tokens", None)
+    num_output = getattr(request, "num_output_tokens", None)
+    if not isinstance(max_tokens, int) or not isinstance(num_output, int):
+        return False
+    if getattr(request, "resumable", False):
+        return False  # a streaming-input request keeps its blocks for its next input
+    decoding = request.num_computed_tokens >= request.num_tokens
+    return decoding and num_output + 1 >= max_tokens
+
+
+def take_ops(
+    records: Mapping[str, ScheduledRequest],
+    num_scheduled_tokens: Mapping[str, int],
+    requests: Mapping[str, Any],
+) -> StepOps:
+    """The ops the workers apply before this step's forward (see ``StepOps``): each
+    scheduled request's evicted count and score needs, and every pending repack (taken:
+    the records keep none afterwards)."""
+    num_evicted, score_needs = {}, {}
+    for request_id in num_scheduled_tokens:
+        record = records.get(request_id)
+        if record is None:
+            continue
+        table, policy = record.kv.table, record.kv.policy
+        assert table.num_logical == requests[request_id].num_computed_tokens
+        num_evicted[request_id] = table.num_logical - table.num_slots
+        needs = policy.score_needs() if policy is not None else ScoreNeeds()
+        if needs.any:
+            score_needs[request_id] = needs
+    src, dst, num_blocks = [EMPTY_SLOTS], [EMPTY_SLOTS], {}
+    for request_id, record in records.items():
+        if record.pending_num_blocks is not None:
+            src.append(record.pending_src)
+            dst.append(record.pending_dst)
+            num_blocks[request_id] = record.pending_num_blocks
+            record.pending_src = record.pending_dst = EMPTY_SLOTS
+            record.pending_num_blocks = None
+    return StepOps(
+        src_slots=np.concatenate(src),
+        dst_slots=np.concatenate(dst),
+        num_blocks=num_blocks,
+        num_evicted=num_evicted,
+        score_needs=score_needs,
+    )

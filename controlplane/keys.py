@@ -55,6 +55,12 @@ class KeySpace:
         return f"{self.prefix}:plan:heartbeat"
 
     @property
+    def plan_slices(self) -> str:
+        """Hash: replica id -> its PlanSlice JSON (its pressure and allowances), written
+        with the plan; what engines read instead of the whole plan."""
+        return f"{self.prefix}:plan:slices"
+
+    @property
     def plan_fence(self) -> str:
         """Highest lease fence that wrote a plan; lower fences are rejected."""
         return f"{self.prefix}:plan:fence"

@@ -23,7 +23,10 @@ def plan(version: int, created_s: float, keep: float, others: bool = True) -> Ro
                 "r1": {"acme": {"keep_fraction": keep, "target_blocks": 4}},
                 **({"r2": {"other": {"keep_fraction": 0.1, "target_blocks": 1}}} if others else {}),
             },
-            "allowance": {"r1": {"acme": 8, "beta": 40}, **({"r2": {"other": 3}} if others else {})},
+            "allowance": {
+                "r1": {"acme": 8, "beta": 40},
+                **({"r2": {"other": 3}} if others else {}),
+            },
         }
     )
 

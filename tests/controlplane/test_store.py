@@ -170,7 +170,9 @@ async def test_prefix_keys_lost_with_their_hash_are_sent_again(store: RedisStore
 
 
 async def test_bad_prefix_keys_or_a_foreign_key_are_skipped(store: RedisStore) -> None:
-    await store.redis.hset(store.keys.replica("r1"), mapping={"prefix_tag": "t", "prefix_keys": "{"})
+    await store.redis.hset(
+        store.keys.replica("r1"), mapping={"prefix_tag": "t", "prefix_keys": "{"}
+    )
     await store.redis.set(store.keys.replica("r2"), "not a hash")
     changed = await store.read_prefix_keys({"r1": "", "r2": "", "r3": ""})
     assert changed["r1"].keys == () and changed["r1"].tag == "t" and list(changed) == ["r1"]

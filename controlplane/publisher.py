@@ -32,7 +32,9 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class PublisherConfig:
     """`ttl_periods`: the report hash expires after this many periods without a write, so
-    a dead replica vanishes from Redis on its own (ARCHITECTURE: TTL ~3 periods)."""
+    a dead replica vanishes from Redis on its own (ARCHITECTURE: TTL ~3 periods).
+    `prefix_keys_period_s`: changed prefix keys are written at most this often (routers
+    read them once a second, `RouterConfig.report_refresh_s`; 1,024 keys are ~17 kB)."""
 
     replica_id: str
     engine_id: str = ""
@@ -41,6 +43,7 @@ class PublisherConfig:
     period_s: float = 0.1
     ttl_periods: float = 3.0
     backoff_cap_s: float = 2.0
+    prefix_keys_period_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.replica_id:
@@ -123,7 +126,9 @@ class ReportPublisher:
                 )
                 await asyncio.wait_for(
                     self._store.publish_report(
-                        report, ttl_s=self.config.period_s * self.config.ttl_periods
+                        report,
+                        ttl_s=self.config.period_s * self.config.ttl_periods,
+                        prefix_keys_period_s=self.config.prefix_keys_period_s,
                     ),
                     timeout=self.config.period_s,
                 )

@@ -34,7 +34,7 @@ from controlplane.report_rows import (
 
 logger = logging.getLogger(__name__)
 
-_NOT_IN_REPORT = {"prefix_keys"}  # stored in their own field
+_NOT_IN_REPORT = {"prefix_keys"}  # stored in a key of their own
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,11 +97,11 @@ class RedisStore:
         self.redis = redis
         self.keys = keys if keys is not None else KeySpace()
         self._read_reports_script = redis.register_script(scripts.READ_REPORTS)
-        self._read_prefix_script = redis.register_script(scripts.READ_PREFIX_KEYS)
+        self._read_tags_script = redis.register_script(scripts.READ_PREFIX_TAGS)
         self._publish_script = redis.register_script(scripts.PUBLISH_REPORTS)
         self._read_slice_script = redis.register_script(scripts.READ_PLAN_SLICE)
-        # Prefix keys last written per replica id, and their tag (unique per store).
-        self._prefix_sent: dict[str, tuple[tuple[str, ...], str]] = {}
+        # Prefix keys last written per replica id: keys, tag (unique per store), when.
+        self._prefix_sent: dict[str, tuple[tuple[str, ...], str, float]] = {}
         self._prefix_nonce = secrets.token_hex(4)
         self._prefix_tags = 0
 
@@ -151,44 +151,61 @@ class RedisStore:
 
     # Reports ----------------------------------------------------------------------------
 
-    async def publish_report(self, report: ReplicaReport, ttl_s: float) -> None:
+    async def publish_report(
+        self, report: ReplicaReport, ttl_s: float, prefix_keys_period_s: float = 0.0
+    ) -> None:
         """Write one report (hash + TTL + registry) in one round trip."""
-        await self.publish_reports([report], ttl_s)
+        await self.publish_reports([report], ttl_s, prefix_keys_period_s)
 
-    async def publish_reports(self, reports: Iterable[ReplicaReport], ttl_s: float) -> int:
+    async def publish_reports(
+        self, reports: Iterable[ReplicaReport], ttl_s: float, prefix_keys_period_s: float = 0.0
+    ) -> int:
         """Write many reports in one script call (HSET, PEXPIRE, ZADD each); returns the count.
 
         One command per batch, not three per report: redis-py's per-command Python cost
         held a pipeline of HSET/PEXPIRE/ZADD to ~11,000 reports/s on 2 cores; this script
-        wrote ~50,000/s (bench/RESULTS.md). A report's prefix keys go to their own field,
-        and only when they differ from the ones this store last wrote for the replica
-        (1,024 keys are ~20 kB, ~10x the rest of a report); the script names replicas
-        whose stored keys are not those (an expired hash), which are sent again next time.
-        """
+        wrote ~50,000/s (bench/RESULTS.md).
+
+        A report's prefix keys (1,024 are ~17 kB, ~8x the rest of a report) go to their own
+        key with a plain SET before the script (through Lua, 1,000 of them took Redis
+        ~100 ms), and only when they differ from the ones this store last wrote for the
+        replica, at most once per `prefix_keys_period_s` of the report's clock (routers
+        read them once a second). The script tags the report with the keys' tag and keeps
+        their key alive; it names replicas whose keys key is gone (expired while the
+        replica was away), which are written again next time."""
         if ttl_s <= 0:
             raise ValueError(f"report ttl_s must be positive, got {ttl_s}")
+        ttl_ms = max(1, int(ttl_s * 1000))
         keys = [self.keys.replicas]
-        args: list[str | int] = [max(1, int(ttl_s * 1000))]
-        sending: dict[str, tuple[tuple[str, ...], str]] = {}
+        args: list[str | int] = [ttl_ms]
+        sending: dict[str, tuple[tuple[str, ...], str, float]] = {}
         for report in reports:
             replica_id = report.replica_id
-            keys.append(self.keys.replica(replica_id))
+            keys += [self.keys.replica(replica_id), self.keys.replica_prefix_keys(replica_id)]
             sent = self._prefix_sent.get(replica_id)
-            if sent is not None and sent[0] == report.prefix_keys:
-                tag, keys_json = sent[1], ""
-            else:
+            if sent is None or (
+                sent[0] != report.prefix_keys
+                and report.heartbeat_s - sent[2] >= prefix_keys_period_s
+            ):
                 self._prefix_tags += 1
                 tag = f"{self._prefix_nonce}.{self._prefix_tags}"
-                keys_json = json.dumps(report.prefix_keys)
-                sending[replica_id] = (report.prefix_keys, tag)
+                sending[replica_id] = (report.prefix_keys, tag, report.heartbeat_s)
+            else:
+                tag = sent[1]
             report_json = report.model_dump_json(exclude=_NOT_IN_REPORT)
-            args += [replica_id, repr(report.heartbeat_s), report_json, tag, keys_json]
-        if len(keys) > 1:
-            resend = await self._publish_script(keys=keys, args=args)
-            self._prefix_sent.update(sending)
-            for replica_id in resend:
-                self._prefix_sent.pop(replica_id, None)
-        return len(keys) - 1
+            args += [replica_id, repr(report.heartbeat_s), report_json, tag]
+        if len(keys) == 1:
+            return 0
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for replica_id, (prefix_keys, tag, _) in sending.items():
+                value = " ".join((tag, *prefix_keys))
+                pipe.set(self.keys.replica_prefix_keys(replica_id), value, px=ttl_ms)
+            await self._publish_script(keys=keys, args=args, client=pipe)
+            *_, resend = await pipe.execute()
+        self._prefix_sent.update(sending)
+        for replica_id in resend:
+            self._prefix_sent.pop(replica_id, None)
+        return (len(keys) - 1) // 2
 
     async def read_reports(
         self, now_s: float, max_age_s: float, forget_after_s: float
@@ -220,21 +237,25 @@ class RedisStore:
 
     async def read_prefix_keys(self, known_tags: Mapping[str, str]) -> dict[str, PrefixKeys]:
         """The prefix keys of the replicas in `known_tags` (replica id -> the tag the
-        caller holds, '' for none) whose stored tag differs: only what changed crosses
-        the network and is parsed. One script call."""
+        caller holds, '' for none) whose reports carry another tag: only what changed
+        crosses the network and is parsed. Two round trips: the tags (one script call),
+        then one MGET of the changed keys. A replica whose keys are missing, or another
+        type, is left out (and asked again next time)."""
         replica_ids = list(known_tags)
         if not replica_ids:
             return {}
-        values = await self._read_prefix_script(
-            keys=[self.keys.replica(replica_id) for replica_id in replica_ids],
-            args=[known_tags[replica_id] for replica_id in replica_ids],
+        tags = await self._read_tags_script(
+            keys=[self.keys.replica(replica_id) for replica_id in replica_ids]
         )
-        changed: dict[str, PrefixKeys] = {}
-        for index, replica_id in enumerate(replica_ids):
-            tag, raw = values[2 * index], values[2 * index + 1]
-            if tag:
-                changed[replica_id] = parse_prefix_keys(replica_id, tag, raw)
-        return changed
+        moved = [r for r, tag in zip(replica_ids, tags, strict=True) if tag != known_tags[r]]
+        if not moved:
+            return {}
+        values = await self.redis.mget([self.keys.replica_prefix_keys(r) for r in moved])
+        return {
+            replica_id: parse_prefix_keys(replica_id, value)
+            for replica_id, value in zip(moved, values, strict=True)
+            if value
+        }
 
     # Prometheus targets -----------------------------------------------------------------
 

@@ -25,43 +25,32 @@ end
 return out
 """
 
-# KEYS: report hashes. ARGV: the prefix tag the reader holds for each ('' for none).
-# Returns, per hash, its tag and prefix keys JSON where the stored tag differs from the
-# reader's, and '', '' where it is the same, or the hash expired or holds another type.
-READ_PREFIX_KEYS = """
+# KEYS: report hashes. Returns each one's `prefix_tag` ('' where missing, expired or of
+# another type).
+READ_PREFIX_TAGS = """
 local out = {}
 for i, key in ipairs(KEYS) do
   local tag = redis.pcall('HGET', key, 'prefix_tag')
-  if type(tag) == 'string' and tag ~= ARGV[i] then
-    out[2 * i - 1] = tag
-    out[2 * i] = redis.call('HGET', key, 'prefix_keys') or '[]'
-  else
-    out[2 * i - 1] = ''
-    out[2 * i] = ''
-  end
+  if type(tag) == 'string' then out[i] = tag else out[i] = '' end
 end
 return out
 """
 
-# KEYS: registry, then one report hash per report. ARGV: ttl_ms, then (replica id,
-# heartbeat, report JSON, prefix tag, prefix keys JSON or '' when they did not change)
-# per report. Returns the replica ids whose keys came without their tag being stored
-# (the hash expired or was lost): the writer sends their keys again.
+# KEYS: registry, then (report hash, prefix keys key) per report. ARGV: ttl_ms, then
+# (replica id, heartbeat, report JSON, prefix tag) per report. The prefix keys were SET
+# just before when they changed. Returns the replica ids whose prefix keys key is gone
+# (it expired while the replica was away): the writer sends their keys again.
 PUBLISH_REPORTS = """
 local ttl_ms = ARGV[1]
 local resend = {}
-for i = 2, #KEYS do
-  local at = 5 * (i - 2) + 2
-  if ARGV[at + 4] ~= '' then
-    redis.call('HSET', KEYS[i], 'report', ARGV[at + 2], 'heartbeat_s', ARGV[at + 1],
-               'prefix_tag', ARGV[at + 3], 'prefix_keys', ARGV[at + 4])
-  else
-    redis.call('HSET', KEYS[i], 'report', ARGV[at + 2], 'heartbeat_s', ARGV[at + 1])
-    if redis.call('HGET', KEYS[i], 'prefix_tag') ~= ARGV[at + 3] then
-      resend[#resend + 1] = ARGV[at]
-    end
-  end
+for i = 2, #KEYS, 2 do
+  local at = 2 * (i - 2) + 2
+  redis.call('HSET', KEYS[i], 'report', ARGV[at + 2], 'heartbeat_s', ARGV[at + 1],
+             'prefix_tag', ARGV[at + 3])
   redis.call('PEXPIRE', KEYS[i], ttl_ms)
+  if redis.call('PEXPIRE', KEYS[i + 1], ttl_ms) == 0 then
+    resend[#resend + 1] = ARGV[at]
+  end
   redis.call('ZADD', KEYS[1], ARGV[at + 1], ARGV[at])
 end
 return resend

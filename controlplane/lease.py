@@ -1,7 +1,8 @@
 """The controller lease (SET NX PX + a fencing token) and the fenced plan write.
 
 At most one controller holds the lease; each new grant takes the next fencing token from
-a Redis counter. A plan write is one Lua script that checks, atomically with the write,
+a Redis counter. A plan write (the plan, the replicas' slices of it, the per-tenant usage
+and the heartbeat) is one Lua script that checks, atomically with the write,
 that the writer still holds the lease with its fence, that no higher fence has written,
 and that the version grows. So two controllers never interleave plans, and a paused
 controller whose lease lapsed cannot overwrite its successor's plan.

@@ -250,7 +250,9 @@ class RedisStore:
         moved = [r for r, tag in zip(replica_ids, tags, strict=True) if tag != known_tags[r]]
         if not moved:
             return {}
-        values = await self.redis.mget([self.keys.replica_prefix_keys(r) for r in moved])
+        values: list[str | None] = await self.redis.mget(  # type: ignore[assignment]
+            [self.keys.replica_prefix_keys(r) for r in moved]
+        )
         return {
             replica_id: parse_prefix_keys(replica_id, value)
             for replica_id, value in zip(moved, values, strict=True)
@@ -309,7 +311,7 @@ class RedisStore:
 
     async def read_raw_plan(self) -> str | None:
         """The latest plan's JSON, for :func:`parse_plan`."""
-        raw: str | None = await self.redis.get(self.keys.plan)
+        raw: str | None = await self.redis.get(self.keys.plan)  # type: ignore[assignment]
         return raw
 
     async def read_usage(self) -> dict[str, int]:

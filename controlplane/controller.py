@@ -23,6 +23,7 @@ from controlplane.clock import Clock
 from controlplane.lease import ControllerLease, LeaseHeld, PlanWrite
 from controlplane.models import RoutingPlan, TenantQuota
 from controlplane.placement import PlanInputs, PlannerConfig, PlanResult, compute_plan
+from controlplane.plan_slices import SliceUpdate, slice_update
 from controlplane.redis_conn import REDIS_ERRORS, Backoff
 from controlplane.store import RedisStore
 
@@ -192,14 +193,14 @@ class Controller:
         )
         with self._tracer.start_as_current_span(telemetry.SPAN_PLAN_COMPUTE):
             # ~0.1 s of CPU at 1000 replicas x 10000 tenants: off the event loop.
-            result, changed = await asyncio.to_thread(self._compute, inputs)
+            result, changed, slices = await asyncio.to_thread(self._compute, inputs)
         plan = result.plan
         if not changed and self._plan is not None:  # same content: the version stays
             plan = self._plan.model_copy(update={"fence": fence, "created_s": now_s})
         plan_done = time.perf_counter()
         with self._tracer.start_as_current_span(telemetry.SPAN_PLAN_WRITE):
             write = await self._lease.write_plan(
-                plan, result.usage_blocks, self.config.usage_ttl_s, changed=changed
+                plan, result.usage_blocks, self.config.usage_ttl_s, changed, slices
             )
         timings = {
             "read_s": read_done - started,
@@ -231,12 +232,14 @@ class Controller:
         logger.warning("controller %s plan write refused: %s", self._lease.owner, write.value)
         return CycleResult(write is PlanWrite.STALE_VERSION, self._plan, write, 0, **timings)
 
-    def _compute(self, inputs: PlanInputs) -> tuple[PlanResult, bool]:
-        """The plan, and whether its content differs from the stored one's (always when
-        the stored plan may not be this controller's last one)."""
+    def _compute(self, inputs: PlanInputs) -> tuple[PlanResult, bool, SliceUpdate]:
+        """The plan, whether its content differs from the stored one's (always when the
+        stored plan may not be this controller's last one), and the replicas' slices
+        to write (those that changed; all of them when the stored ones are not known)."""
         result = compute_plan(inputs, self.planner_config)
         previous = self._plan if self._stored_is_current else None
-        return result, previous is None or not result.plan.same_content(previous)
+        changed = previous is None or not result.plan.same_content(previous)
+        return result, changed, slice_update(result.plan, previous)
 
     def _tune_gc(self) -> None:
         if not self.config.freeze_gc_after_cycle:

@@ -34,6 +34,11 @@ class KeySpace:
         """Hash with a TTL: one replica's latest report."""
         return f"{self.prefix}:replica:{replica_id}"
 
+    def replica_prefix_keys(self, replica_id: str) -> str:
+        """String with a TTL: `<tag> <key> <key> ...`, the prefix keys of one replica's
+        latest report that carried them (the report's hash names their tag)."""
+        return f"{self.prefix}:replica-prefix:{replica_id}"
+
     @property
     def metrics_targets(self) -> str:
         """Hash: replica id -> ``{"address", "model_id"}`` JSON of its Prometheus endpoint."""
@@ -53,6 +58,12 @@ class KeySpace:
         """String: the leader's clock (s) at its latest plan write. It moves every cycle;
         the plan's version moves only when the plan's content does."""
         return f"{self.prefix}:plan:heartbeat"
+
+    @property
+    def plan_slices(self) -> str:
+        """Hash: replica id -> its PlanSlice JSON (its pressure and allowances), written
+        with the plan; what engines read instead of the whole plan."""
+        return f"{self.prefix}:plan:slices"
 
     @property
     def plan_fence(self) -> str:

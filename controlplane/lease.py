@@ -1,7 +1,8 @@
 """The controller lease (SET NX PX + a fencing token) and the fenced plan write.
 
 At most one controller holds the lease; each new grant takes the next fencing token from
-a Redis counter. A plan write is one Lua script that checks, atomically with the write,
+a Redis counter. A plan write (the plan, the replicas' slices of it, the per-tenant usage
+and the heartbeat) is one Lua script that checks, atomically with the write,
 that the writer still holds the lease with its fence, that no higher fence has written,
 and that the version grows. So two controllers never interleave plans, and a paused
 controller whose lease lapsed cannot overwrite its successor's plan.
@@ -18,6 +19,7 @@ import redis.asyncio as aioredis
 
 from controlplane.keys import KeySpace
 from controlplane.models import RoutingPlan
+from controlplane.plan_slices import SliceUpdate, slice_update
 
 # KEYS: lease, fence counter, plan fence. ARGV: owner, ttl_ms.
 # Returns {1, fence} when held (renewed or newly granted), {0, holder} otherwise.
@@ -50,10 +52,12 @@ end
 return 0
 """
 
-# KEYS: lease, plan, plan version, plan fence, usage, plan heartbeat.
+# KEYS: lease, plan, plan version, plan fence, usage, plan heartbeat, plan slices.
 # ARGV: owner, fence, version, plan JSON ('' when the plan's content did not change: only
 # the heartbeat and the usage are written), usage JSON (tenant -> blocks), usage ttl_ms,
-# heartbeat (s).
+# heartbeat (s), the slice count the stored slices hash must have ('' to replace it
+# whole), the number n of slices to remove, n replica ids, then (replica id, slice JSON)
+# pairs to write.
 _WRITE_PLAN = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] .. '|' .. ARGV[2] then
   return 'lease_lost'
@@ -65,6 +69,19 @@ end
 if ARGV[4] == '' and (redis.call('GET', KEYS[3]) ~= ARGV[3]
     or redis.call('EXISTS', KEYS[2]) == 0) then
   return 'plan_missing'
+end
+if ARGV[8] ~= '' then
+  -- Slices are written as a difference: the stored hash must be the one it applies to.
+  local kind = redis.call('TYPE', KEYS[7])['ok']
+  local count = 0
+  if kind == 'hash' then
+    count = redis.call('HLEN', KEYS[7])
+  elseif kind ~= 'none' then
+    count = -1
+  end
+  if count ~= tonumber(ARGV[8]) then
+    return 'plan_missing'
+  end
 end
 if ARGV[4] ~= '' then
   -- A stored version that is not a number (a foreign write) is replaced, not compared.
@@ -81,6 +98,16 @@ for tenant, blocks in pairs(cjson.decode(ARGV[5])) do
   redis.call('HSET', KEYS[5], tenant, blocks)
 end
 redis.call('PEXPIRE', KEYS[5], ARGV[6])
+if ARGV[8] == '' then
+  redis.call('DEL', KEYS[7])
+end
+local removed = tonumber(ARGV[9])
+for i = 10, 9 + removed do
+  redis.call('HDEL', KEYS[7], ARGV[i])
+end
+for i = 10 + removed, #ARGV, 2 do
+  redis.call('HSET', KEYS[7], ARGV[i], ARGV[i + 1])
+end
 return 'written'
 """
 
@@ -144,16 +171,31 @@ class ControllerLease:
         usage_blocks: Mapping[str, int],
         usage_ttl_s: float,
         changed: bool = True,
+        slices: SliceUpdate | None = None,
     ) -> PlanWrite:
         """Write `plan` and the per-tenant usage admission reads, iff still entitled to,
         and the plan heartbeat (`plan.created_s`). With ``changed=False`` (the plan's
         content equals the stored plan's) the stored plan and its version stay: readers
         that follow the version parse nothing, and the heartbeat tells them it is current.
 
+        The replicas' slices (`controlplane/plan_slices.py`) are written in the same
+        script: `slices` (computed off the event loop by the controller), or by default
+        every slice of `plan`, replacing the stored ones. A difference whose base is not
+        what is stored is refused as `PLAN_MISSING` (the caller rewrites whole).
+
         The usage expires `usage_ttl_s` after the write: when no controller measures any
         more, admission counts the reservations alone instead of frozen numbers."""
         if usage_ttl_s <= 0:
             raise ValueError(f"usage_ttl_s must be positive, got {usage_ttl_s}")
+        if slices is None:
+            slices = slice_update(plan, None)
+        slice_args: list[str | int] = [
+            "" if slices.replace else slices.expected_count,
+            len(slices.removed),
+            *slices.removed,
+        ]
+        for replica_id, value in slices.upserts.items():
+            slice_args += [replica_id, value]
         outcome = await self._write_plan(
             keys=[
                 self.keys.lease,
@@ -162,6 +204,7 @@ class ControllerLease:
                 self.keys.plan_fence,
                 self.keys.usage,
                 self.keys.plan_heartbeat,
+                self.keys.plan_slices,
             ],
             args=[
                 self.owner,
@@ -171,6 +214,7 @@ class ControllerLease:
                 json.dumps(dict(usage_blocks), separators=(",", ":")),
                 max(1, int(usage_ttl_s * 1000)),
                 repr(plan.created_s),
+                *slice_args,
             ],
         )
         return PlanWrite(outcome)

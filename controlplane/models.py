@@ -257,6 +257,12 @@ class RoutingPlan(_Frozen):
     pressure: dict[ReplicaId, dict[TenantId, EvictionPressure]] = Field(default_factory=dict)
     allowance: dict[ReplicaId, dict[TenantId, NonNegativeInt]] = Field(default_factory=dict)
 
+    def replica_slice_ids(self) -> frozenset[str]:
+        """The replicas this plan has a :class:`PlanSlice` for: every one it names."""
+        return frozenset(
+            (*self.replica_ids, *self.drained_replica_ids, *self.pressure, *self.allowance)
+        )
+
     def same_content(self, other: RoutingPlan) -> bool:
         """Whether ``other`` routes, drains, presses and allows exactly as this plan."""
         return all(
@@ -264,3 +270,16 @@ class RoutingPlan(_Frozen):
             for name in type(self).model_fields
             if name not in ("version", "fence", "created_s")
         )
+
+
+class PlanSlice(_Frozen):
+    """One replica's part of a plan (Redis hash `vtoken:plan:slices`, field = replica id):
+    what an engine applies, a few hundred bytes instead of the whole plan (1.5 MB and
+    ~150 ms of parsing at 1,000 replicas x 10,000 tenants). `version` and `created_s` are
+    those of the plan that last changed this slice; the slice is current as long as it is
+    stored (the leader rewrites, adds and removes slices atomically with the plan)."""
+
+    version: NonNegativeInt
+    created_s: float = Field(ge=0)
+    pressure: dict[TenantId, EvictionPressure] = Field(default_factory=dict)
+    allowance: dict[TenantId, NonNegativeInt] = Field(default_factory=dict)

@@ -23,19 +23,18 @@ from opentelemetry import trace
 from controlplane import telemetry
 from controlplane.clock import Clock
 from controlplane.models import EngineCounters, ReplicaReport
-from controlplane.redis_conn import REDIS_ERRORS, Backoff
+from controlplane.redis_conn import Backoff
 from controlplane.store import RedisStore
 
 logger = logging.getLogger(__name__)
-
-# A report that cannot be written is dropped; the next period's report replaces it.
-_PUBLISH_ERRORS: tuple[type[Exception], ...] = (*REDIS_ERRORS, TimeoutError, ValueError)
 
 
 @dataclass(frozen=True, slots=True)
 class PublisherConfig:
     """`ttl_periods`: the report hash expires after this many periods without a write, so
-    a dead replica vanishes from Redis on its own (ARCHITECTURE: TTL ~3 periods)."""
+    a dead replica vanishes from Redis on its own (ARCHITECTURE: TTL ~3 periods).
+    `prefix_keys_period_s`: changed prefix keys are written at most this often (routers
+    read them once a second, `RouterConfig.report_refresh_s`; 1,024 keys are ~17 kB)."""
 
     replica_id: str
     engine_id: str = ""
@@ -44,6 +43,7 @@ class PublisherConfig:
     period_s: float = 0.1
     ttl_periods: float = 3.0
     backoff_cap_s: float = 2.0
+    prefix_keys_period_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.replica_id:
@@ -126,11 +126,16 @@ class ReportPublisher:
                 )
                 await asyncio.wait_for(
                     self._store.publish_report(
-                        report, ttl_s=self.config.period_s * self.config.ttl_periods
+                        report,
+                        ttl_s=self.config.period_s * self.config.ttl_periods,
+                        prefix_keys_period_s=self.config.prefix_keys_period_s,
                     ),
                     timeout=self.config.period_s,
                 )
-            except _PUBLISH_ERRORS as error:
+            # A report that cannot be built or written is dropped (the next period's
+            # replaces it): Redis away, a timeout, inconsistent counters, or any error of
+            # the engine's counters callable; none of them may end the publisher's loop.
+            except Exception as error:  # noqa: BLE001
                 self._failed += 1
                 self._last_error = f"{type(error).__name__}: {error}"
                 span.set_attribute(telemetry.ATTR_ERROR_KIND, type(error).__name__)
@@ -141,7 +146,8 @@ class ReportPublisher:
         return True
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Publish every `period_s` until `stop` is set; never raises for Redis errors."""
+        """Publish every `period_s` until `stop` is set; never raises (a failed report is
+        counted, logged when failures start, and retried with backoff)."""
         backoff = Backoff(
             self.config.period_s, max(self.config.period_s, self.config.backoff_cap_s)
         )

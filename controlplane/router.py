@@ -105,7 +105,9 @@ class RouterCore:
         self._load: dict[str, float] = {}
         self._requests: dict[str, int] = {}  # queued + running, per replica (reports)
         self._routed: dict[str, int] = {}  # sent by prefix affinity since the last reports
-        self._prefix = PrefixIndex()
+        self._prefix = PrefixIndex()  # of the fresh reports' keys
+        self._held_keys: dict[str, frozenset[str]] = {}  # what `_prefix` holds per replica
+        self._prefix_tags: dict[str, str] = {}  # the stored tag of each one's keys
         # (when, replica, keys) of the requests this router sent, oldest first, and the
         # index of those still within `routed_memory_s`
         self._sent: deque[tuple[float, str, tuple[str, ...]]] = deque()
@@ -135,9 +137,16 @@ class RouterCore:
         self._drained = frozenset(plan.drained_replica_ids)
         self._order_cache = None
 
-    def apply_reports(self, reports: Mapping[str, ReplicaReport]) -> None:
-        """Adopt fresh reports: load = queued + running requests + KV use (0-1); the
-        prefix keys each replica holds."""
+    def apply_reports(
+        self,
+        reports: Mapping[str, ReplicaReport],
+        prefix_keys: Mapping[str, Sequence[str]] | None = None,
+    ) -> None:
+        """Adopt fresh reports: load = queued + running requests + KV use (0-1). The
+        prefix keys each replica holds: `prefix_keys` for those whose keys changed (by
+        default each report's own), the keys held before for the others; replicas not
+        among `reports` hold none. The index is updated by difference (a replica's keys
+        mostly stay from one report to the next)."""
         self._load = {
             r: rep.queue_depth
             + rep.running_requests
@@ -147,7 +156,19 @@ class RouterCore:
         }
         self._requests = {r: rep.queue_depth + rep.running_requests for r, rep in reports.items()}
         self._routed = {}  # the reports count what was routed before them
-        self._prefix = PrefixIndex({r: rep.prefix_keys for r, rep in reports.items()})
+        if prefix_keys is None:
+            prefix_keys = {r: rep.prefix_keys for r, rep in reports.items()}
+        held, index = self._held_keys, self._prefix
+        for replica_id in [r for r in held if r not in reports]:
+            index.remove(replica_id, held.pop(replica_id))
+            self._prefix_tags.pop(replica_id, None)
+        for replica_id, keys in prefix_keys.items():
+            if replica_id not in reports:
+                continue
+            old, new = held.get(replica_id, frozenset()), frozenset(keys)
+            index.remove(replica_id, old - new)
+            index.add(replica_id, new - old)
+            held[replica_id] = new
         self._order_cache = None
 
     def note_routed(self, replica_id: str, prefix_keys: Sequence[str]) -> None:
@@ -196,11 +217,7 @@ class RouterCore:
                 self._reports_read_s is None
                 or now_s - self._reports_read_s >= self.config.report_refresh_s
             ):
-                snapshot = await self._store.read_reports(
-                    now_s, self.config.report_max_age_s, forget_after_s=float("inf")
-                )
-                self.apply_reports(snapshot.fresh)
-                self._reports_read_s = now_s
+                await self._refresh_reports(now_s)
         except REDIS_ERRORS as error:
             if self._redis_ok:
                 logger.warning("router: Redis unreachable (%s); routing by load", error)
@@ -208,6 +225,19 @@ class RouterCore:
             return False
         self._redis_ok = True
         return True
+
+    async def _refresh_reports(self, now_s: float) -> None:
+        """The reports (without prefix keys), then the keys of the fresh replicas whose
+        keys changed since this router read them: two script calls; 1,024 keys per
+        replica cross the network only when that replica's keys moved."""
+        snapshot = await self._store.read_reports(
+            now_s, self.config.report_max_age_s, forget_after_s=float("inf")
+        )
+        tags = self._prefix_tags
+        changed = await self._store.read_prefix_keys({r: tags.get(r, "") for r in snapshot.fresh})
+        self.apply_reports(snapshot.fresh, {r: held.keys for r, held in changed.items()})
+        tags.update((r, held.tag) for r, held in changed.items())
+        self._reports_read_s = now_s
 
     async def _read_plan(self, version: int) -> None:
         try:
@@ -220,10 +250,15 @@ class RouterCore:
             self.apply_plan(plan)
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Refresh every `refresh_period_s` until `stop` is set, backing off on errors."""
+        """Refresh every `refresh_period_s` until `stop` is set, backing off on errors;
+        any error is logged and retried, never the end of the loop."""
         backoff = Backoff(self.config.refresh_period_s, max(2.0, self.config.refresh_period_s))
         while not stop.is_set():
-            ok = await self.refresh()
+            try:
+                ok = await self.refresh()
+            except Exception:  # noqa: BLE001 - a bad value must not end the loop
+                logger.exception("router: refresh failed; keeping what was known")
+                ok = False
             if ok:
                 backoff.reset()
             delay = self.config.refresh_period_s if ok else backoff.next_delay_s()

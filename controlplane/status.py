@@ -10,23 +10,74 @@ difference), its warm set in the current plan, and the plan's eviction pressure 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
 from controlplane.metrics_endpoint import KEEP_TARGET_S
-from controlplane.store import RedisStore, ReportSnapshot
+from controlplane.report_rows import ReportRows, ReportSnapshot, parse_reports
+from controlplane.store import PlanHead, RedisStore, parse_plan, parse_quotas
 
 REPORT_MAX_AGE_S = 3.0
 _SUMMED = ("blocks", "floor_blocks", "requests", "live_tokens", "shared_blocks")
 
 
 async def cluster_status(store: RedisStore, now_s: float | None = None) -> dict[str, Any]:
-    """A JSON-ready snapshot assembled from the replicas' latest reports and the quotas."""
+    """A JSON-ready snapshot assembled from the replicas' latest reports and the quotas.
+
+    Only the reads await on the event loop; parsing them and assembling the snapshot
+    (~0.3 s at 1,000 replicas x 10,000 tenants, a 1.5 MB plan) run in a worker thread.
+    Reports are read without their prefix keys."""
     now_s = time.time() if now_s is None else now_s
-    snapshot = await store.read_reports(now_s, REPORT_MAX_AGE_S, forget_after_s=3600.0)
-    quotas = await store.list_quotas()
-    plan = await store.read_plan()
+    rows = await store.read_report_rows(now_s, forget_after_s=3600.0)
+    raw_quotas = await store.read_raw_quotas()
+    raw_plan = await store.read_raw_plan()
     head = await store.read_plan_head()
+    return await asyncio.to_thread(_assemble, rows, raw_quotas, raw_plan, head)
+
+
+def _assemble(
+    rows: ReportRows, raw_quotas: dict[str, str], raw_plan: str | None, head: PlanHead
+) -> dict[str, Any]:
+    snapshot = parse_reports(rows, REPORT_MAX_AGE_S)
+    quotas = parse_quotas(raw_quotas)
+    plan = parse_plan(raw_plan)
+    replicas = _replica_rows(snapshot)
+    held = _held(snapshot)
+    pressure_on: dict[str, dict[str, float]] = {}  # tenant -> replica -> keep fraction
+    for replica_id, by_tenant in sorted(plan.pressure.items()) if plan else ():
+        for tenant_id, pressure in by_tenant.items():
+            pressure_on.setdefault(tenant_id, {})[replica_id] = pressure.keep_fraction
+    tenants = []
+    for tenant_id, quota in sorted(quotas.items()):
+        sums = held.get(tenant_id, {})
+        route = plan.tenants.get(tenant_id) if plan else None
+        blocks, floor = sums.get("blocks", 0), sums.get("floor_blocks", 0)
+        tenants.append(
+            {
+                "id": tenant_id,
+                "quota_blocks": quota.kv_budget_blocks,
+                "kv_blocks": blocks,
+                "floor_blocks": floor,
+                "reclaimable_blocks": max(0, blocks - floor),
+                "running_requests": sums.get("requests", 0),
+                "live_tokens": sums.get("live_tokens", 0),
+                "shared_blocks": sums.get("shared_blocks", 0),
+                "over_budget": bool(route and route.over_budget),
+                "replicas": [w.replica_id for w in route.replicas] if route else [],
+                "pressure": pressure_on.get(tenant_id, {}),
+            }
+        )
+    return {
+        "plan_version": plan.version if plan else None,
+        "plan_heartbeat_s": head.heartbeat_s,  # moves every controller cycle
+        "replicas": replicas,
+        "tenants": tenants,
+        "blocks_reclaimed": sum(r.get("blocks_reclaimed", 0) for r in replicas),
+    }
+
+
+def _replica_rows(snapshot: ReportSnapshot) -> list[dict[str, Any]]:
     replicas = [
         {
             "id": replica_id,
@@ -58,44 +109,18 @@ async def cluster_status(store: RedisStore, now_s: float | None = None) -> dict[
         {"id": replica_id, "fresh": False, "report_age_s": _report_age(snapshot, replica_id)}
         for replica_id in sorted(snapshot.stale_ids)
     ]
+    return replicas
+
+
+def _held(snapshot: ReportSnapshot) -> dict[str, dict[str, int]]:
+    """Tenant -> its usage summed over the fresh reports."""
     held: dict[str, dict[str, int]] = {}
     for report in snapshot.fresh.values():
         for tenant_id, usage in report.tenants.items():
             entry = held.setdefault(tenant_id, dict.fromkeys(_SUMMED, 0))
             for name in _SUMMED:
                 entry[name] += getattr(usage, name)
-    tenants = []
-    for tenant_id, quota in sorted(quotas.items()):
-        sums = held.get(tenant_id, {})
-        route = plan.tenants.get(tenant_id) if plan else None
-        pressure = {
-            replica_id: by_tenant[tenant_id].keep_fraction
-            for replica_id, by_tenant in (plan.pressure.items() if plan else ())
-            if tenant_id in by_tenant
-        }
-        blocks, floor = sums.get("blocks", 0), sums.get("floor_blocks", 0)
-        tenants.append(
-            {
-                "id": tenant_id,
-                "quota_blocks": quota.kv_budget_blocks,
-                "kv_blocks": blocks,
-                "floor_blocks": floor,
-                "reclaimable_blocks": max(0, blocks - floor),
-                "running_requests": sums.get("requests", 0),
-                "live_tokens": sums.get("live_tokens", 0),
-                "shared_blocks": sums.get("shared_blocks", 0),
-                "over_budget": bool(route and route.over_budget),
-                "replicas": [w.replica_id for w in route.replicas] if route else [],
-                "pressure": pressure,
-            }
-        )
-    return {
-        "plan_version": plan.version if plan else None,
-        "plan_heartbeat_s": head.heartbeat_s,  # moves every controller cycle
-        "replicas": replicas,
-        "tenants": tenants,
-        "blocks_reclaimed": sum(r.get("blocks_reclaimed", 0) for r in replicas),
-    }
+    return held
 
 
 def _report_age(snapshot: ReportSnapshot, replica_id: str) -> float | None:

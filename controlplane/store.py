@@ -1,75 +1,40 @@
 """The Redis store: tenant quotas, replica reports and the latest routing plan.
 
 Quotas are a hash (tenant id -> JSON) plus a version counter bumped with every change.
-Reports are one hash per replica (`report`: the report as JSON, `heartbeat_s`) with a
-TTL, plus a sorted-set registry (replica id -> heartbeat), so the controller reads them
-all in two round trips instead of a SCAN. Encoding and validating the JSON runs in
-pydantic's Rust core (a hash field per counter cost a Python dict round trip per report,
-~3x slower). Plans are written only through `ControllerLease.write_plan` (fenced); this
-module reads them.
+Reports are one hash per replica (`report`: the report as JSON, `heartbeat_s`, and the
+prefix keys in fields of their own: `controlplane/report_rows.py`) with a TTL, plus a
+sorted-set registry (replica id -> heartbeat), so the controller reads them all in two
+round trips instead of a SCAN. Encoding and validating the JSON runs in pydantic's Rust
+core (a hash field per counter cost a Python dict round trip per report, ~3x slower).
+Plans and their per-replica slices are written only through `ControllerLease.write_plan`
+(fenced); this module reads them.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+import secrets
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
 
+from controlplane import store_scripts as scripts
 from controlplane.keys import KeySpace
 from controlplane.models import ReplicaReport, RoutingPlan, TenantQuota
+from controlplane.report_rows import (
+    PrefixKeys,
+    ReportRows,
+    ReportSnapshot,
+    parse_prefix_keys,
+    parse_reports,
+)
 
 logger = logging.getLogger(__name__)
 
-# KEYS: report hashes. Returns each one's `report` field ('' where the hash expired, and
-# `WRONG_TYPE` where the key holds something else: one foreign record must not fail the
-# whole read with WRONGTYPE, which once stopped every plan until its registry entry aged out).
-WRONG_TYPE = "!wrongtype"
-_READ_REPORTS = f"""
-local out = {{}}
-for i, key in ipairs(KEYS) do
-  local kind = redis.call('TYPE', key)['ok']
-  if kind == 'hash' then
-    out[i] = redis.call('HGET', key, 'report') or ''
-  elseif kind == 'none' then
-    out[i] = ''
-  else
-    out[i] = '{WRONG_TYPE}'
-  end
-end
-return out
-"""
-
-
-# KEYS: registry, then one report hash per report.
-# ARGV: ttl_ms, then (replica id, heartbeat, report JSON) per report.
-_PUBLISH_REPORTS = """
-local ttl_ms = ARGV[1]
-for i = 2, #KEYS do
-  local at = 3 * (i - 2) + 2
-  redis.call('HSET', KEYS[i], 'report', ARGV[at + 2], 'heartbeat_s', ARGV[at + 1])
-  redis.call('PEXPIRE', KEYS[i], ttl_ms)
-  redis.call('ZADD', KEYS[1], ARGV[at + 1], ARGV[at])
-end
-return #KEYS - 1
-"""
-
-
-@dataclass(frozen=True, slots=True)
-class ReportSnapshot:
-    """Reports read at `now_s`: `fresh` ones have a heartbeat within `max_age_s`;
-    `stale_ids` are registered replicas whose report is older or already expired;
-    `invalid_ids` had a hash that failed validation (treated as stale)."""
-
-    now_s: float
-    fresh: dict[str, ReplicaReport]
-    stale_ids: frozenset[str]
-    invalid_ids: frozenset[str]
-    last_heartbeat_s: dict[str, float] = field(default_factory=dict)
-    """Each registered replica's last heartbeat (its registry score), stale ones too."""
+_NOT_IN_REPORT = {"prefix_keys"}  # stored in a key of their own
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +44,15 @@ class PlanHead:
     while the stored value does not parse."""
 
     version: int | None
+    heartbeat_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class SliceRead:
+    """What a replica polls: its plan slice's JSON (None while no plan names it) and the
+    leader's heartbeat (None before any, or while it does not parse)."""
+
+    raw_slice: str | None
     heartbeat_s: float | None
 
 
@@ -94,6 +68,24 @@ def _parse(kind: type[int] | type[float], raw: Any, what: str) -> Any:
         return None
 
 
+def parse_quotas(raw: Mapping[str, str]) -> dict[str, TenantQuota]:
+    """The quotas of `raw` (tenant id -> JSON). A stored quota that no longer validates
+    (written by an incompatible version) is left out and logged, so one bad record cannot
+    stop the controller; admission still reads it. Pure: may run off the event loop."""
+    quotas: dict[str, TenantQuota] = {}
+    for tenant_id, value in raw.items():
+        try:
+            quotas[tenant_id] = TenantQuota.model_validate_json(value, extra="ignore")
+        except ValueError as error:
+            logger.error("store: quota of tenant %r is invalid, skipped: %s", tenant_id, error)
+    return quotas
+
+
+def parse_plan(raw: str | None) -> RoutingPlan | None:
+    """The plan of `raw` (None for None); `ValueError` when it does not validate."""
+    return None if raw is None else RoutingPlan.model_validate_json(raw, extra="ignore")
+
+
 class RedisStore:
     """Typed access to the control plane's Redis keys.
 
@@ -104,8 +96,14 @@ class RedisStore:
     def __init__(self, redis: aioredis.Redis, keys: KeySpace | None = None) -> None:
         self.redis = redis
         self.keys = keys if keys is not None else KeySpace()
-        self._read_reports_script = redis.register_script(_READ_REPORTS)
-        self._publish_script = redis.register_script(_PUBLISH_REPORTS)
+        self._read_reports_script = redis.register_script(scripts.READ_REPORTS)
+        self._read_tags_script = redis.register_script(scripts.READ_PREFIX_TAGS)
+        self._publish_script = redis.register_script(scripts.PUBLISH_REPORTS)
+        self._read_slice_script = redis.register_script(scripts.READ_PLAN_SLICE)
+        # Prefix keys last written per replica id: keys, tag (unique per store), when.
+        self._prefix_sent: dict[str, tuple[tuple[str, ...], str, float]] = {}
+        self._prefix_nonce = secrets.token_hex(4)
+        self._prefix_tags = 0
 
     # Quotas -----------------------------------------------------------------------------
 
@@ -143,49 +141,86 @@ class RedisStore:
         return 0 if raw is None else int(raw)
 
     async def list_quotas(self) -> dict[str, TenantQuota]:
-        """Every tenant's quota. A stored quota that no longer validates (written by an
-        incompatible version) is left out and logged, so one bad record cannot stop
-        the controller; admission still reads it."""
+        """Every tenant's quota (see :func:`parse_quotas`)."""
+        return parse_quotas(await self.read_raw_quotas())
+
+    async def read_raw_quotas(self) -> dict[str, str]:
+        """Tenant id -> stored quota JSON, for :func:`parse_quotas`."""
         raw: dict[str, str] = await self.redis.hgetall(self.keys.quotas)  # type: ignore[assignment]
-        quotas: dict[str, TenantQuota] = {}
-        for tenant_id, value in raw.items():
-            try:
-                quotas[tenant_id] = TenantQuota.model_validate_json(value, extra="ignore")
-            except ValueError as error:
-                logger.error("store: quota of tenant %r is invalid, skipped: %s", tenant_id, error)
-        return quotas
+        return raw
 
     # Reports ----------------------------------------------------------------------------
 
-    async def publish_report(self, report: ReplicaReport, ttl_s: float) -> None:
+    async def publish_report(
+        self, report: ReplicaReport, ttl_s: float, prefix_keys_period_s: float = 0.0
+    ) -> None:
         """Write one report (hash + TTL + registry) in one round trip."""
-        await self.publish_reports([report], ttl_s)
+        await self.publish_reports([report], ttl_s, prefix_keys_period_s)
 
-    async def publish_reports(self, reports: Iterable[ReplicaReport], ttl_s: float) -> int:
+    async def publish_reports(
+        self, reports: Iterable[ReplicaReport], ttl_s: float, prefix_keys_period_s: float = 0.0
+    ) -> int:
         """Write many reports in one script call (HSET, PEXPIRE, ZADD each); returns the count.
 
         One command per batch, not three per report: redis-py's per-command Python cost
         held a pipeline of HSET/PEXPIRE/ZADD to ~11,000 reports/s on 2 cores; this script
-        wrote ~50,000/s (bench/RESULTS.md)."""
+        wrote ~50,000/s (bench/RESULTS.md).
+
+        A report's prefix keys (1,024 are ~17 kB, ~8x the rest of a report) go to their own
+        key with a plain SET before the script (through Lua, 1,000 of them took Redis
+        ~100 ms), and only when they differ from the ones this store last wrote for the
+        replica, at most once per `prefix_keys_period_s` of the report's clock (routers
+        read them once a second). The script tags the report with the keys' tag and keeps
+        their key alive; it names replicas whose keys key is gone (expired while the
+        replica was away), which are written again next time."""
         if ttl_s <= 0:
             raise ValueError(f"report ttl_s must be positive, got {ttl_s}")
+        ttl_ms = max(1, int(ttl_s * 1000))
         keys = [self.keys.replicas]
-        args: list[str | int] = [max(1, int(ttl_s * 1000))]
+        args: list[str | int] = [ttl_ms]
+        sending: dict[str, tuple[tuple[str, ...], str, float]] = {}
         for report in reports:
-            keys.append(self.keys.replica(report.replica_id))
-            args += [report.replica_id, repr(report.heartbeat_s), report.model_dump_json()]
-        if len(keys) > 1:
-            await self._publish_script(keys=keys, args=args)
-        return len(keys) - 1
+            replica_id = report.replica_id
+            keys += [self.keys.replica(replica_id), self.keys.replica_prefix_keys(replica_id)]
+            sent = self._prefix_sent.get(replica_id)
+            if sent is None or (
+                sent[0] != report.prefix_keys
+                and report.heartbeat_s - sent[2] >= prefix_keys_period_s
+            ):
+                self._prefix_tags += 1
+                tag = f"{self._prefix_nonce}.{self._prefix_tags}"
+                sending[replica_id] = (report.prefix_keys, tag, report.heartbeat_s)
+            else:
+                tag = sent[1]
+            report_json = report.model_dump_json(exclude=_NOT_IN_REPORT)
+            args += [replica_id, repr(report.heartbeat_s), report_json, tag]
+        if len(keys) == 1:
+            return 0
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for replica_id, (prefix_keys, tag, _) in sending.items():
+                value = " ".join((tag, *prefix_keys))
+                pipe.set(self.keys.replica_prefix_keys(replica_id), value, px=ttl_ms)
+            await self._publish_script(keys=keys, args=args, client=pipe)
+            *_, resend = await pipe.execute()
+        self._prefix_sent.update(sending)
+        for replica_id in resend:
+            self._prefix_sent.pop(replica_id, None)
+        return (len(keys) - 1) // 2
 
     async def read_reports(
         self, now_s: float, max_age_s: float, forget_after_s: float
     ) -> ReportSnapshot:
-        """All registered replicas' reports, split into fresh and stale at `now_s`.
+        """All registered replicas' reports, split into fresh and stale at `now_s`,
+        without their prefix keys (see :meth:`read_prefix_keys`)."""
+        return parse_reports(await self.read_report_rows(now_s, forget_after_s), max_age_s)
+
+    async def read_report_rows(self, now_s: float, forget_after_s: float) -> ReportRows:
+        """The registered replicas and their raw reports, for :func:`parse_reports`.
 
         Registry entries silent for more than `forget_after_s` are removed, so a replica
         that is gone for good stops being listed as drained. Heartbeats are the replicas'
-        wall clocks compared with `now_s`: hosts must be NTP-synced well below `max_age_s`.
+        wall clocks compared with `now_s`: hosts must be NTP-synced well below the age a
+        report counts as fresh.
         """
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.zremrangebyscore(self.keys.replicas, "-inf", now_s - forget_after_s)
@@ -193,37 +228,36 @@ class RedisStore:
             _, registered = await pipe.execute()
         replica_ids = [replica_id for replica_id, _ in registered]
         last_heartbeat_s = {replica_id: float(score) for replica_id, score in registered}
-        raw_reports = await self._read_report_fields(replica_ids) if replica_ids else []
-        fresh: dict[str, ReplicaReport] = {}
-        stale: set[str] = set()
-        invalid: set[str] = set()
-        for replica_id, raw in zip(replica_ids, raw_reports, strict=True):
-            if raw is None:
-                stale.add(replica_id)
-                continue
-            if raw == WRONG_TYPE:
-                logger.error("store: replica %r's report key holds another type", replica_id)
-                invalid.add(replica_id)
-                continue
-            try:
-                report = ReplicaReport.model_validate_json(raw, extra="ignore")
-            except ValueError:
-                invalid.add(replica_id)
-                continue
-            if now_s - report.heartbeat_s > max_age_s:
-                stale.add(replica_id)
-            else:
-                fresh[replica_id] = report
-        return ReportSnapshot(
-            now_s, fresh, frozenset(stale | invalid), frozenset(invalid), last_heartbeat_s
-        )
+        raw_reports: list[str | None] = []
+        if replica_ids:
+            keys = [self.keys.replica(replica_id) for replica_id in replica_ids]
+            values = await self._read_reports_script(keys=keys)
+            raw_reports = [value if value else None for value in values]
+        return ReportRows(now_s, replica_ids, last_heartbeat_s, raw_reports)
 
-    async def _read_report_fields(self, replica_ids: list[str]) -> list[str | None]:
-        """The `report` field of each replica's hash (None where expired), in one script
-        call: one reply to parse instead of one per replica."""
-        keys = [self.keys.replica(replica_id) for replica_id in replica_ids]
-        values = await self._read_reports_script(keys=keys)
-        return [value if value else None for value in values]
+    async def read_prefix_keys(self, known_tags: Mapping[str, str]) -> dict[str, PrefixKeys]:
+        """The prefix keys of the replicas in `known_tags` (replica id -> the tag the
+        caller holds, '' for none) whose reports carry another tag: only what changed
+        crosses the network and is parsed. Two round trips: the tags (one script call),
+        then one MGET of the changed keys. A replica whose keys are missing, or another
+        type, is left out (and asked again next time)."""
+        replica_ids = list(known_tags)
+        if not replica_ids:
+            return {}
+        tags = await self._read_tags_script(
+            keys=[self.keys.replica(replica_id) for replica_id in replica_ids]
+        )
+        moved = [r for r, tag in zip(replica_ids, tags, strict=True) if tag != known_tags[r]]
+        if not moved:
+            return {}
+        values: list[str | None] = await self.redis.mget(  # type: ignore[assignment]
+            [self.keys.replica_prefix_keys(r) for r in moved]
+        )
+        return {
+            replica_id: parse_prefix_keys(replica_id, value)
+            for replica_id, value in zip(moved, values, strict=True)
+            if value
+        }
 
     # Prometheus targets -----------------------------------------------------------------
 
@@ -257,6 +291,14 @@ class RedisStore:
         version, heartbeat = await self.redis.mget(self.keys.plan_version, self.keys.plan_heartbeat)
         return PlanHead(_parse(int, version, "plan version"), _parse(float, heartbeat, "heartbeat"))
 
+    async def read_plan_slice(self, replica_id: str) -> SliceRead:
+        """`replica_id`'s plan slice and the leader's heartbeat, read atomically (one
+        script call of a few hundred bytes: what engines poll instead of the plan)."""
+        raw, heartbeat = await self._read_slice_script(
+            keys=[self.keys.plan_slices, self.keys.plan_heartbeat], args=[replica_id]
+        )
+        return SliceRead(raw or None, _parse(float, heartbeat or None, "heartbeat"))
+
     async def read_plan_version(self) -> int | None:
         """The latest plan's version (cheap to poll), or None before the first plan and
         while the stored version is not an integer (logged: readers fall back as they do
@@ -265,8 +307,12 @@ class RedisStore:
 
     async def read_plan(self) -> RoutingPlan | None:
         """The latest plan, or None before the first plan."""
-        raw = await self.redis.get(self.keys.plan)
-        return None if raw is None else RoutingPlan.model_validate_json(raw, extra="ignore")
+        return parse_plan(await self.read_raw_plan())
+
+    async def read_raw_plan(self) -> str | None:
+        """The latest plan's JSON, for :func:`parse_plan`."""
+        raw: str | None = await self.redis.get(self.keys.plan)  # type: ignore[assignment]
+        return raw
 
     async def read_usage(self) -> dict[str, int]:
         """Per-tenant live KV blocks across the cluster, as of the latest plan."""

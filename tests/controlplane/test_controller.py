@@ -254,7 +254,7 @@ async def test_an_unchanged_plan_is_not_rewritten_and_its_heartbeat_keeps_reader
         await router.refresh()
         await follower.poll()
         clock.advance(1.0)
-    assert (await store.read_plan_version()) == 0 and follower.plan_reads == 1
+    assert (await store.read_plan_version()) == 0 and follower.slice_reads == 1
     assert router.rank("a", frozenset({"r1"})).source is RouteSource.PLAN  # 8 s, max age 2 s
     head = await store.read_plan_head()
     assert head.heartbeat_s == pytest.approx(clock.now() - 1.0)
@@ -286,6 +286,7 @@ async def test_the_heartbeat_freshens_only_the_plan_it_belongs_to(
     assert held is not None and router.plan == held
     await store.redis.set(store.keys.plan, '{"version": 9, "surprise": true}')
     await store.redis.set(store.keys.plan_version, 9)
+    await store.redis.hset(store.keys.plan_slices, "r1", '{"version": 9, "surprise": true}')
     for _ in range(5):  # the leader's heartbeat keeps moving; its plan is unreadable here
         clock.advance(1.0)
         await store.redis.set(store.keys.plan_heartbeat, repr(clock.now()))

@@ -116,3 +116,32 @@ async def test_inconsistent_counters_are_dropped_not_raised(store: RedisStore) -
 def test_bad_config(fields: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         PublisherConfig(**fields)  # type: ignore[arg-type]
+
+
+async def test_any_error_of_the_counters_is_counted_and_the_loop_goes_on(
+    store: RedisStore,
+) -> None:
+    """Only Redis errors, timeouts and `ValueError` were caught: any other error of the
+    engine's counters (a `KeyError` of a request that finished meanwhile) ended the loop."""
+    engine = Engine()
+    raised = 0
+
+    def counters() -> EngineCounters:
+        nonlocal raised
+        if raised < 2:
+            raised += 1
+            raise KeyError("request-7")
+        return engine.counters()
+
+    config = PublisherConfig(replica_id="replica-3", period_s=0.02)
+    publisher = ReportPublisher(store, counters, SystemClock(), config)
+    stop = asyncio.Event()
+    task = asyncio.create_task(publisher.run(stop))
+    for _ in range(200):
+        await asyncio.sleep(0.01)
+        if publisher.stats.published or task.done():
+            break
+    stop.set()
+    await asyncio.wait_for(task, timeout=5)
+    assert publisher.stats.failed == 2 and publisher.stats.published >= 1
+    assert "KeyError" in (publisher.stats.last_error or "")

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from controlplane.models import RoutingPlan
@@ -146,3 +148,67 @@ async def test_an_invalid_plan_is_ignored(store: RedisStore, clock: FakeClock) -
     assert await core.refresh() and core.redis_ok
     assert core.plan is not None and core.plan.version == 3
     assert core.rank("b", ALL).ranks[0] == ("r3",)
+
+
+async def test_refresh_reads_prefix_keys_only_when_they_changed(
+    store: RedisStore, clock: FakeClock
+) -> None:
+    """Each router once read and validated every replica's 1,024 keys every second."""
+    core = RouterCore(store, clock, RouterConfig(report_refresh_s=1.0))
+    keys = tuple(f"{i:016x}" for i in range(8))
+    everyone = frozenset({"r1", "r2"})
+    await store.publish_reports(
+        [report("r1", clock.now(), prefix_keys=keys), report("r2", clock.now())], 60
+    )
+    assert await core.refresh()
+    assert core.rank("a", everyone, prefix_keys=keys[:4]).ranks[0] == ("r1",)
+    read = store.read_prefix_keys
+    asked: list[dict[str, str]] = []
+
+    async def counting(known: dict[str, str]) -> object:
+        asked.append(dict(known))
+        return await read(known)
+
+    store.read_prefix_keys = counting  # type: ignore[method-assign]
+    clock.advance(1.0)
+    await store.publish_reports(
+        [report("r1", clock.now(), prefix_keys=keys), report("r2", clock.now())], 60
+    )
+    assert await core.refresh()
+    assert all(tag for tag in asked[-1].values())  # the tags held: only changes come back
+    assert core.rank("a", everyone, prefix_keys=keys[:4]).ranks[0] == ("r1",)
+    clock.advance(1.5)  # r1's keys move to r2; r1 stops reporting
+    await store.publish_reports([report("r2", clock.now(), prefix_keys=keys)], 60)
+    assert await core.refresh()
+    assert core.rank("a", frozenset({"r2"}), prefix_keys=keys[:4]).source is RouteSource.PREFIX
+    assert core.rank("a", everyone, prefix_keys=keys[:4]).ranks[0] == ("r2",)
+
+
+async def test_the_refresh_loop_survives_any_error(
+    store: RedisStore, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop caught only Redis errors: any other one ended it, and the router routed on
+    a frozen plan for good."""
+    core = RouterCore(store, clock, RouterConfig(refresh_period_s=0.1))
+    await store.redis.set(store.keys.plan, plan(version=4).model_dump_json())
+    await store.redis.set(store.keys.plan_version, 4)
+    read_head = store.read_plan_head
+    failures = 0
+
+    async def flaky() -> object:
+        nonlocal failures
+        if failures < 2:
+            failures += 1
+            raise KeyError("surprise")
+        return await read_head()
+
+    monkeypatch.setattr(store, "read_plan_head", flaky)
+    stop = asyncio.Event()
+    task = asyncio.create_task(core.run(stop))
+    for _ in range(500):
+        await asyncio.sleep(0.01)
+        if core.plan is not None or task.done():
+            break
+    stop.set()
+    await asyncio.wait_for(task, timeout=5)  # once raised the KeyError: the loop had died
+    assert failures == 2 and core.plan is not None and core.plan.version == 4

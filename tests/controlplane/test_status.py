@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
+import pytest
+
+from controlplane import status as status_module
 from controlplane.controller import Controller, ControllerConfig
 from controlplane.lease import ControllerLease
 from controlplane.metrics_endpoint import KEEP_TARGET_S
@@ -96,3 +100,23 @@ async def test_status_sums_each_tenants_shared_prefix_blocks_over_replicas(
     status = await cluster_status(store, now_s=clock.now())
     (member,) = status["tenants"]
     assert (member["kv_blocks"], member["shared_blocks"]) == (7, 6)
+
+
+async def test_status_is_parsed_and_assembled_off_the_event_loop(
+    store: RedisStore, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Parsing 1,000 reports, 10,000 quotas and a 1.5 MB plan ran on the ingress's event
+    loop (about a second with prefix keys): every request of that ingress waited."""
+    await store.put_quota(quota("a"))
+    await store.publish_report(report("r1", clock.now(), {"a": 3}, prefix_keys=("k" * 16,)), 60)
+    threads: list[str] = []
+    parse = status_module.parse_reports
+
+    def recording(*args: object) -> object:
+        threads.append(threading.current_thread().name)
+        return parse(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(status_module, "parse_reports", recording)
+    status = await cluster_status(store, now_s=clock.now())
+    assert threads and threads[0] != threading.main_thread().name
+    assert [r["id"] for r in status["replicas"]] == ["r1"]

@@ -132,3 +132,56 @@ async def test_records_from_a_newer_version_are_read_by_an_older_one(store: Redi
     await redis.hset(keys.replica("r1"), "report", json.dumps(raw))
     snapshot = await store.read_reports(100.0, max_age_s=5.0, forget_after_s=60.0)
     assert snapshot.fresh["r1"].tenants["acme"].blocks == 4
+
+
+async def test_prefix_keys_live_in_their_own_key_written_and_read_only_when_changed(
+    store: RedisStore,
+) -> None:
+    """Reports carried up to 1,024 prefix keys (2.1 kB -> 21.5 kB) that the controller and
+    `/admin/status` validated every read without using them."""
+    now = 1000.0
+    keys = tuple(f"{i:016x}" for i in range(1024))
+    await store.publish_reports([report("r1", now, prefix_keys=keys), report("r2", now)], 60)
+    stored = await store.redis.hget(store.keys.replica("r1"), "report")
+    assert stored is not None and "prefix_keys" not in stored and len(stored) < 2000
+    snapshot = await store.read_reports(now, max_age_s=1.0, forget_after_s=60.0)
+    assert snapshot.fresh["r1"].prefix_keys == ()  # the controller's read has none
+    changed = await store.read_prefix_keys({"r1": "", "r2": ""})
+    assert changed["r1"].keys == keys and changed["r2"].keys == ()
+    tags = {r: held.tag for r, held in changed.items()}
+    assert await store.read_prefix_keys(tags) == {}  # nothing changed: nothing sent back
+    # Unchanged keys are not written again; changed ones are, under a new tag, at most
+    # once per `prefix_keys_period_s` of the reports' clock.
+    marked = f"{tags['r1']} marker"
+    await store.redis.set(store.keys.replica_prefix_keys("r1"), marked)
+    await store.publish_reports([report("r1", now + 0.5, prefix_keys=keys)], 60)
+    assert await store.redis.get(store.keys.replica_prefix_keys("r1")) == marked
+    await store.publish_reports([report("r1", now + 1, prefix_keys=keys[:5])], 60, 1.0)
+    await store.publish_reports([report("r1", now + 1.5, prefix_keys=keys[:3])], 60, 1.0)
+    assert (await store.read_prefix_keys(tags))["r1"].keys == keys[:5]  # 3: too soon
+    await store.publish_reports([report("r1", now + 2, prefix_keys=keys[:3])], 60, 1.0)
+    moved = await store.read_prefix_keys(tags)
+    assert list(moved) == ["r1"] and moved["r1"].keys == keys[:3]
+    assert moved["r1"].tag != tags["r1"]
+
+
+async def test_prefix_keys_lost_with_their_key_are_sent_again(store: RedisStore) -> None:
+    keys = ("a" * 16, "b" * 16)
+    await store.publish_report(report("r1", 1.0, prefix_keys=keys), ttl_s=60)
+    await store.redis.delete(store.keys.replica_prefix_keys("r1"))  # expired meanwhile
+    await store.publish_report(report("r1", 2.0, prefix_keys=keys), ttl_s=60)  # noticed
+    assert await store.read_prefix_keys({"r1": ""}) == {}
+    await store.publish_report(report("r1", 3.0, prefix_keys=keys), ttl_s=60)  # resent
+    assert (await store.read_prefix_keys({"r1": ""}))["r1"].keys == keys
+    ttl_ms = await store.redis.pttl(store.keys.replica_prefix_keys("r1"))
+    assert 0 < ttl_ms <= 60_000  # and they expire with their report
+
+
+async def test_bad_prefix_keys_or_a_foreign_key_are_skipped(store: RedisStore) -> None:
+    for replica_id in ("r1", "r2", "r3"):
+        await store.redis.hset(store.keys.replica(replica_id), "prefix_tag", "t")
+    await store.redis.set(store.keys.replica_prefix_keys("r1"), "t " + "k" * 65)
+    await store.redis.rpush(store.keys.replica_prefix_keys("r2"), "x")
+    await store.redis.set(store.keys.replica("r4"), "not a hash")
+    changed = await store.read_prefix_keys({"r1": "", "r2": "", "r3": "", "r4": ""})
+    assert list(changed) == ["r1"] and changed["r1"].keys == () and changed["r1"].tag == "t"

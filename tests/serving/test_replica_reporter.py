@@ -55,3 +55,27 @@ async def test_the_reporter_publishes_follows_the_plan_and_stops(redis_server: R
     reporter.stop.set()
     await asyncio.wait_for(running, timeout=5)  # every loop ends, the advertiser at once
     await redis.aclose()
+
+
+async def test_the_plan_loop_survives_any_error_of_a_poll(redis_server: RedisServer):
+    """The plan poll ran outside the loop's `try`: one unexpected error ended the loop, and
+    the engine kept its last pressure for good."""
+    redis, keys, host = connect(RedisConfig(url=redis_server.url)), unique_keys(), FakeHost()
+    reporter = ReplicaReporter(host, RedisStore(redis, keys), SystemClock())  # type: ignore[arg-type]
+    poll = reporter.plan.poll
+    failures = 0
+
+    async def flaky() -> dict[str, float]:
+        nonlocal failures
+        if failures < 2:
+            failures += 1
+            raise KeyError("surprise")
+        return await poll()
+
+    reporter.plan.poll = flaky  # type: ignore[method-assign]
+    running = asyncio.get_running_loop().create_task(reporter.run())
+    await asyncio.sleep(0.5)
+    assert not running.done() and failures == 2 and host.applied  # polled on after them
+    reporter.stop.set()
+    await asyncio.wait_for(running, timeout=5)
+    await redis.aclose()

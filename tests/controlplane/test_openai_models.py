@@ -167,7 +167,9 @@ def test_bad_token_id_prompts_and_batches_are_refused(prompt):
 
 def test_chat_takes_max_completion_tokens_as_openai_and_vllm_do():
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-    assert ChatCompletionRequest.model_validate({**chat, "max_completion_tokens": 5}).max_tokens == 5
+    assert (
+        ChatCompletionRequest.model_validate({**chat, "max_completion_tokens": 5}).max_tokens == 5
+    )
     both = {**chat, "max_tokens": 9, "max_completion_tokens": 5}
     assert ChatCompletionRequest.model_validate(both).max_tokens == 5  # vLLM's precedence
     with pytest.raises(ValidationError, match="max_"):

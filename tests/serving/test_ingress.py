@@ -391,7 +391,9 @@ async def test_the_openapi_document_is_served_only_as_configured(
     ingress.state.settings = dataclasses.replace(ingress.state.settings, api_docs=api_docs)
     transport = httpx.ASGITransport(app=build_api(ingress.state))
     async with httpx.AsyncClient(transport=transport, base_url="http://ingress") as client:
-        pages = [(await client.get(path)).status_code for path in ("/openapi.json", "/docs", "/redoc")]
+        pages = [
+            (await client.get(path)).status_code for path in ("/openapi.json", "/docs", "/redoc")
+        ]
         as_tenant = await client.get("/openapi.json", headers=bearer(api_key))
         as_admin = await client.get("/openapi.json", headers=admin())
     assert (pages, as_tenant.status_code, as_admin.status_code) == (anonymous, tenant, operator)

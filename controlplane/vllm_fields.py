@@ -141,6 +141,6 @@ def drop_refused(data: dict[str, Any], refused: dict[str, tuple[Any, str]]) -> d
         harmless, why = refused[name]
         if value != harmless or isinstance(value, bool) != isinstance(harmless, bool):
             raise PydanticCustomError(
-                "not_served", "{field} is not served here: {why}", {"field": name, "why": why}
+                "not_served", "{field}: not served here: {why}", {"field": name, "why": why}
             )
     return kept

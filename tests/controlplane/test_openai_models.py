@@ -91,7 +91,7 @@ def test_a_refused_field_at_the_value_that_asks_for_nothing_is_dropped():
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     chat_defaults = {"tool_choice": "none", "add_generation_prompt": True, "tools": []}
     ChatCompletionRequest.model_validate({**chat, **chat_defaults})
-    with pytest.raises(ValidationError, match="chat_template is not served here"):
+    with pytest.raises(ValidationError, match="chat_template: not served here"):
         ChatCompletionRequest.model_validate({**chat, "chat_template": "{{ secrets }}"})
     with pytest.raises(ValidationError, match="use_beam_search"):  # a flag is not a number
         CompletionRequest.model_validate({**BASE, "use_beam_search": 0})

@@ -8,7 +8,9 @@ first token is out. A tenant's committed KV is `max(reported active KV, sum of
 reservations)`: the reservations bound the in-flight requests from above (requests in
 prefill at their prompt, the others at their steady bound), and the controller's reported
 usage covers KV the reservations do not know about. A request is admitted when
-`committed + its peak <= kv_budget_blocks`, the concurrency limit has room and the
+`committed + its peak <= kv_budget_blocks`, the concurrency limit has room for its ``n``
+sequences (``max_concurrent_requests`` counts sequences: a request asking for ``n``
+choices runs ``n``) and the
 prompt-token bucket holds the prompt; a request whose peak alone exceeds the budget is
 rejected (it could never be held within it).
 
@@ -69,13 +71,24 @@ local function take_prompt_tokens(key, rate, capacity, prompt, now)
 end
 """
 
-# KEYS: quotas, usage, reservations, deadlines, rate bucket, reservation starts, total.
-# ARGV: tenant, request id, blocks, lease_ms, prompt_tokens, rate burst seconds, max_tokens,
-# steady blocks.
+# A reservation's sequences (the request's `n`): the fifth field of its start record
+# (`admitted_ms max_tokens prompt steady n`); 1 for a record written before it had one.
+_SEQUENCES_OF = """
+local function sequences_of(start)
+  local fields = {}
+  for field in string.gmatch(start or '', '%S+') do fields[#fields + 1] = field end
+  return tonumber(fields[5] or '1') or 1
+end
+"""
+
+# KEYS: quotas, usage, reservations, deadlines, rate bucket, reservation starts, total,
+# sequences. ARGV: tenant, request id, blocks, lease_ms, prompt_tokens, rate burst seconds,
+# max_tokens, steady blocks, n (sequences).
 # Returns {outcome, reason, retry_after_ms}.
 _ADMIT = (
     _NOW_MS
     + _TAKE_PROMPT_TOKENS
+    + _SEQUENCES_OF
     + """
 local raw = redis.call('HGET', KEYS[1], ARGV[1])
 if not raw then return {'rejected', 'unknown_tenant', 0} end
@@ -89,23 +102,40 @@ if redis.call('EXISTS', KEYS[7]) == 0 then
   for _, value in ipairs(redis.call('HVALS', KEYS[3])) do reserved = reserved + tonumber(value) end
   redis.call('SET', KEYS[7], reserved)
 end
+-- The sequences held (KEYS[8]); none when no reservation is held (a count left by a
+-- deleted tenant is stale); without a count yet, counted once from the start records.
+local sequences = tonumber(redis.call('GET', KEYS[8]) or '-1')
+if redis.call('HLEN', KEYS[3]) == 0 then
+  sequences = 0
+elseif sequences < 0 then
+  sequences = 0
+  for _, request_id in ipairs(redis.call('HKEYS', KEYS[3])) do
+    sequences = sequences + sequences_of(redis.call('HGET', KEYS[6], request_id))
+  end
+end
 local expired = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now)
 if #expired > 0 then
   local freed = 0
   for _, request_id in ipairs(expired) do
+    if redis.call('HEXISTS', KEYS[3], request_id) == 1 then
+      sequences = sequences - sequences_of(redis.call('HGET', KEYS[6], request_id))
+    end
     freed = freed + tonumber(redis.call('HGET', KEYS[3], request_id) or '0')
     redis.call('HDEL', KEYS[3], request_id)
     redis.call('HDEL', KEYS[6], request_id)
   end
   redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
   redis.call('DECRBY', KEYS[7], freed)
+  redis.call('SET', KEYS[8], math.max(sequences, 0))
 end
 if redis.call('HEXISTS', KEYS[3], ARGV[2]) == 1 then
   return {'rejected', 'duplicate_request', 0}
 end
 local max_concurrent = quota['max_concurrent_requests']
-if max_concurrent ~= cjson.null and redis.call('HLEN', KEYS[3]) >= max_concurrent then
-  return {'throttled', 'max_concurrent_requests', -1}
+local n = tonumber(ARGV[9])
+if max_concurrent ~= cjson.null then
+  if n > max_concurrent then return {'rejected', 'exceeds_max_concurrent_requests', 0} end
+  if sequences + n > max_concurrent then return {'throttled', 'max_concurrent_requests', -1} end
 end
 local reserved = tonumber(redis.call('GET', KEYS[7]))
 local reported = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
@@ -121,8 +151,9 @@ if rate ~= cjson.null then
 end
 redis.call('HSET', KEYS[3], ARGV[2], blocks)
 redis.call('INCRBY', KEYS[7], blocks)
+redis.call('SET', KEYS[8], sequences + n)
 redis.call('HSET', KEYS[6], ARGV[2],
-  string.format('%d', now) .. ' ' .. ARGV[7] .. ' ' .. ARGV[5] .. ' ' .. ARGV[8])
+  string.format('%d', now) .. ' ' .. ARGV[7] .. ' ' .. ARGV[5] .. ' ' .. ARGV[8] .. ' ' .. ARGV[9])
 redis.call('ZADD', KEYS[4], now + tonumber(ARGV[4]), ARGV[2])
 return {'admitted', 'ok', 0}
 """
@@ -139,16 +170,22 @@ end
 return 1
 """
 
-# KEYS: reservations, deadlines, starts, total. ARGV: request id. 1 iff it was held.
-_RELEASE = """
+# KEYS: reservations, deadlines, starts, total, sequences. ARGV: request id. 1 iff it was
+# held.
+_RELEASE = (
+    _SEQUENCES_OF
+    + """
 redis.call('ZREM', KEYS[2], ARGV[1])
+local start = redis.call('HGET', KEYS[3], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
 local held = redis.call('HGET', KEYS[1], ARGV[1])
 if not held then return 0 end
 redis.call('HDEL', KEYS[1], ARGV[1])
 if redis.call('EXISTS', KEYS[4]) == 1 then redis.call('DECRBY', KEYS[4], held) end
+if redis.call('EXISTS', KEYS[5]) == 1 then redis.call('DECRBY', KEYS[5], sequences_of(start)) end
 return 1
 """
+)
 
 # KEYS: deadlines. ARGV: request id, lease_ms. 1 iff it was held and had not lapsed.
 _RENEW = (
@@ -239,8 +276,9 @@ class Reservation:
 @dataclass(frozen=True, slots=True)
 class AdmissionDecision:
     """`reservation` is set iff admitted; `retry_after_s` > 0 iff throttled. `reason`:
-    ok, unknown_tenant, exceeds_budget, duplicate_request, max_concurrent_requests,
-    kv_budget, prompt_token_rate."""
+    ok, unknown_tenant, exceeds_budget, exceeds_max_concurrent_requests (``n`` above the
+    tenant's limit), duplicate_request, max_concurrent_requests, kv_budget,
+    prompt_token_rate."""
 
     outcome: AdmissionOutcome
     reason: str
@@ -446,6 +484,7 @@ class Admission:
                     self.keys.rate_bucket(tenant_id),
                     self.keys.reservation_starts(tenant_id),
                     self.keys.reservation_total(tenant_id),
+                    self.keys.reservation_sequences(tenant_id),
                 ],
                 args=[
                     tenant_id,
@@ -456,6 +495,7 @@ class Admission:
                     self.config.rate_burst_s,
                     max_tokens,
                     bounds.steady,
+                    n,
                 ],
             )
             if reason == "kv_budget":
@@ -509,6 +549,7 @@ class Admission:
                 self.keys.reservation_deadlines(tenant_id),
                 self.keys.reservation_starts(tenant_id),
                 self.keys.reservation_total(tenant_id),
+                self.keys.reservation_sequences(tenant_id),
             ],
             args=[reservation.request_id],
         )
@@ -595,10 +636,23 @@ class Admission:
         values = await self._redis.hvals(self.keys.reservations(tenant_id))
         return sum(int(value) for value in values)
 
+    async def held_sequences(self, tenant_id: str) -> int:
+        """The sequences the tenant's held reservations run (what
+        ``max_concurrent_requests`` bounds); 0 before its first admission."""
+        held = await self._redis.hkeys(self.keys.reservations(tenant_id))
+        if not held:
+            return 0
+        return int(await self._redis.get(self.keys.reservation_sequences(tenant_id)) or 0)
+
     async def check_invariants(self, tenant_id: str) -> None:
-        """The running total equals the sum of the held reservations, every held
-        reservation has a deadline, and none is negative (tests call this)."""
+        """The running total equals the sum of the held reservations, the sequence count
+        the sum of their ``n`` (while any is held), every held reservation has a deadline,
+        and none is negative (tests call this)."""
         held = await self._redis.hgetall(self.keys.reservations(tenant_id))
+        starts = await self._redis.hgetall(self.keys.reservation_starts(tenant_id))
+        fields = [(starts.get(request_id) or "").split() for request_id in held]
+        sequences = sum(int(start[4]) if len(start) > 4 else 1 for start in fields)
+        assert await self.held_sequences(tenant_id) == sequences, (sequences, starts)
         total = await self._redis.get(self.keys.reservation_total(tenant_id))
         deadlines = await self._redis.zrange(self.keys.reservation_deadlines(tenant_id), 0, -1)
         blocks = [int(value) for value in held.values()]

@@ -90,13 +90,19 @@ class KeySpace:
         return f"{self.prefix}:resv:{tenant_id}"
 
     def reservation_starts(self, tenant_id: str) -> str:
-        """Hash: request id -> `admitted_ms max_tokens` (when it was admitted, how long its
-        answer may be): what a throttled request's Retry-After is estimated from."""
+        """Hash: request id -> `admitted_ms max_tokens prompt steady n` (when it was
+        admitted, how long its answer may be, its prompt, its steady bound, its sequences):
+        what a throttled request's Retry-After is estimated from."""
         return f"{self.prefix}:resv-start:{tenant_id}"
 
     def reservation_total(self, tenant_id: str) -> str:
         """String: the sum of the tenant's reservations in blocks (kept by admission)."""
         return f"{self.prefix}:resv-total:{tenant_id}"
+
+    def reservation_sequences(self, tenant_id: str) -> str:
+        """String: the sequences (each request's ``n``) the tenant's reservations run, kept
+        by admission; stale while none is held (a deleted tenant's)."""
+        return f"{self.prefix}:resv-sequences:{tenant_id}"
 
     def reservation_deadlines(self, tenant_id: str) -> str:
         """Sorted set: request id -> deadline (ms since epoch) after which it lapses."""

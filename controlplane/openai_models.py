@@ -1,19 +1,26 @@
-"""OpenAI-compatible request bodies (the subset vtoken serves) and the internal request
-that crosses from the ingress to a replica.
+"""OpenAI-compatible request bodies (what vtoken serves of OpenAI's and vLLM's APIs) and
+the internal request that crosses from the ingress to a replica.
 
-Contract of the bodies: a field this server does not serve (``best_of``, ``echo``,
-``tools``, ``logit_bias``, ``suffix``, ...) is a validation error naming it, never silently
-ignored. ``n`` asks for several choices (sampled: ``n > 1`` needs a temperature above 0;
-the ingress bounds it by its configured maximum); log-probabilities are an integer
-``logprobs`` (0..5 alternatives) for completions and ``logprobs: true`` with
-``top_logprobs`` (0..5) for chat, as in vLLM's OpenAI server. ``null`` means "the
-default", as in OpenAI's API. A client-sent ``cache_salt`` is accepted and dropped: the
-server salts the prefix cache per tenant. Stop strings are bounded in number and length.
+Contract of the bodies: OpenAI's fields and vLLM's sampling extensions
+(:class:`controlplane.vllm_fields.SamplingExtensions`: ``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ...) are served;
+a field of either API this server does not serve (``best_of``, ``echo``,
+``use_beam_search``, ``tools``, ``response_format``, ...: ``vllm_fields.REFUSED_FIELDS``)
+is a validation error naming it and saying why, unless sent at the value that asks for
+nothing; any other field is a validation error naming it, never silently ignored. A
+completion's ``prompt`` is a string or token ids (a list of ints, or a list holding one
+string or one list of ints, as vLLM's server takes them). ``n`` asks for several choices
+(sampled: ``n > 1`` needs a temperature above 0; the ingress bounds it by its configured
+maximum); log-probabilities are an integer ``logprobs`` (0..5 alternatives) for
+completions and ``logprobs: true`` with ``top_logprobs`` (0..5) for chat, as in vLLM's
+OpenAI server. ``null`` means "the default", as in OpenAI's API. A client-sent
+``cache_salt`` is accepted and dropped: the server salts the prefix cache per tenant. Stop
+strings are bounded in number and length.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -28,6 +35,13 @@ from pydantic import (
 
 from controlplane.models import PrefixGroup
 from controlplane.prefix import MAX_PREFIX_BLOCKS
+from controlplane.vllm_fields import (
+    REFUSED_CHAT_FIELDS,
+    REFUSED_COMPLETION_FIELDS,
+    SamplingExtensions,
+    TokenId,
+    drop_refused,
+)
 
 MaxTokens = Annotated[StrictInt, Field(ge=1, le=1_000_000)]
 MAX_STOP_SEQUENCES = 4  # OpenAI's own limit
@@ -75,8 +89,9 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Body(BaseModel):
+class _Body(SamplingExtensions):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    refused: ClassVar[dict[str, tuple[Any, str]]] = REFUSED_COMPLETION_FIELDS
 
     model: str = Field(min_length=1, max_length=256)
     max_tokens: MaxTokens = 16
@@ -96,7 +111,8 @@ class _Body(BaseModel):
     @classmethod
     def _null_is_default(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            return {key: value for key, value in data.items() if value is not None}
+            given = {key: value for key, value in data.items() if value is not None}
+            return drop_refused(given, cls.refused)
         return data
 
     @field_validator("stop", mode="before")
@@ -112,9 +128,24 @@ class _Body(BaseModel):
             raise ValueError("n > 1 needs sampling: a temperature above 0")
         return value
 
+    @model_validator(mode="after")
+    def _min_tokens_within_max(self) -> _Body:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
+        return self
+
+    def sampling_extensions(self) -> SamplingExtensions:
+        """vLLM's sampling extensions of this body, for the engine."""
+        return SamplingExtensions.model_validate(
+            self.model_dump(include=set(SamplingExtensions.model_fields))
+        )
+
 
 class CompletionRequest(_Body):
-    prompt: str = Field(min_length=1)
+    prompt: str | list[TokenId] = Field(min_length=1)
+    """Text, or token ids that skip tokenizing (vLLM's token-id prompts)."""
     logprobs: TopLogprobs | None = None  # the sampled token's and this many alternatives'
 
     @property
@@ -126,9 +157,12 @@ class CompletionRequest(_Body):
     @field_validator("prompt", mode="before")
     @classmethod
     def _single_prompt(cls, value: object) -> object:
-        if isinstance(value, list):
-            if len(value) != 1 or not isinstance(value[0], str):
-                raise ValueError("prompt must be a string (batches of prompts are not served)")
+        # vLLM's forms: "text", [ids...], ["text"], [[ids...]]; batches are not served.
+        if isinstance(value, list) and value and not isinstance(value[0], int):
+            if len(value) != 1 or not isinstance(value[0], str | list):
+                raise ValueError(
+                    "prompt must be a string or token ids (batches of prompts are not served)"
+                )
             return value[0]
         return value
 
@@ -160,9 +194,20 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Body):
+    refused: ClassVar[dict[str, tuple[Any, str]]] = REFUSED_CHAT_FIELDS
+
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: StrictBool = False
     top_logprobs: TopLogprobs | None = None
+    max_completion_tokens: MaxTokens | None = Field(default=None, exclude=True)
+    """OpenAI's newer name of ``max_tokens``; it wins when both are sent (as in vLLM)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _max_completion_tokens(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("max_completion_tokens") is not None:
+            return {**data, "max_tokens": data["max_completion_tokens"]}
+        return data
 
     @field_validator("top_logprobs")
     @classmethod
@@ -189,6 +234,8 @@ class GenerateRequest(BaseModel):
     stop: list[str] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    sampling: SamplingExtensions = Field(default_factory=SamplingExtensions)
+    """vLLM's sampling extensions, passed to ``SamplingParams`` as vLLM's server does."""
     n: int = Field(default=1, ge=1)  # choices: vLLM runs each as its own sequence
     logprobs: int | None = Field(default=None, ge=0)  # alternatives per token; None: none
     eviction_budget_tokens: int | None = None  # the tenant's per-request KV cap (admission)

@@ -21,7 +21,7 @@ from serving.engine_replica import EngineReplica
 from serving.ingress import Ingress
 from serving.input_limits import InputLimits
 from serving.router import VTokenRequestRouter
-from serving.settings import IngressSettings, ReplicaSettings
+from serving.settings import ApiDocs, IngressSettings, ReplicaSettings
 
 
 class AppArgs(AdminTokenSource):
@@ -65,6 +65,10 @@ class AppArgs(AdminTokenSource):
     bound; ``worst_case``: it counts prompt + max_tokens for its whole life, no credit for
     eviction (a tenant's own ``eviction_budget_tokens`` still bounds it) - the baseline
     of ``vtoken bench quotas``."""
+    api_docs: ApiDocs = "off"
+    """Who may read the OpenAPI document (every route and body, the admin API's included):
+    ``off``, ``admin`` (``GET /openapi.json`` with the admin token) or ``public`` (it and
+    the ``/docs`` and ``/redoc`` pages, to anyone)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -121,6 +125,7 @@ class AppArgs(AdminTokenSource):
             key_prefix=self.key_prefix,
             max_n=self.max_n,
             limits=self.limits,
+            api_docs=self.api_docs,
         )
 
     def routing_options(self) -> dict[str, Any]:

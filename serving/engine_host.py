@@ -173,6 +173,7 @@ class EngineHost:
             frequency_penalty=request.frequency_penalty,
             output_kind=RequestOutputKind.DELTA,
             extra_args=self.extra_args(request),
+            **request.sampling.engine_kwargs(),  # vLLM's extensions, as its server passes them
         )
 
     def _annotate(

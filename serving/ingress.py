@@ -22,7 +22,7 @@ from controlplane.openai_models import ChatCompletionRequest, CompletionRequest
 from controlplane.otel_metrics import configure_metrics
 from controlplane.redis_conn import RedisConfig, connect
 from controlplane.tracing import configure_tracing
-from serving.admin_api import NewKey, TenantUpdate, admin_routes
+from serving.admin_api import AdminState, NewKey, TenantUpdate, admin_routes
 from serving.errors import RequestIdMiddleware, answer_input_error, install_error_handlers
 from serving.input_limits import InputLimitsMiddleware
 from serving.openai_http import IngressState
@@ -44,8 +44,16 @@ def build_api(state: IngressState) -> FastAPI:
 
     Bodies are checked against the settings' ``limits`` before any route runs; every
     error is an OpenAI error body and every response has an ``x-request-id``
-    (:mod:`serving.errors`). ``/openapi.json`` documents the JSON bodies the routes read."""
-    api = FastAPI(title="vtoken", description="OpenAI-compatible serving with per-tenant KV quotas")
+    (:mod:`serving.errors`). ``/openapi.json`` documents the JSON bodies the routes read,
+    served as the settings' ``api_docs`` say (none by default)."""
+    public = state.settings.api_docs == "public"
+    api = FastAPI(
+        title="vtoken",
+        description="OpenAI-compatible serving with per-tenant KV quotas",
+        openapi_url="/openapi.json" if public else None,
+        docs_url="/docs" if public else None,
+        redoc_url="/redoc" if public else None,
+    )
     api.state.ingress = state
     install_error_handlers(api)
     api.add_middleware(
@@ -56,6 +64,8 @@ def build_api(state: IngressState) -> FastAPI:
     api.add_middleware(RequestIdMiddleware)  # added last: outermost
     api.include_router(openai_routes)
     api.include_router(admin_routes)
+    if state.settings.api_docs == "admin":
+        api.include_router(admin_docs)
     documented = (CompletionRequest, ChatCompletionRequest, TenantUpdate, NewKey)
     api.openapi = functools.partial(openapi_with_bodies, api, documented)  # type: ignore[method-assign]
     return api
@@ -82,6 +92,15 @@ async def models(request: Request, state: State) -> dict[str, Any]:
 @openai_routes.get("/health")
 async def health() -> dict[str, str]:
     return {"status": "ok"}
+
+
+admin_docs = APIRouter()
+
+
+@admin_docs.get("/openapi.json", include_in_schema=False)
+async def openapi_document(request: Request, state: AdminState) -> dict[str, Any]:
+    """The OpenAPI document, for the admin token only (``api_docs: admin``)."""
+    return request.app.openapi()  # type: ignore[no-any-return]
 
 
 # ---------------------------------------------------------------------- deployment

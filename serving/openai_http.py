@@ -84,6 +84,8 @@ class Tokenizer(Protocol):
 
     def __call__(self, text: str) -> Any: ...
 
+    def __len__(self) -> int: ...  # the vocabulary's size, added tokens included
+
     def apply_chat_template(
         self, conversation: list[dict[str, str]], *, add_generation_prompt: bool, tokenize: bool
     ) -> Any: ...
@@ -146,6 +148,16 @@ class IngressState:
                 messages, add_generation_prompt=True, tokenize=True
             )
             encoded = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+        elif isinstance(body.prompt, list):  # token ids: no tokenizing, the same limits
+            encoded = body.prompt
+            vocabulary = len(self.tokenizer)
+            if max(encoded) >= vocabulary:
+                raise HTTPError(
+                    400,
+                    f"prompt: token id {max(encoded)} is outside the model's vocabulary "
+                    f"of {vocabulary} tokens",
+                    "invalid_request",
+                )
         else:
             encoded = self.tokenizer(body.prompt)["input_ids"]
         ids = [int(token) for token in encoded]
@@ -212,6 +224,7 @@ class IngressState:
             stop=body.stop,
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
+            sampling=body.sampling_extensions(),
             n=body.n,
             logprobs=body.num_logprobs,
             eviction_budget_tokens=quota.eviction_budget_tokens,

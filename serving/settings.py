@@ -6,7 +6,7 @@ Each deployment receives its settings whole; nothing re-validates them downstrea
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -81,12 +81,19 @@ class ReplicaSettings(BaseModel):
         return self.vtoken.model_dump(mode="json", exclude_unset=True)
 
 
+ApiDocs = Literal["off", "admin", "public"]
+"""Who may read the ingress's OpenAPI document (every route and body, the admin API's
+included): ``off`` (the default) serves none, ``admin`` serves ``GET /openapi.json`` to the
+admin token only, ``public`` serves it and the ``/docs`` and ``/redoc`` pages to anyone."""
+
+
 @dataclass(frozen=True, slots=True)
 class IngressSettings:
     """What one ingress replica serves. ``tokenizer_path`` and ``redis_url`` are read only
     where the real dependencies are built (:class:`serving.ingress.Ingress`); ``admission``
     goes whole to :class:`controlplane.admission.Admission` (its ``block_size`` is the
-    engines'; its ``reservation_ttl_s`` paces renewals); ``limits`` guards every body."""
+    engines'; its ``reservation_ttl_s`` paces renewals); ``limits`` guards every body;
+    ``api_docs`` says who may read the API's OpenAPI document (:data:`ApiDocs`)."""
 
     model_name: str
     tokenizer_path: str
@@ -97,6 +104,7 @@ class IngressSettings:
     key_prefix: str = "vtoken"
     max_n: int = DEFAULT_MAX_N  # choices one request may ask for (each is a sequence's KV)
     limits: InputLimits = field(default_factory=InputLimits)
+    api_docs: ApiDocs = "off"
 
     @property
     def block_size(self) -> int:

@@ -219,6 +219,41 @@ async def test_concurrency_limit_and_lapsed_reservations(
     await admission.check_invariants("acme")
 
 
+async def test_the_concurrency_limit_counts_sequences_not_requests(
+    redis: aioredis.Redis, keys: KeySpace, store: RedisStore
+) -> None:
+    """``max_concurrent_requests`` bounds the sequences running: a request asking for
+    ``n`` choices runs ``n`` (vLLM runs each as its own request); more than the limit at
+    once can never be admitted. Releases and lapses give them back; a deleted tenant's
+    count does not follow its re-created namesake."""
+    from controlplane.tenants import remove_tenant
+
+    admission = Admission(redis, AdmissionConfig(reservation_ttl_s=0.3), keys)
+    tenant = quota("acme", budget=100, max_concurrent_requests=4)
+    await store.put_quota(tenant)
+    four = await admission.admit(tenant, "four", 1, 1, n=4)
+    assert four.reservation is not None
+    assert (await admission.admit(tenant, "one", 1, 1)).reason == "max_concurrent_requests"
+    assert await admission.held_sequences("acme") == 4
+    await admission.release(four.reservation)
+    assert (await admission.admit(tenant, "three", 1, 1, n=3)).admitted
+    assert (await admission.admit(tenant, "two", 1, 1, n=2)).reason == "max_concurrent_requests"
+    too_many = await admission.admit(tenant, "five", 1, 1, n=5)
+    assert (too_many.outcome, too_many.reason) == (
+        AdmissionOutcome.REJECTED,
+        "exceeds_max_concurrent_requests",
+    )
+    await admission.check_invariants("acme")
+    await asyncio.sleep(0.35)  # "three" lapses: its three sequences are free again
+    assert (await admission.admit(tenant, "four-again", 1, 1, n=4)).admitted
+    await admission.check_invariants("acme")
+    await remove_tenant(redis, keys, "acme")
+    await store.put_quota(tenant)
+    assert (await admission.admit(tenant, "after", 1, 1, n=4)).admitted
+    assert await admission.held_sequences("acme") == 4
+    await admission.check_invariants("acme")
+
+
 async def test_renew_does_not_bring_back_a_lapsed_reservation(
     redis: aioredis.Redis, keys: KeySpace, store: RedisStore
 ) -> None:
@@ -255,9 +290,9 @@ async def test_deadlines_and_starts_are_on_redis_time(
     assert deadline_ms is not None
     assert (before + 60) * 1000 - 1 <= deadline_ms <= (after + 60) * 1000 + 1
     start = (await redis.hget(keys.reservation_starts("acme"), "a")).split()
-    admitted_ms, max_tokens, prompt_tokens, steady = start
+    admitted_ms, max_tokens, prompt_tokens, steady, sequences = start
     assert before * 1000 - 1 <= int(admitted_ms) <= after * 1000 + 1 and max_tokens == "7"
-    assert (prompt_tokens, steady) == ("1", "1")
+    assert (prompt_tokens, steady, sequences) == ("1", "1", "1")
 
 
 async def test_the_running_total_follows_admit_settle_release_and_lapse(

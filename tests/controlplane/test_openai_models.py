@@ -1,5 +1,6 @@
-"""The OpenAI request bodies: served fields validated, every other field refused by name;
-what the ingress sends a replica."""
+"""The OpenAI request bodies: served fields (OpenAI's and vLLM's sampling extensions, text
+and token-id prompts) validated, refused fields of either API refused by name with why,
+unknown fields refused by name; what the ingress sends a replica."""
 
 from __future__ import annotations
 
@@ -40,13 +41,139 @@ def test_served_sampling_fields_are_accepted():
     assert "cache_salt" not in body.model_dump()
 
 
-@pytest.mark.parametrize(
-    "field", ["best_of", "echo", "tools", "logit_bias", "suffix", "tool_choice", "functions"]
-)
-def test_an_unserved_field_is_refused_by_name(field):
+@pytest.mark.parametrize("field", ["tools", "tool_choice", "functions", "guided_json", "x"])
+def test_a_field_neither_api_serves_here_is_refused_by_name(field):
     with pytest.raises(ValidationError) as raised:
         CompletionRequest.model_validate({**BASE, field: 1})
     assert raised.value.errors()[0]["loc"] == (field,)
+    assert raised.value.errors()[0]["type"] == "extra_forbidden"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "why"),
+    [
+        ("best_of", 2, "more sequences"),
+        ("echo", True, "OpenAI's shape"),
+        ("suffix", "!", "insertion"),
+        ("use_beam_search", True, "beam search"),
+        ("length_penalty", 0.5, "beam search"),
+        ("response_format", {"type": "json_object"}, "guided decoding"),
+        ("structured_outputs", {"regex": "a+"}, "guided decoding"),
+        ("vllm_xargs", {"vtoken_policy": "none"}, "tenant's policy"),
+        ("prompt_logprobs", 1, "prompt token"),
+        ("priority", 5, "first come"),
+        ("add_special_tokens", False, "tokenizes"),
+        ("truncate_prompt_tokens", 8, "never truncated"),
+        ("kv_transfer_params", {"do_remote_decode": True}, "disaggregated"),
+    ],
+)
+def test_a_refused_vllm_or_openai_field_says_why(field, value, why):
+    with pytest.raises(ValidationError) as raised:
+        CompletionRequest.model_validate({**BASE, field: value})
+    (error,) = raised.value.errors()
+    assert error["type"] == "not_served" and field in error["msg"] and why in error["msg"]
+
+
+def test_a_refused_field_at_the_value_that_asks_for_nothing_is_dropped():
+    """vLLM clients often send its defaults: they ask for nothing the server refuses."""
+    defaults = {
+        "use_beam_search": False,
+        "length_penalty": 1.0,
+        "best_of": 1,
+        "echo": False,
+        "priority": 0,
+        "add_special_tokens": True,
+        "response_format": {"type": "text"},
+        "prompt_logprobs": None,
+    }
+    body = CompletionRequest.model_validate({**BASE, **defaults})
+    assert not set(defaults) & set(body.model_dump())
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    chat_defaults = {"tool_choice": "none", "add_generation_prompt": True, "tools": []}
+    ChatCompletionRequest.model_validate({**chat, **chat_defaults})
+    with pytest.raises(ValidationError, match="chat_template: not served here"):
+        ChatCompletionRequest.model_validate({**chat, "chat_template": "{{ secrets }}"})
+    with pytest.raises(ValidationError, match="use_beam_search"):  # a flag is not a number
+        CompletionRequest.model_validate({**BASE, "use_beam_search": 0})
+
+
+def test_vllm_sampling_extensions_reach_the_generate_request_as_vllm_passes_them():
+    extensions = {
+        "top_k": 20,
+        "min_p": 0.05,
+        "repetition_penalty": 1.1,
+        "min_tokens": 2,
+        "ignore_eos": True,
+        "stop_token_ids": [2, 7],
+        "include_stop_str_in_output": True,
+        "skip_special_tokens": False,
+        "spaces_between_special_tokens": False,
+        "bad_words": ["zebra"],
+        "allowed_token_ids": [1, 2, 3],
+        "logit_bias": {"42": -100, "7": 2.5},
+        "stream_interval": 4,
+    }
+    body = CompletionRequest.model_validate({**BASE, **extensions})
+    kwargs = body.sampling_extensions().engine_kwargs()
+    assert kwargs == {**extensions, "logit_bias": {42: -100.0, 7: 2.5}}
+    request = GenerateRequest(**GENERATE, sampling=body.sampling_extensions())
+    assert GenerateRequest.model_validate(request.model_dump()).sampling == request.sampling
+    assert GenerateRequest(**GENERATE).sampling.engine_kwargs()["repetition_penalty"] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("top_k", -2),
+        ("top_k", 2.5),
+        ("min_p", 1.5),
+        ("repetition_penalty", 0),
+        ("repetition_penalty", "1.0x"),
+        ("min_tokens", -1),
+        ("min_tokens", 17),  # more than max_tokens (16)
+        ("ignore_eos", "yes"),
+        ("stop_token_ids", [-1]),
+        ("stop_token_ids", list(range(65))),
+        ("bad_words", [""]),
+        ("allowed_token_ids", []),
+        ("logit_bias", {"a": 1}),
+        ("logit_bias", {"1": 101}),
+        ("stream_interval", 0),
+    ],
+)
+def test_bad_sampling_extensions_are_refused_by_name(field, value):
+    with pytest.raises(ValidationError) as raised:
+        CompletionRequest.model_validate({**BASE, field: value})
+    assert field in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "ids"),
+    [([1, 2, 3], [1, 2, 3]), ([[5, 6]], [5, 6]), (["text"], None), ("text", None)],
+)
+def test_token_id_prompts_are_taken_as_vllm_takes_them(prompt, ids):
+    body = CompletionRequest.model_validate({**BASE, "prompt": prompt})
+    assert body.prompt == (ids if ids is not None else "text")
+
+
+@pytest.mark.parametrize(
+    "prompt", [[], [[]], [True, 2], [-1], [1, "a"], [[1], [2]], ["a", "b"], [1.5], [[1, -2]]]
+)
+def test_bad_token_id_prompts_and_batches_are_refused(prompt):
+    with pytest.raises(ValidationError) as raised:
+        CompletionRequest.model_validate({**BASE, "prompt": prompt})
+    assert raised.value.errors()[0]["loc"][0] == "prompt"
+
+
+def test_chat_takes_max_completion_tokens_as_openai_and_vllm_do():
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert (
+        ChatCompletionRequest.model_validate({**chat, "max_completion_tokens": 5}).max_tokens == 5
+    )
+    both = {**chat, "max_tokens": 9, "max_completion_tokens": 5}
+    assert ChatCompletionRequest.model_validate(both).max_tokens == 5  # vLLM's precedence
+    with pytest.raises(ValidationError, match="max_"):
+        ChatCompletionRequest.model_validate({**chat, "max_completion_tokens": 0})
 
 
 def test_choices_and_completion_logprobs_are_served():
@@ -80,7 +207,6 @@ def test_chat_logprobs_are_a_flag_with_top_logprobs():
         ("logprobs", True),  # completions take a count
         ("logprobs", 1.5),
         ("top_logprobs", 3),  # a chat field
-        ("best_of", 2),
     ],
 )
 def test_bad_choices_and_logprobs_are_refused_by_name(field, value):
@@ -140,15 +266,18 @@ def test_prompt_chars_counts_text_of_any_shape():
     assert prompt_chars({"prompt": 5, "messages": {"x": None}}) == 0
 
 
+GENERATE = {
+    "request_id": "cmpl-1",
+    "tenant_id": "acme",
+    "prompt_token_ids": [1, 2],
+    "max_tokens": 4,
+    "temperature": 0.0,
+    "top_p": 1.0,
+}
+
+
 def test_a_generate_request_carries_a_valid_prefix_group_or_none():
-    fields = {
-        "request_id": "cmpl-1",
-        "tenant_id": "acme",
-        "prompt_token_ids": [1, 2],
-        "max_tokens": 4,
-        "temperature": 0.0,
-        "top_p": 1.0,
-    }
+    fields = GENERATE
     assert GenerateRequest.model_validate(fields).prefix_group is None
     grouped = GenerateRequest.model_validate({**fields, "prefix_group": "bots"})
     assert GenerateRequest.model_validate(grouped.model_dump()).prefix_group == "bots"

@@ -64,6 +64,7 @@ class ServerThread:
             redis_url=self.redis_url,
             admission=AdmissionConfig(block_size=BLOCK_SIZE),
             key_prefix=self.keys.prefix,
+            api_docs="admin",
         )
         redis = connect(RedisConfig(url=self.redis_url))
         clock = SystemClock()

@@ -1,19 +1,22 @@
 """The OpenAI API of the ingress in-process (see ``ingress_harness``): answers, admission,
-errors, spans; the admin API's tenant quotas."""
+errors, spans; the admin API's tenant quotas; who may read the OpenAPI document."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
 from typing import Any
 
+import httpx
 import pytest
 
 from controlplane import telemetry
 from controlplane.models import TenantQuota
 from controlplane.prefix import cache_salt, prefix_keys
+from serving.ingress import build_api
 from tests.serving.ingress_harness import BLOCK_SIZE, MODEL, PROMPT, Ingress, admin, bearer
 
 
@@ -368,3 +371,31 @@ async def test_opentelemetry_metrics_count_admissions_and_time_answers(ingress: 
     assert ttft.attributes[telemetry.ATTR_TENANT_ID] == "acme" and ttft.count == 1
     assert ttft.sum == pytest.approx(0.0)  # the fake engine's first chunk comes at once
     assert tpot.count == 1 and tpot.sum == pytest.approx(0.5)  # 2 tokens, 0.5 s apart
+
+
+@pytest.mark.parametrize(
+    ("api_docs", "anonymous", "tenant", "operator"),
+    [
+        ("off", [404, 404, 404], 404, 404),  # the default
+        ("admin", [403, 404, 404], 403, 200),
+        ("public", [200, 200, 200], 200, 200),
+    ],
+)
+async def test_the_openapi_document_is_served_only_as_configured(
+    ingress: Ingress, api_docs: str, anonymous: list[int], tenant: int, operator: int
+) -> None:
+    """The document names every route and body, the admin API's included: by default
+    nobody reads it; with ``api_docs: admin`` only the admin token does."""
+    assert dataclasses.replace(ingress.state.settings).api_docs == "off"
+    api_key = await ingress.add_tenant("acme", kv_budget_blocks=8)
+    ingress.state.settings = dataclasses.replace(ingress.state.settings, api_docs=api_docs)
+    transport = httpx.ASGITransport(app=build_api(ingress.state))
+    async with httpx.AsyncClient(transport=transport, base_url="http://ingress") as client:
+        pages = [
+            (await client.get(path)).status_code for path in ("/openapi.json", "/docs", "/redoc")
+        ]
+        as_tenant = await client.get("/openapi.json", headers=bearer(api_key))
+        as_admin = await client.get("/openapi.json", headers=admin())
+    assert (pages, as_tenant.status_code, as_admin.status_code) == (anonymous, tenant, operator)
+    if operator == 200:
+        assert "/admin/tenants/{tenant_id}" in as_admin.json()["paths"]

@@ -141,8 +141,9 @@ async def test_unserved_fields_and_out_of_range_n_and_logprobs_are_400_naming_th
     for field, value in [
         ("best_of", 2),
         ("echo", True),
-        ("logit_bias", {"1": 5}),
+        ("use_beam_search", True),
         ("suffix", "x"),
+        ("made_up", 1),
         ("n", 0),
         ("n", 9),  # over the ingress's max_n (8 unless configured)
         ("logprobs", 6),
@@ -150,7 +151,8 @@ async def test_unserved_fields_and_out_of_range_n_and_logprobs_are_400_naming_th
     ]:
         response = await ingress.complete(api_key, **{field: value})
         assert f"{field}:" in _error(response, 400, "invalid_request"), field
-    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": []}
+    function = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [function]}
     tools = await ingress.client.post("/v1/chat/completions", json=chat, headers=bearer(api_key))
     assert "tools" in _error(tools, 400, "invalid_request")
     assert ingress.replicas.requests == []

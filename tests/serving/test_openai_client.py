@@ -80,7 +80,9 @@ async def test_chat_streams_with_every_served_field(
         ("best_of", 2),
         ("echo", True),
         ("suffix", "!"),
-        ("logit_bias", {"50256": -100}),
+        ("use_beam_search", True),
+        ("vllm_xargs", {"vtoken_policy": "none"}),
+        ("made_up_field", 1),
     ],
 )
 async def test_completions_refuse_unserved_fields_by_name(
@@ -129,6 +131,67 @@ async def test_errors_reach_the_client_as_typed_exceptions(ingress: Ingress) -> 
         with pytest.raises(openai.AuthenticationError) as raised:
             await sdk.models.list()
     assert isinstance(raised.value.body, dict) and raised.value.body["code"] == 401
+
+
+VLLM_EXTENSIONS = {
+    "top_k": 20,
+    "min_p": 0.05,
+    "repetition_penalty": 1.1,
+    "min_tokens": 1,
+    "ignore_eos": True,
+    "stop_token_ids": [2],
+    "skip_special_tokens": False,
+    "logit_bias": {"42": -100},
+    "use_beam_search": False,  # vLLM's default: asks for nothing refused
+}
+
+
+@pytest.mark.parametrize("chat", [False, True])
+async def test_vllm_sampling_extensions_reach_the_replica(
+    client: openai.AsyncOpenAI, ingress: Ingress, chat: bool
+) -> None:
+    """What vLLM's clients send through ``extra_body`` (``vllm bench serve`` sends
+    ``repetition_penalty``) is served and passed on, as vLLM's OpenAI server does."""
+    if chat:
+        await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": PROMPT}],
+            max_completion_tokens=4,
+            extra_body=VLLM_EXTENSIONS,
+        )
+    else:
+        await client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=4, extra_body=VLLM_EXTENSIONS
+        )
+    sent = _sent(ingress)
+    assert sent["max_tokens"] == 4
+    expected = {k: v for k, v in VLLM_EXTENSIONS.items() if k != "use_beam_search"}
+    assert {k: sent["sampling"][k] for k in expected} == expected
+
+
+@pytest.mark.parametrize("prompt", [[1, 2, 3, 4], [[1, 2, 3, 4]]])
+async def test_token_id_prompts_skip_tokenizing(
+    client: openai.AsyncOpenAI, ingress: Ingress, prompt: Any
+) -> None:
+    completion = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
+    assert completion.choices[0].text == "Hello there"
+    assert completion.usage is not None and completion.usage.prompt_tokens == 4
+    assert _sent(ingress)["prompt_token_ids"] == [1, 2, 3, 4]
+
+
+async def test_token_id_prompts_meet_the_same_limits(
+    client: openai.AsyncOpenAI, ingress: Ingress, tokenizer: Any
+) -> None:
+    """Ids outside the vocabulary, and ids that with ``max_tokens`` exceed the context,
+    are 400s naming the problem; nothing reaches a replica or stays reserved."""
+    vocabulary = len(tokenizer)
+    with pytest.raises(openai.BadRequestError, match="outside the model's vocabulary"):
+        await client.completions.create(model=MODEL, prompt=[1, vocabulary], max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="context of 128 tokens"):
+        await client.completions.create(model=MODEL, prompt=[1] * 125, max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="prompt"):
+        await client.completions.create(model=MODEL, prompt=[1, -5], max_tokens=4)
+    assert ingress.replicas.requests == []
 
 
 # ------------------------------------------------------------ several choices, logprobs

@@ -19,7 +19,8 @@ from controlplane.models import TenantLimits, TenantQuota
 from controlplane.status import cluster_status, prometheus_targets
 from controlplane.tenants import TenantWriteOutcome, remove_tenant, write_tenant
 from serving.errors import HTTPError
-from serving.openai_http import IngressState, parse_body
+from serving.input_limits import decode_body, read_body, read_request
+from serving.openai_http import IngressState
 from serving.openapi_bodies import body_of
 
 _TENANT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # models.TenantId
@@ -79,7 +80,7 @@ async def metrics(state: AdminState) -> Response:
 
 @admin_routes.put("/admin/tenants/{tenant_id}", openapi_extra=body_of(TenantUpdate))
 async def put_tenant(tenant_id: str, request: Request, state: AdminState) -> JSONResponse:
-    update = await parse_body(request, TenantUpdate)
+    update = await read_request(request, TenantUpdate, state.settings.limits)
     try:
         quota = TenantQuota(tenant_id=tenant_id, **update.model_dump(exclude={"api_key"}))
     except ValidationError as error:
@@ -133,7 +134,9 @@ async def delete_tenant(tenant_id: str, state: AdminState) -> dict[str, Any]:
 async def add_key(tenant_id: str, request: Request, state: AdminState) -> dict[str, Any]:
     """A new key for the tenant: generated (returned once) or the body's ``api_key``."""
     await _existing(state, tenant_id)
-    chosen = (await parse_body(request, NewKey)).api_key if await request.body() else None
+    limits = state.settings.limits
+    body = await read_body(request, limits)
+    chosen = (await decode_body(body, NewKey, limits)).api_key if body else None
     api_key = chosen or new_api_key()
     store = state.store
     written = await write_tenant(store.redis, store.keys, tenant_id, None, api_key, chosen=True)

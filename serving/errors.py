@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -21,7 +22,11 @@ from redis.exceptions import RedisError
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serving.input_limits import ASGIApp, InputError, Message, Receive, Scope, Send
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 logger = logging.getLogger("vtoken.ingress")
 
@@ -109,16 +114,6 @@ async def _redis_error(request: Request, error: Exception) -> JSONResponse:
     )
     message = "the quota store is unavailable; retry later"
     return _json(request.scope, 503, message, "server_error", {"Retry-After": "2"})
-
-
-async def answer_input_error(scope: Scope, send: Send, error: InputError) -> None:
-    """The response to a request :mod:`serving.input_limits` refused."""
-    response = _json(scope, error.status, error.message, error.kind)
-    await response({"type": "http"}, _no_receive, send)
-
-
-async def _no_receive() -> Message:
-    return {"type": "http.disconnect"}
 
 
 def install_error_handlers(api: FastAPI) -> None:

@@ -23,8 +23,7 @@ from controlplane.otel_metrics import configure_metrics
 from controlplane.redis_conn import RedisConfig, connect
 from controlplane.tracing import configure_tracing
 from serving.admin_api import AdminState, NewKey, TenantUpdate, admin_routes
-from serving.errors import RequestIdMiddleware, answer_input_error, install_error_handlers
-from serving.input_limits import InputLimitsMiddleware
+from serving.errors import RequestIdMiddleware, install_error_handlers
 from serving.openai_http import IngressState
 from serving.openapi_bodies import body_of, openapi_with_bodies
 from serving.settings import IngressSettings
@@ -42,10 +41,11 @@ openai_routes = APIRouter()
 def build_api(state: IngressState) -> FastAPI:
     """The ingress app serving ``state``: OpenAI API, health, metrics, admin API.
 
-    Bodies are checked against the settings' ``limits`` before any route runs; every
-    error is an OpenAI error body and every response has an ``x-request-id``
-    (:mod:`serving.errors`). ``/openapi.json`` documents the JSON bodies the routes read,
-    served as the settings' ``api_docs`` say (none by default)."""
+    Each route authenticates its caller before it reads a body, then reads it under the
+    settings' ``limits`` (:mod:`serving.input_limits`); every error is an OpenAI error
+    body and every response has an ``x-request-id`` (:mod:`serving.errors`).
+    ``/openapi.json`` documents the JSON bodies the routes read, served as the settings'
+    ``api_docs`` say (none by default)."""
     public = state.settings.api_docs == "public"
     api = FastAPI(
         title="vtoken",
@@ -56,12 +56,7 @@ def build_api(state: IngressState) -> FastAPI:
     )
     api.state.ingress = state
     install_error_handlers(api)
-    api.add_middleware(
-        InputLimitsMiddleware,
-        limits=state.settings.limits,
-        on_error=answer_input_error,
-    )
-    api.add_middleware(RequestIdMiddleware)  # added last: outermost
+    api.add_middleware(RequestIdMiddleware)
     api.include_router(openai_routes)
     api.include_router(admin_routes)
     if state.settings.api_docs == "admin":

@@ -1,9 +1,12 @@
 """The request pipeline behind the ingress: OpenAI-compatible completions and tenant admission.
 
-Every request: authenticate the tenant from ``Authorization: Bearer <key>``; validate the
-body; tokenize (so admission knows the prompt size and an oversize prompt is a 400 before
-any engine sees it); admit against the tenant's KV budget for all ``n`` sequences of the
-answer (429 + Retry-After when over);
+Every request: authenticate the tenant from ``Authorization: Bearer <key>``; refuse it
+(429 + Retry-After) when the tenant is at its concurrency limit or its prompt-token bucket
+is in debt (:mod:`controlplane.precheck`: before any CPU is spent on its body or prompt);
+read and validate the body (:mod:`serving.input_limits`); tokenize on the ingress's
+tokenizer pool, fair between tenants (:mod:`serving.tokenize_pool`; so admission knows
+the prompt size and an oversize prompt is a 400 before any engine sees it); admit against
+the tenant's KV budget for all ``n`` sequences of the answer (429 + Retry-After when over);
 call a replica through Ray Serve (the vtoken router picks which) while the reservation
 is held (:class:`serving.reservation.HeldReservation`: renewed every third of its TTL,
 settled to its steady bound once no prefill is left, released when the answer is
@@ -24,7 +27,6 @@ tests drive it with a local Redis, a fake clock and a fake replica handle.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -36,7 +38,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import metrics as otel_metrics
 from opentelemetry import trace
 from opentelemetry.metrics import Meter
-from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 
 from controlplane import telemetry
@@ -53,16 +54,19 @@ from controlplane.openai_models import (
     GenerateRequest,
 )
 from controlplane.otel_metrics import RequestMetrics
+from controlplane.precheck import AdmissionPrecheck, Precheck
 from controlplane.prefix import cache_salt, prefix_keys
 from controlplane.redis_conn import REDIS_ERRORS
 from controlplane.releases import Releaser
 from controlplane.store import RedisStore
 from controlplane.tracing import inject_context
 from serving.errors import HTTPError
+from serving.input_limits import read_request
 from serving.openai_answers import Answer, collect, sse
 from serving.reservation import HeldReservation
 from serving.settings import IngressSettings
 from serving.stream_progress import ChunkTiming, StreamProgress, TokenPace
+from serving.tokenize_pool import TokenizerPool
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -118,6 +122,11 @@ class IngressState:
         self.store = RedisStore(redis, keys)
         self.tenant_keys = TenantKeys(redis, keys)
         self.admission = Admission(redis, settings.admission, keys, tracer=tracer)
+        self.precheck = AdmissionPrecheck(redis, settings.admission, keys)
+        limits = settings.limits
+        self.tokenize_pool = TokenizerPool(
+            limits.tokenizer_threads, limits.max_tokenizing_per_tenant, limits.max_tokenizing
+        )
         self.releaser = Releaser(self.admission)
         self.metrics = IngressMetrics()
         # OpenTelemetry (admissions, TTFT, TPOT per tenant): the global meter provider's
@@ -177,15 +186,28 @@ class IngressState:
             started = self.clock.now()
             quota = await self.tenant(request)
             span.set_attribute(telemetry.ATTR_TENANT_ID, quota.tenant_id)
-            body = await parse_body(request, ChatCompletionRequest if chat else CompletionRequest)
-            if body.n > self.settings.max_n:
+            precheck = await self.before_tokenizing(quota)
+            settings = self.settings
+            model: type[CompletionRequest | ChatCompletionRequest] = (
+                ChatCompletionRequest if chat else CompletionRequest
+            )
+            body = await read_request(request, model, settings.limits, settings.max_prompt_chars)
+            if body.n > settings.max_n:
                 raise HTTPError(
                     400,
-                    f"invalid request: n: at most {self.settings.max_n} choices are served "
+                    f"invalid request: n: at most {settings.max_n} choices are served "
                     f"per request (got {body.n})",
                     "invalid_request",
                 )
-            ids = await asyncio.to_thread(self.prompt_ids, body)  # tokenizing is CPU work
+            # Tokenizing is CPU work: on the pool, at most as many of the tenant's at once
+            # as its concurrency limit leaves room for.
+            limit = quota.max_concurrent_requests
+            ids = await self.tokenize_pool.run(
+                quota.tenant_id,
+                self.prompt_ids,
+                body,
+                limit=None if limit is None else limit - precheck.held,
+            )
             request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             span.set_attribute(telemetry.ATTR_REQUEST_ID, request_id)
             reservation = await self.admit(quota, request_id, len(ids), body.max_tokens, body.n)
@@ -238,6 +260,24 @@ class IngressState:
             ),
             hold_to_blocks=self.hold_to_blocks(reservation, len(ids), body.max_tokens, body.n),
             trace_context=inject_context(),
+        )
+
+    async def before_tokenizing(self, quota: TenantQuota) -> Precheck:
+        """The tenant's concurrency and prompt-rate limits, read before its body and prompt
+        cost any CPU: 429 with ``Retry-After`` when admission would throttle any prompt."""
+        precheck = await redis_or_503(self.precheck.check(quota))
+        if precheck.reason is None:
+            return precheck
+        outcome = AdmissionOutcome.THROTTLED.value
+        self.metrics.admission(quota.tenant_id, outcome)
+        self.request_metrics.admission(quota.tenant_id, outcome)
+        retry = max(1, round(precheck.retry_after_s))
+        why = THROTTLE_REASONS.get(precheck.reason, precheck.reason)
+        raise HTTPError(
+            429,
+            f"tenant {quota.tenant_id!r} is {why}; retry after {retry} s",
+            "rate_limit",
+            headers={"Retry-After": str(retry)},
         )
 
     async def admit(
@@ -363,21 +403,3 @@ async def redis_or_503(call: Awaitable[T]) -> T:
             "server_error",
             headers={"Retry-After": str(REDIS_RETRY_AFTER_S)},
         ) from None
-
-
-async def parse_body(request: Request, model: type[BaseModel]) -> Any:
-    try:
-        raw = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise HTTPError(
-            400, f"request body is not valid JSON: {error}", "invalid_request"
-        ) from None
-    if not isinstance(raw, dict):
-        raise HTTPError(400, "request body must be a JSON object", "invalid_request")
-    try:
-        return model.model_validate(raw)
-    except ValidationError as error:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in error.errors()
-        )
-        raise HTTPError(400, f"invalid request: {problems}", "invalid_request") from None

@@ -107,6 +107,11 @@ class IngressSettings:
     api_docs: ApiDocs = "off"
 
     @property
+    def max_prompt_chars(self) -> int:
+        """The most characters a prompt may have (``limits``, derived from the context)."""
+        return self.limits.prompt_chars_limit(self.max_model_len)
+
+    @property
     def block_size(self) -> int:
         """The engines' KV block size (admission converts tokens to blocks with it)."""
         return self.admission.block_size

@@ -262,7 +262,9 @@ def test_every_replica_serves_prometheus_metrics_found_by_service_discovery(clus
     [
         ("{not json", "tenant", 400, "not valid JSON"),
         ({"model": "gpt-4", "prompt": "hi"}, "tenant", 404, "not served"),
-        ({"model": MODEL, "prompt": prompt_of(200), "max_tokens": 8}, "tenant", 400, "exceeds"),
+        ({"model": MODEL, "prompt": prompt_of(60), "max_tokens": 8}, "tenant", 400, "exceeds"),
+        # Over 8 characters per token of the context: refused before tokenizing.
+        ({"model": MODEL, "prompt": prompt_of(200)}, "tenant", 400, "more than the limit"),
         ({"model": MODEL, "prompt": "hi", "max_tokens": -1}, "tenant", 400, "max_tokens"),
         ({"model": MODEL, "prompt": "hi", "stop": [""]}, "tenant", 400, "stop"),
         ({"model": MODEL, "prompt": "hi", "seed": 2**70}, "tenant", 400, "seed"),

@@ -83,4 +83,5 @@ class ServerThread:
             await asyncio.sleep(0.01)
         self.ready.set()
         await serving
+        state.tokenize_pool.shutdown()
         await redis.aclose()

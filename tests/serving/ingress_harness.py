@@ -170,4 +170,6 @@ async def running_ingress(
         yield under_test
     for tenant_id in under_test.api_keys:
         assert await state.admission.reserved_blocks(tenant_id) == 0, tenant_id
+    state.tokenize_pool.check_invariants()
+    state.tokenize_pool.shutdown()
     await redis.aclose()

@@ -69,7 +69,8 @@ local function take_prompt_tokens(key, rate, capacity, prompt, now)
 end
 """
 
-# KEYS: quotas, usage, reservations, deadlines, rate bucket, reservation starts, total.
+# KEYS: quotas, usage, reservations, deadlines, rate bucket, reservation starts, total,
+# lapsed.
 # ARGV: tenant, request id, blocks, lease_ms, prompt_tokens, rate burst seconds, max_tokens,
 # steady blocks.
 # Returns {outcome, reason, retry_after_ms}.
@@ -93,10 +94,15 @@ local expired = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now)
 if #expired > 0 then
   local freed = 0
   for _, request_id in ipairs(expired) do
-    freed = freed + tonumber(redis.call('HGET', KEYS[3], request_id) or '0')
+    local blocks = redis.call('HGET', KEYS[3], request_id)
+    if blocks then
+      freed = freed + tonumber(blocks)
+      redis.call('HSET', KEYS[8], request_id, blocks)  -- a late renewal re-reserves it
+    end
     redis.call('HDEL', KEYS[3], request_id)
     redis.call('HDEL', KEYS[6], request_id)
   end
+  redis.call('PEXPIRE', KEYS[8], tonumber(ARGV[4]))
   redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
   redis.call('DECRBY', KEYS[7], freed)
 end
@@ -139,10 +145,11 @@ end
 return 1
 """
 
-# KEYS: reservations, deadlines, starts, total. ARGV: request id. 1 iff it was held.
+# KEYS: reservations, deadlines, starts, total, lapsed. ARGV: request id. 1 iff it was held.
 _RELEASE = """
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('HDEL', KEYS[5], ARGV[1])
 local held = redis.call('HGET', KEYS[1], ARGV[1])
 if not held then return 0 end
 redis.call('HDEL', KEYS[1], ARGV[1])
@@ -150,17 +157,38 @@ if redis.call('EXISTS', KEYS[4]) == 1 then redis.call('DECRBY', KEYS[4], held) e
 return 1
 """
 
-# KEYS: deadlines. ARGV: request id, lease_ms. 1 iff it was held and had not lapsed.
+# KEYS: deadlines, reservations, lapsed, total. ARGV: request id, lease_ms.
+# 1: renewed; 2: it had lapsed and is reserved again (its request still runs, so its KV
+# counts); 0: not held (released, or never admitted).
 _RENEW = (
     _NOW_MS
     + """
 local now = now_ms()
 local deadline = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if not deadline or tonumber(deadline) <= now then return 0 end
-redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[2]), ARGV[1])
-return 1
+local until_ms = now + tonumber(ARGV[2])
+if deadline and tonumber(deadline) > now then
+  redis.call('ZADD', KEYS[1], 'XX', until_ms, ARGV[1])
+  return 1
+end
+if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then  -- lapsed, not purged yet
+  redis.call('ZADD', KEYS[1], until_ms, ARGV[1])
+  return 2
+end
+local blocks = redis.call('HGET', KEYS[3], ARGV[1])
+if not blocks then return 0 end
+redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('HSET', KEYS[2], ARGV[1], blocks)
+if redis.call('EXISTS', KEYS[4]) == 1 then redis.call('INCRBY', KEYS[4], blocks) end
+redis.call('ZADD', KEYS[1], until_ms, ARGV[1])
+return 2
 """
 )
+
+
+class Renewal(enum.IntEnum):
+    RENEWED = 1
+    RESERVED_AGAIN = 2  # it had lapsed; its blocks count again
+    NOT_HELD = 0  # released, or never admitted
 
 
 class AdmissionOutcome(enum.Enum):
@@ -446,6 +474,7 @@ class Admission:
                     self.keys.rate_bucket(tenant_id),
                     self.keys.reservation_starts(tenant_id),
                     self.keys.reservation_total(tenant_id),
+                    self.keys.reservation_lapsed(tenant_id),
                 ],
                 args=[
                     tenant_id,
@@ -509,6 +538,7 @@ class Admission:
                 self.keys.reservation_deadlines(tenant_id),
                 self.keys.reservation_starts(tenant_id),
                 self.keys.reservation_total(tenant_id),
+                self.keys.reservation_lapsed(tenant_id),
             ],
             args=[reservation.request_id],
         )
@@ -577,14 +607,21 @@ class Admission:
         seconds, microseconds = await self._redis.time()
         return seconds + microseconds / 1e6
 
-    async def renew(self, reservation: Reservation) -> bool:
+    async def renew(self, reservation: Reservation) -> Renewal:
         """Push a held reservation's deadline to Redis's now + `reservation_ttl_s` (running
-        requests call this every third of it); False if it already lapsed or was released."""
+        requests call this every third of it). One that lapsed (its ingress could not
+        renew in time) is reserved again at the blocks it held: its request still runs."""
+        tenant_id = reservation.tenant_id
         renewed = await self._renew(
-            keys=[self.keys.reservation_deadlines(reservation.tenant_id)],
+            keys=[
+                self.keys.reservation_deadlines(tenant_id),
+                self.keys.reservations(tenant_id),
+                self.keys.reservation_lapsed(tenant_id),
+                self.keys.reservation_total(tenant_id),
+            ],
             args=[reservation.request_id, int(self.config.reservation_ttl_s * 1000)],
         )
-        return bool(renewed)
+        return Renewal(int(renewed))
 
     async def reserved_blocks(self, tenant_id: str) -> int:
         """The tenant's running reservation total (lapsed ones included until next admit);

@@ -82,7 +82,7 @@ end
 """
 
 # KEYS: quotas, usage, reservations, deadlines, rate bucket, reservation starts, total,
-# sequences. ARGV: tenant, request id, blocks, lease_ms, prompt_tokens, rate burst seconds,
+# sequences, lapsed. ARGV: tenant, request id, blocks, lease_ms, prompt_tokens, rate burst seconds,
 # max_tokens, steady blocks, n (sequences).
 # Returns {outcome, reason, retry_after_ms}.
 _ADMIT = (
@@ -117,13 +117,18 @@ local expired = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now)
 if #expired > 0 then
   local freed = 0
   for _, request_id in ipairs(expired) do
-    if redis.call('HEXISTS', KEYS[3], request_id) == 1 then
-      sequences = sequences - sequences_of(redis.call('HGET', KEYS[6], request_id))
+    local held = redis.call('HGET', KEYS[3], request_id)
+    if held then
+      local start = redis.call('HGET', KEYS[6], request_id) or ''
+      sequences = sequences - sequences_of(start)
+      freed = freed + tonumber(held)
+      -- A renewal that arrives late (its request still runs) reserves it again.
+      redis.call('HSET', KEYS[9], request_id, held .. '|' .. start)
     end
-    freed = freed + tonumber(redis.call('HGET', KEYS[3], request_id) or '0')
     redis.call('HDEL', KEYS[3], request_id)
     redis.call('HDEL', KEYS[6], request_id)
   end
+  redis.call('PEXPIRE', KEYS[9], tonumber(ARGV[4]))
   redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
   redis.call('DECRBY', KEYS[7], freed)
   redis.call('SET', KEYS[8], math.max(sequences, 0))
@@ -170,12 +175,13 @@ end
 return 1
 """
 
-# KEYS: reservations, deadlines, starts, total, sequences. ARGV: request id. 1 iff it was
-# held.
+# KEYS: reservations, deadlines, starts, total, sequences, lapsed. ARGV: request id.
+# 1 iff it was held.
 _RELEASE = (
     _SEQUENCES_OF
     + """
 redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[6], ARGV[1])
 local start = redis.call('HGET', KEYS[3], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
 local held = redis.call('HGET', KEYS[1], ARGV[1])
@@ -187,17 +193,44 @@ return 1
 """
 )
 
-# KEYS: deadlines. ARGV: request id, lease_ms. 1 iff it was held and had not lapsed.
+# KEYS: deadlines, reservations, lapsed, total, starts, sequences. ARGV: request id,
+# lease_ms. 1: renewed; 2: it had lapsed and is reserved again (its request still runs,
+# so its KV counts); 0: not held (released, or never admitted).
 _RENEW = (
     _NOW_MS
+    + _SEQUENCES_OF
     + """
 local now = now_ms()
 local deadline = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if not deadline or tonumber(deadline) <= now then return 0 end
-redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[2]), ARGV[1])
-return 1
+local until_ms = now + tonumber(ARGV[2])
+if deadline and tonumber(deadline) > now then
+  redis.call('ZADD', KEYS[1], 'XX', until_ms, ARGV[1])
+  return 1
+end
+if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then  -- lapsed, not purged yet
+  redis.call('ZADD', KEYS[1], until_ms, ARGV[1])
+  return 2
+end
+local lapsed = redis.call('HGET', KEYS[3], ARGV[1])
+if not lapsed then return 0 end
+redis.call('HDEL', KEYS[3], ARGV[1])
+local blocks, start = string.match(lapsed, '^(%d+)|(.*)$')
+redis.call('HSET', KEYS[2], ARGV[1], blocks)
+if start ~= '' then redis.call('HSET', KEYS[5], ARGV[1], start) end
+if redis.call('EXISTS', KEYS[4]) == 1 then redis.call('INCRBY', KEYS[4], blocks) end
+if redis.call('EXISTS', KEYS[6]) == 1 then
+  redis.call('INCRBY', KEYS[6], sequences_of(start))
+end
+redis.call('ZADD', KEYS[1], until_ms, ARGV[1])
+return 2
 """
 )
+
+
+class Renewal(enum.IntEnum):
+    RENEWED = 1
+    RESERVED_AGAIN = 2  # it had lapsed; its blocks count again
+    NOT_HELD = 0  # released, or never admitted
 
 
 class AdmissionOutcome(enum.Enum):
@@ -485,6 +518,7 @@ class Admission:
                     self.keys.reservation_starts(tenant_id),
                     self.keys.reservation_total(tenant_id),
                     self.keys.reservation_sequences(tenant_id),
+                    self.keys.reservation_lapsed(tenant_id),
                 ],
                 args=[
                     tenant_id,
@@ -550,6 +584,7 @@ class Admission:
                 self.keys.reservation_starts(tenant_id),
                 self.keys.reservation_total(tenant_id),
                 self.keys.reservation_sequences(tenant_id),
+                self.keys.reservation_lapsed(tenant_id),
             ],
             args=[reservation.request_id],
         )
@@ -618,14 +653,23 @@ class Admission:
         seconds, microseconds = await self._redis.time()
         return seconds + microseconds / 1e6
 
-    async def renew(self, reservation: Reservation) -> bool:
+    async def renew(self, reservation: Reservation) -> Renewal:
         """Push a held reservation's deadline to Redis's now + `reservation_ttl_s` (running
-        requests call this every third of it); False if it already lapsed or was released."""
+        requests call this every third of it). One that lapsed (its ingress could not
+        renew in time) is reserved again at the blocks it held: its request still runs."""
+        tenant_id = reservation.tenant_id
         renewed = await self._renew(
-            keys=[self.keys.reservation_deadlines(reservation.tenant_id)],
+            keys=[
+                self.keys.reservation_deadlines(tenant_id),
+                self.keys.reservations(tenant_id),
+                self.keys.reservation_lapsed(tenant_id),
+                self.keys.reservation_total(tenant_id),
+                self.keys.reservation_starts(tenant_id),
+                self.keys.reservation_sequences(tenant_id),
+            ],
             args=[reservation.request_id, int(self.config.reservation_ttl_s * 1000)],
         )
-        return bool(renewed)
+        return Renewal(int(renewed))
 
     async def reserved_blocks(self, tenant_id: str) -> int:
         """The tenant's running reservation total (lapsed ones included until next admit);

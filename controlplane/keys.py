@@ -89,6 +89,12 @@ class KeySpace:
         """Hash: request id -> reserved blocks (the prefill peak, then the steady bound)."""
         return f"{self.prefix}:resv:{tenant_id}"
 
+    def reservation_lapsed(self, tenant_id: str) -> str:
+        """Hash: request id -> blocks of a reservation that lapsed (its ingress stopped
+        renewing in time) and was purged: a renewal that finds it here re-reserves it,
+        while a released request is never re-reserved by a renewal that arrives late."""
+        return f"{self.prefix}:resv-lapsed:{tenant_id}"
+
     def reservation_starts(self, tenant_id: str) -> str:
         """Hash: request id -> `admitted_ms max_tokens prompt steady n` (when it was
         admitted, how long its answer may be, its prompt, its steady bound, its sequences):

@@ -65,6 +65,11 @@ class Releaser:
         self._queue(reservation)
         return False
 
+    def release_soon(self, reservation: Reservation) -> None:
+        """Queue a release without waiting (from a callback, or a task being cancelled):
+        the background retry loop attempts it at once."""
+        self._queue(reservation)
+
     async def _attempt(self, reservation: Reservation) -> bool:
         try:
             await asyncio.wait_for(

@@ -37,6 +37,23 @@ logger = logging.getLogger(__name__)
 _NOT_IN_REPORT = {"prefix_keys"}  # stored in a key of their own
 
 
+class InvalidQuotaError(ValueError):
+    """A tenant's stored quota no longer validates (written by an incompatible version, or
+    by hand): the tenant is known, but cannot be served until its quota is set again."""
+
+    def __init__(self, tenant_id: str, problem: str) -> None:
+        super().__init__(f"the stored quota of tenant {tenant_id!r} is invalid: {problem}")
+        self.tenant_id = tenant_id
+
+
+def _first_error(error: ValueError) -> str:
+    errors = getattr(error, "errors", None)
+    if callable(errors):
+        first = errors()[0]
+        return f"{'.'.join(str(part) for part in first['loc'])}: {first['msg']}"
+    return str(error)
+
+
 @dataclass(frozen=True, slots=True)
 class PlanHead:
     """What followers poll: the plan's ``version`` (moves with its content) and the
@@ -122,9 +139,27 @@ class RedisStore:
         return len(mapping)
 
     async def get_quota(self, tenant_id: str) -> TenantQuota | None:
-        """The tenant's quota, or None when the tenant does not exist."""
+        """The tenant's quota, or None when the tenant does not exist; raises
+        :class:`InvalidQuotaError` when its stored record no longer validates."""
         raw = await self.redis.hget(self.keys.quotas, tenant_id)
-        return None if raw is None else TenantQuota.model_validate_json(raw, extra="ignore")
+        if raw is None:
+            return None
+        try:
+            return TenantQuota.model_validate_json(raw, extra="ignore")
+        except ValueError as error:
+            raise InvalidQuotaError(tenant_id, _first_error(error)) from None
+
+    async def invalid_quotas(self) -> dict[str, str]:
+        """Tenant id -> why its stored quota does not validate (an operator re-sets it with
+        a PUT); the tenants :meth:`list_quotas` leaves out."""
+        raw: dict[str, str] = await self.redis.hgetall(self.keys.quotas)  # type: ignore[assignment]
+        invalid = {}
+        for tenant_id, value in raw.items():
+            try:
+                TenantQuota.model_validate_json(value, extra="ignore")
+            except ValueError as error:
+                invalid[tenant_id] = _first_error(error)
+        return invalid
 
     async def delete_quota(self, tenant_id: str) -> bool:
         """Delete a tenant's quota only; True when it existed. Deleting a tenant for good

@@ -17,6 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from controlplane.auth import admin_token_ok, bearer, check_chosen_key, new_api_key
 from controlplane.models import TenantLimits, TenantQuota
 from controlplane.status import cluster_status, prometheus_targets
+from controlplane.store import InvalidQuotaError
 from controlplane.tenants import TenantWriteOutcome, remove_tenant, write_tenant
 from serving.errors import HTTPError
 from serving.input_limits import decode_body, read_body, read_request
@@ -66,7 +67,10 @@ admin_routes = APIRouter()
 
 
 async def _existing(state: IngressState, tenant_id: str) -> TenantQuota:
-    quota = await state.store.get_quota(tenant_id) if _TENANT_ID.match(tenant_id) else None
+    try:
+        quota = await state.store.get_quota(tenant_id) if _TENANT_ID.match(tenant_id) else None
+    except InvalidQuotaError as error:  # the record is there but unusable: PUT it again
+        raise HTTPError(409, f"{error}; set it again with PUT", "conflict") from None
     if quota is None:
         raise HTTPError(404, f"no tenant {tenant_id!r}", "not_found")
     return quota
@@ -110,7 +114,11 @@ async def get_tenant(tenant_id: str, state: AdminState) -> dict[str, Any]:
 @admin_routes.get("/admin/tenants")
 async def list_tenants(state: AdminState) -> dict[str, Any]:
     quotas = await state.store.list_quotas()
-    return {"tenants": [quota.model_dump() for _, quota in sorted(quotas.items())]}
+    listing: dict[str, Any] = {"tenants": [q.model_dump() for _, q in sorted(quotas.items())]}
+    invalid = await state.store.invalid_quotas()
+    if invalid:  # listed, not hidden: an operator sets them again with PUT
+        listing["invalid_tenants"] = invalid
+    return listing
 
 
 @admin_routes.delete("/admin/tenants/{tenant_id}")

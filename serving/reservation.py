@@ -16,7 +16,7 @@ import asyncio
 import logging
 from types import TracebackType
 
-from controlplane.admission import Admission, Reservation
+from controlplane.admission import Admission, Renewal, Reservation
 from controlplane.redis_conn import REDIS_ERRORS
 from controlplane.releases import Releaser
 
@@ -50,6 +50,13 @@ class HeldReservation:
         # release never raises (a failed one is retried in the background).
         await asyncio.shield(self.releaser.release(self.reservation))
 
+    def release_soon(self) -> None:
+        """Release without waiting (idempotent): for paths that cannot await, or that
+        are being cancelled."""
+        if self._renewal is not None:
+            self._renewal.cancel()
+        self.releaser.release_soon(self.reservation)
+
     async def settle(self) -> None:
         """Shrink to the steady bound (once: a settled reservation stays); on a Redis error
         keep the peak (over-reserving is safe), so the next call tries again."""
@@ -69,9 +76,11 @@ class HeldReservation:
         while True:
             await asyncio.sleep(period_s)
             try:
-                if not await self.admission.renew(reservation):
+                renewal = await self.admission.renew(reservation)
+                if renewal is Renewal.RESERVED_AGAIN:
                     logger.warning(
-                        "reservation of %s lapsed before renewal", reservation.request_id
+                        "reservation of %s lapsed before renewal; reserved again",
+                        reservation.request_id,
                     )
             except REDIS_ERRORS as error:
                 logger.warning(

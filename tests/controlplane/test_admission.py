@@ -18,6 +18,7 @@ from controlplane.admission import (
     AdmissionOutcome,
     HeldSchedule,
     KVBounds,
+    Renewal,
     Reservation,
     kv_bounds,
 )
@@ -212,7 +213,6 @@ async def test_concurrency_limit_and_lapsed_reservations(
     await asyncio.sleep(0.3)  # the ingress that held a died: its reservation lapses
     assert (await admission.admit(tenant, "c", 1, 1)).admitted
     assert await admission.reserved_blocks("acme") == 2
-    assert not await admission.renew(Reservation("acme", "a", 1, 1))
     await asyncio.sleep(0.5)  # b's holder died too
     assert (await admission.admit(tenant, "d", 1, 1)).admitted
     assert await admission.reserved_blocks("acme") == 1
@@ -254,17 +254,29 @@ async def test_the_concurrency_limit_counts_sequences_not_requests(
     await admission.check_invariants("acme")
 
 
-async def test_renew_does_not_bring_back_a_lapsed_reservation(
+async def test_a_renewal_reserves_again_what_lapsed_while_its_request_ran(
     redis: aioredis.Redis, keys: KeySpace, store: RedisStore
 ) -> None:
+    """A renewal comes only from an ingress whose request still runs: a reservation that
+    lapsed meanwhile (its renewals were late) counts again, purged or not. Once released,
+    a renewal that arrives late brings nothing back."""
     admission = Admission(redis, AdmissionConfig(reservation_ttl_s=0.1), keys)
     await store.put_quota(quota("acme"))
-    decision = await admission.admit(quota("acme"), "a", 1, 1)
-    assert decision.reservation is not None
+    first = (await admission.admit(quota("acme"), "a", 1, 1)).reservation
+    assert first is not None
     await asyncio.sleep(0.15)
-    assert not await admission.renew(decision.reservation)  # lapsed, not yet purged
-    assert (await admission.admit(quota("acme"), "b", 1, 1)).admitted
+    assert await admission.renew(first) is Renewal.RESERVED_AGAIN  # lapsed, not yet purged
     assert await admission.reserved_blocks("acme") == 1
+    await asyncio.sleep(0.15)
+    assert (await admission.admit(quota("acme"), "b", 16, 1)).admitted  # purges "a"
+    assert await admission.reserved_blocks("acme") == 2  # "b" alone
+    assert await admission.renew(first) is Renewal.RESERVED_AGAIN  # purged: reserved again
+    assert await admission.reserved_blocks("acme") == 3
+    assert await admission.renew(first) is Renewal.RENEWED
+    assert await admission.release(first)
+    assert await admission.renew(first) is Renewal.NOT_HELD  # released: never back
+    assert await admission.reserved_blocks("acme") == 2
+    await admission.check_invariants("acme")
 
 
 async def test_prompt_token_rate(admission: Admission, store: RedisStore) -> None:

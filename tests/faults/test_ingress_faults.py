@@ -226,3 +226,27 @@ async def test_a_client_that_leaves_cancels_the_engine_request_and_releases(
     (stream,) = ingress.replicas.streams
     assert stream.cancelled
     assert await wait_released(ingress.state.admission, "acme", timeout_s=20) == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_request_cancelled_at_any_moment_leaks_nothing_and_runs_on_nowhere(
+    ingress: Ingress, stream: bool
+) -> None:
+    """Clients that leave at any moment of admission and answering (cancelled after 0 to
+    ~20 ms, through the admission script's commit): once committed, a reservation is
+    released however the handler was cancelled, and no replica stream runs on after its
+    client left. (Before: 96 of 200 such cancels leaked a reservation until its TTL.)"""
+    await ingress.add_tenant("acme", kv_budget_blocks=10_000)
+    ingress.replicas.gate.clear()  # answers wait after their first chunk
+    delays = [i * 0.0005 for i in range(40)]
+    for delay in delays:
+        answer = asyncio.create_task(ingress.complete("acme", stream=stream))
+        await asyncio.sleep(delay)
+        answer.cancel()
+        done, _ = await asyncio.wait([answer], timeout=5)
+        assert done, f"cancelled after {delay} s, the request ran on"
+    assert await wait_released(ingress.state.admission, "acme", timeout_s=20) == 0
+    await asyncio.sleep(0.1)
+    for replica_stream in ingress.replicas.streams:  # every answer started was aborted
+        assert replica_stream.cancelled
+    ingress.replicas.gate.set()

@@ -119,3 +119,28 @@ async def test_deleting_a_tenant_drops_its_metric_series(ingress: Ingress) -> No
     assert (await ingress.client.delete("/admin/tenants/acme", headers=admin())).status_code == 200
     after = (await ingress.client.get("/metrics", headers=admin())).text
     assert 'tenant="acme"' not in after and 'tenant="globex"' in after
+
+
+async def test_a_stored_quota_that_no_longer_validates_is_named_not_a_500(
+    ingress: Ingress,
+) -> None:
+    """A quota record an older version (or a hand edit) left behind: its tenant's requests
+    get a 503 (the cause is logged under the request id, as every 5xx's), the admin API a
+    409 naming the tenant and the field, the listing shows it apart instead of dropping
+    it, and a PUT repairs it."""
+    api_key = await ingress.add_tenant("acme", kv_budget_blocks=8)
+    store = ingress.state.store
+    await store.redis.hset(
+        store.keys.quotas, "acme", '{"tenant_id": "acme", "kv_budget_blocks": -3}'
+    )
+    served = await ingress.complete(api_key)
+    assert served.status_code == 503, served.text
+    read = await ingress.client.get("/admin/tenants/acme", headers=admin())
+    assert read.status_code == 409 and "kv_budget_blocks" in read.json()["error"]["message"]
+    listed = (await ingress.client.get("/admin/tenants", headers=admin())).json()
+    assert listed["tenants"] == [] and "kv_budget_blocks" in listed["invalid_tenants"]["acme"]
+    repaired = await ingress.client.put(
+        "/admin/tenants/acme", json={"kv_budget_blocks": 8}, headers=admin()
+    )
+    assert repaired.status_code == 200, repaired.text
+    assert (await ingress.complete(api_key)).status_code == 200

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from controlplane.admission import AdmissionConfig, Reservation
+from controlplane.admission import AdmissionConfig, Renewal, Reservation
 from controlplane.releases import Releaser
 from serving.reservation import HeldReservation
 
@@ -27,9 +27,9 @@ class FakeAdmission:
         self.released: list[Reservation] = []
         self.refuse_settle = False
 
-    async def renew(self, reservation: Reservation) -> bool:
+    async def renew(self, reservation: Reservation) -> Renewal:
         self.renewed.append(reservation)
-        return True
+        return Renewal.RENEWED
 
     async def settle(self, reservation: Reservation) -> Reservation:
         if self.refuse_settle:

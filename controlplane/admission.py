@@ -30,200 +30,17 @@ import enum
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import redis.asyncio as aioredis
 from opentelemetry import trace
 
+from controlplane import admission_scripts as scripts
 from controlplane import telemetry
 from controlplane.keys import KeySpace
 from controlplane.models import TenantQuota
-
-# Redis's own clock, in ms: every ingress reads the same clock, so one whose wall clock is
-# off can neither purge others' live reservations nor refill a bucket early.
-_NOW_MS = """
-local function now_ms()
-  local time = redis.call('TIME')
-  return tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
-end
-"""
-
-# A tenant's prompt-token bucket: `capacity` tokens (rate x burst seconds, the same for
-# every request) refilled at `rate` per second from its last state. A prompt is taken when
-# the bucket holds it, or when the bucket is full: a prompt larger than the bucket leaves
-# it in debt, and later prompts wait until it has refilled. The key lapses only once the
-# bucket would be full again, so a missing bucket is a full one (an expiry sized on the
-# current request let a small prompt reset a bucket in debt: ~110x the rate). Returns 0
-# when taken, else the milliseconds until it would be.
-_TAKE_PROMPT_TOKENS = """
-local function take_prompt_tokens(key, rate, capacity, prompt, now)
-  local state = redis.call('HMGET', key, 'tokens', 'at_ms')
-  local tokens = capacity
-  if state[1] and state[2] then
-    local refilled = math.max(0, now - tonumber(state[2])) * rate / 1000
-    tokens = math.min(capacity, tonumber(state[1]) + refilled)
-  end
-  local needed = math.min(prompt, capacity)
-  if tokens < needed then return math.ceil((needed - tokens) * 1000 / rate) end
-  tokens = tokens - prompt
-  redis.call('HSET', key, 'tokens', tostring(tokens), 'at_ms', now)
-  redis.call('PEXPIRE', key, math.min(math.ceil((capacity - tokens) * 1000 / rate) + 1000, 2^31))
-  return 0
-end
-"""
-
-# A reservation's sequences (the request's `n`): the fifth field of its start record
-# (`admitted_ms max_tokens prompt steady n`); 1 for a record written before it had one.
-_SEQUENCES_OF = """
-local function sequences_of(start)
-  local fields = {}
-  for field in string.gmatch(start or '', '%S+') do fields[#fields + 1] = field end
-  return tonumber(fields[5] or '1') or 1
-end
-"""
-
-# KEYS: quotas, usage, reservations, deadlines, rate bucket, reservation starts, total,
-# sequences, lapsed. ARGV: tenant, request id, blocks, lease_ms, prompt_tokens, rate burst seconds,
-# max_tokens, steady blocks, n (sequences).
-# Returns {outcome, reason, retry_after_ms}.
-_ADMIT = (
-    _NOW_MS
-    + _TAKE_PROMPT_TOKENS
-    + _SEQUENCES_OF
-    + """
-local raw = redis.call('HGET', KEYS[1], ARGV[1])
-if not raw then return {'rejected', 'unknown_tenant', 0} end
-local quota = cjson.decode(raw)
-local blocks = tonumber(ARGV[3])
-local now = now_ms()
-if blocks > quota['kv_budget_blocks'] then return {'rejected', 'exceeds_budget', 0} end
-if redis.call('EXISTS', KEYS[7]) == 0 then
-  -- No running total yet (first use, or reservations from before it existed): count once.
-  local reserved = 0
-  for _, value in ipairs(redis.call('HVALS', KEYS[3])) do reserved = reserved + tonumber(value) end
-  redis.call('SET', KEYS[7], reserved)
-end
--- The sequences held (KEYS[8]); none when no reservation is held (a count left by a
--- deleted tenant is stale); without a count yet, counted once from the start records.
-local sequences = tonumber(redis.call('GET', KEYS[8]) or '-1')
-if redis.call('HLEN', KEYS[3]) == 0 then
-  sequences = 0
-elseif sequences < 0 then
-  sequences = 0
-  for _, request_id in ipairs(redis.call('HKEYS', KEYS[3])) do
-    sequences = sequences + sequences_of(redis.call('HGET', KEYS[6], request_id))
-  end
-end
-local expired = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now)
-if #expired > 0 then
-  local freed = 0
-  for _, request_id in ipairs(expired) do
-    local held = redis.call('HGET', KEYS[3], request_id)
-    if held then
-      local start = redis.call('HGET', KEYS[6], request_id) or ''
-      sequences = sequences - sequences_of(start)
-      freed = freed + tonumber(held)
-      -- A renewal that arrives late (its request still runs) reserves it again.
-      redis.call('HSET', KEYS[9], request_id, held .. '|' .. start)
-    end
-    redis.call('HDEL', KEYS[3], request_id)
-    redis.call('HDEL', KEYS[6], request_id)
-  end
-  redis.call('PEXPIRE', KEYS[9], tonumber(ARGV[4]))
-  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
-  redis.call('DECRBY', KEYS[7], freed)
-  redis.call('SET', KEYS[8], math.max(sequences, 0))
-end
-if redis.call('HEXISTS', KEYS[3], ARGV[2]) == 1 then
-  return {'rejected', 'duplicate_request', 0}
-end
-local max_concurrent = quota['max_concurrent_requests']
-local n = tonumber(ARGV[9])
-if max_concurrent ~= cjson.null then
-  if n > max_concurrent then return {'rejected', 'exceeds_max_concurrent_requests', 0} end
-  if sequences + n > max_concurrent then return {'throttled', 'max_concurrent_requests', -1} end
-end
-local reserved = tonumber(redis.call('GET', KEYS[7]))
-local reported = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
-if math.max(reserved, reported) + blocks > quota['kv_budget_blocks'] then
-  return {'throttled', 'kv_budget', -1}
-end
-local rate = quota['prompt_tokens_per_s']
-if rate ~= cjson.null then
-  local capacity = rate * tonumber(ARGV[6])
-  local prompt = tonumber(ARGV[5])
-  local wait_ms = take_prompt_tokens(KEYS[5], rate, capacity, prompt, now)
-  if wait_ms > 0 then return {'throttled', 'prompt_token_rate', wait_ms} end
-end
-redis.call('HSET', KEYS[3], ARGV[2], blocks)
-redis.call('INCRBY', KEYS[7], blocks)
-redis.call('SET', KEYS[8], sequences + n)
-redis.call('HSET', KEYS[6], ARGV[2],
-  string.format('%d', now) .. ' ' .. ARGV[7] .. ' ' .. ARGV[5] .. ' ' .. ARGV[8] .. ' ' .. ARGV[9])
-redis.call('ZADD', KEYS[4], now + tonumber(ARGV[4]), ARGV[2])
-return {'admitted', 'ok', 0}
-"""
-)
-
-# KEYS: reservations, total. ARGV: request id, steady blocks. Shrinks only a held one.
-_SETTLE = """
-local held = redis.call('HGET', KEYS[1], ARGV[1])
-if not held then return 0 end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-if redis.call('EXISTS', KEYS[2]) == 1 then
-  redis.call('INCRBY', KEYS[2], tonumber(ARGV[2]) - tonumber(held))
-end
-return 1
-"""
-
-# KEYS: reservations, deadlines, starts, total, sequences, lapsed. ARGV: request id.
-# 1 iff it was held.
-_RELEASE = (
-    _SEQUENCES_OF
-    + """
-redis.call('ZREM', KEYS[2], ARGV[1])
-redis.call('HDEL', KEYS[6], ARGV[1])
-local start = redis.call('HGET', KEYS[3], ARGV[1])
-redis.call('HDEL', KEYS[3], ARGV[1])
-local held = redis.call('HGET', KEYS[1], ARGV[1])
-if not held then return 0 end
-redis.call('HDEL', KEYS[1], ARGV[1])
-if redis.call('EXISTS', KEYS[4]) == 1 then redis.call('DECRBY', KEYS[4], held) end
-if redis.call('EXISTS', KEYS[5]) == 1 then redis.call('DECRBY', KEYS[5], sequences_of(start)) end
-return 1
-"""
-)
-
-# KEYS: deadlines, reservations, lapsed, total, starts, sequences. ARGV: request id,
-# lease_ms. 1: renewed; 2: it had lapsed and is reserved again (its request still runs,
-# so its KV counts); 0: not held (released, or never admitted).
-_RENEW = (
-    _NOW_MS
-    + _SEQUENCES_OF
-    + """
-local now = now_ms()
-local deadline = redis.call('ZSCORE', KEYS[1], ARGV[1])
-local until_ms = now + tonumber(ARGV[2])
-if deadline and tonumber(deadline) > now then
-  redis.call('ZADD', KEYS[1], 'XX', until_ms, ARGV[1])
-  return 1
-end
-if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then  -- lapsed, not purged yet
-  redis.call('ZADD', KEYS[1], until_ms, ARGV[1])
-  return 2
-end
-local lapsed = redis.call('HGET', KEYS[3], ARGV[1])
-if not lapsed then return 0 end
-redis.call('HDEL', KEYS[3], ARGV[1])
-local blocks, start = string.match(lapsed, '^(%d+)|(.*)$')
-redis.call('HSET', KEYS[2], ARGV[1], blocks)
-if start ~= '' then redis.call('HSET', KEYS[5], ARGV[1], start) end
-if redis.call('EXISTS', KEYS[4]) == 1 then redis.call('INCRBY', KEYS[4], blocks) end
-if redis.call('EXISTS', KEYS[6]) == 1 then
-  redis.call('INCRBY', KEYS[6], sequences_of(start))
-end
-redis.call('ZADD', KEYS[1], until_ms, ARGV[1])
-return 2
-"""
+from controlplane.retry_after import (
+    MAX_CACHED_SCHEDULES,
+    PARSE_INLINE_MAX,
+    HeldSchedule,
 )
 
 
@@ -323,80 +140,6 @@ class AdmissionDecision:
         return self.outcome is AdmissionOutcome.ADMITTED
 
 
-HELD_SCHEDULE_TTL_S = 1.0
-HELD_SCHEDULE_MIN_AGE_S = 0.1
-"""A tenant's parsed reservations answer Retry-After for HELD_SCHEDULE_TTL_S while their
-total holds, and for HELD_SCHEDULE_MIN_AGE_S whatever changed: a flood of 429s reads them
-at most ten times a second per tenant, one read at a time, not once per 429 (388 ms per
-429 at 20k reservations, on the event loop, when each one read and walked them all). The
-committed KV is read fresh each time; only the expected frees may be that old."""
-MAX_CACHED_SCHEDULES = 1024
-PARSE_INLINE_MAX = 1000  # fewer reservations parse faster than a hop to a thread
-
-
-@dataclass(frozen=True, slots=True)
-class HeldSchedule:
-    """A tenant's held reservations as arrays, one entry per request: admitted at
-    ``admitted_s`` (Redis's clock), answering ``max_tokens``, holding ``held`` blocks now
-    and ``steady`` once settled; read at ``read_at_s``, when their total was ``total``."""
-
-    read_at_s: float
-    total: int
-    admitted_s: np.ndarray  # [n], float64
-    max_tokens: np.ndarray  # [n], float64
-    held: np.ndarray  # [n], int64
-    steady: np.ndarray  # [n], int64
-
-    def current(self, total: int, now_s: float) -> bool:
-        age_s = now_s - self.read_at_s
-        return age_s < HELD_SCHEDULE_MIN_AGE_S or (
-            total == self.total and age_s < HELD_SCHEDULE_TTL_S
-        )
-
-    @classmethod
-    def parse(
-        cls, held: dict[str, str], starts: dict[str, str], now_s: float, total: int
-    ) -> HeldSchedule:
-        """From the reservations hash and their starts (``admitted_ms max_tokens prompt
-        steady``; a request without one counts as admitted now, ending at once)."""
-        rows = []
-        for request_id, value in held.items():
-            start = (starts.get(request_id) or f"{now_s * 1000} 0").split()
-            steady = int(start[3]) if len(start) > 3 else int(value)
-            rows.append((float(start[0]) / 1000, float(start[1]), int(value), steady))
-        columns = np.array(rows, dtype=np.float64).reshape(-1, 4)
-        return cls(
-            now_s,
-            total,
-            columns[:, 0],
-            columns[:, 1],
-            columns[:, 2].astype(np.int64),
-            columns[:, 3].astype(np.int64),
-        )
-
-    def room_at_s(
-        self, excess: int, seconds_per_token: float, seconds_to_first_token: float | None
-    ) -> float | None:
-        """When the held requests will have freed ``excess`` blocks: each frees what it
-        holds above its steady bound at its first token (``seconds_to_first_token`` after
-        admission; without it the first token is taken at admission and only ends count)
-        and the rest when it ends, ``max_tokens * seconds_per_token`` later. ``None`` when
-        all of them together free less."""
-        first_token_s = self.admitted_s + (seconds_to_first_token or 0.0)
-        ends_s = first_token_s + self.max_tokens * seconds_per_token
-        if seconds_to_first_token is None:
-            times, freed = ends_s, self.held
-        else:
-            settles = self.held > self.steady
-            times = np.concatenate([first_token_s[settles], ends_s])
-            freed = np.concatenate(
-                [(self.held - self.steady)[settles], np.minimum(self.held, self.steady)]
-            )
-        order = np.argsort(times, kind="stable")
-        index = int(np.searchsorted(np.cumsum(freed[order]), excess))
-        return float(times[order][index]) if index < len(times) else None
-
-
 def kv_bounds(
     prompt_tokens: int,
     max_tokens: int,
@@ -462,10 +205,10 @@ class Admission:
         self.keys = keys if keys is not None else KeySpace()
         self._redis = redis
         self._tracer = tracer
-        self._admit = redis.register_script(_ADMIT)
-        self._settle = redis.register_script(_SETTLE)
-        self._release = redis.register_script(_RELEASE)
-        self._renew = redis.register_script(_RENEW)
+        self._admit = redis.register_script(scripts.ADMIT)
+        self._settle = redis.register_script(scripts.SETTLE)
+        self._release = redis.register_script(scripts.RELEASE)
+        self._renew = redis.register_script(scripts.RENEW)
         self._held: dict[str, HeldSchedule] = {}  # tenant -> its held reservations, parsed
         self._reading: dict[str, asyncio.Future[HeldSchedule]] = {}  # reads in flight
 
@@ -492,34 +235,14 @@ class Admission:
         """
         if not request_id:
             raise ValueError("request_id must be non-empty")
-        bounds = kv_bounds(
-            prompt_tokens,
-            max_tokens,
-            self.config.block_size,
-            quota.eviction_budget_tokens,
-            self.config.keep_ratio,
-            n=n,
-            floor_tokens=self.config.floor_tokens if quota.squeeze_to_floor else None,
-            protected_tokens=self.config.protected_tokens,
-            protected_fraction=self.config.protected_fraction,
-        )
+        bounds = self.bounds(quota, prompt_tokens, max_tokens, n)
         blocks = bounds.peak
         tenant_id = quota.tenant_id
         with self._tracer.start_as_current_span(telemetry.SPAN_ADMISSION) as span:
             span.set_attribute(telemetry.ATTR_TENANT_ID, tenant_id)
             span.set_attribute(telemetry.ATTR_RESERVED_BLOCKS, blocks)
             outcome, reason, retry_after_ms = await self._admit(
-                keys=[
-                    self.keys.quotas,
-                    self.keys.usage,
-                    self.keys.reservations(tenant_id),
-                    self.keys.reservation_deadlines(tenant_id),
-                    self.keys.rate_bucket(tenant_id),
-                    self.keys.reservation_starts(tenant_id),
-                    self.keys.reservation_total(tenant_id),
-                    self.keys.reservation_sequences(tenant_id),
-                    self.keys.reservation_lapsed(tenant_id),
-                ],
+                keys=self._admit_keys(tenant_id),
                 args=[
                     tenant_id,
                     request_id,
@@ -547,6 +270,35 @@ class Admission:
             span.set_attribute(telemetry.ATTR_ADMISSION_REASON, decision.reason)
             span.set_attribute(telemetry.ATTR_RETRY_AFTER_S, decision.retry_after_s)
             return decision
+
+    def bounds(self, quota: TenantQuota, prompt_tokens: int, max_tokens: int, n: int) -> KVBounds:
+        """The request's :func:`kv_bounds` under this admission's config and ``quota``."""
+        return kv_bounds(
+            prompt_tokens,
+            max_tokens,
+            self.config.block_size,
+            quota.eviction_budget_tokens,
+            self.config.keep_ratio,
+            n=n,
+            floor_tokens=self.config.floor_tokens if quota.squeeze_to_floor else None,
+            protected_tokens=self.config.protected_tokens,
+            protected_fraction=self.config.protected_fraction,
+        )
+
+    def _admit_keys(self, tenant_id: str) -> list[str]:
+        """The admission script's KEYS, in its order (``admission_scripts.ADMIT``)."""
+        keys = self.keys
+        return [
+            keys.quotas,
+            keys.usage,
+            keys.reservations(tenant_id),
+            keys.reservation_deadlines(tenant_id),
+            keys.rate_bucket(tenant_id),
+            keys.reservation_starts(tenant_id),
+            keys.reservation_total(tenant_id),
+            keys.reservation_sequences(tenant_id),
+            keys.reservation_lapsed(tenant_id),
+        ]
 
     def _decision(
         self, reservation: Reservation, outcome: str, reason: str, ms: int

@@ -9,7 +9,8 @@ still decides after tokenizing, so a request this lets through may be throttled 
 It reads what admission reads, by Redis's clock: the tenant's held reservations are its
 reservation deadlines still ahead (lapsed ones no longer count, as admission purges them
 before it counts), and the bucket is refilled from its last state as admission refills it
-(``_TAKE_PROMPT_TOKENS``: ``capacity = rate * rate_burst_s``; a missing bucket is full).
+(``admission_scripts.TAKE_PROMPT_TOKENS``: ``capacity = rate * rate_burst_s``; a
+missing bucket is full).
 A bucket below zero tokens refuses every prompt, of any size, until it refills to zero.
 """
 
@@ -19,14 +20,15 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from controlplane.admission import _NOW_MS, AdmissionConfig
+from controlplane.admission import AdmissionConfig
+from controlplane.admission_scripts import NOW_MS
 from controlplane.keys import KeySpace
 from controlplane.models import TenantQuota
 
 # KEYS: reservation deadlines, rate bucket. ARGV: rate per s (0: none), burst seconds.
 # Returns {held reservations, ms until the bucket is out of debt (0: not in debt)}.
 _PRECHECK = (
-    _NOW_MS
+    NOW_MS
     + """
 local now = now_ms()
 local held = redis.call('ZCOUNT', KEYS[1], '(' .. now, '+inf')

@@ -11,19 +11,18 @@ from hypothesis import strategies as st
 
 from controlplane import telemetry
 from controlplane.admission import (
-    _TAKE_PROMPT_TOKENS,
-    HELD_SCHEDULE_MIN_AGE_S,
     Admission,
     AdmissionConfig,
     AdmissionOutcome,
-    HeldSchedule,
     KVBounds,
     Renewal,
     Reservation,
     kv_bounds,
 )
+from controlplane.admission_scripts import TAKE_PROMPT_TOKENS
 from controlplane.keys import KeySpace
 from controlplane.redis_conn import RedisConfig, connect
+from controlplane.retry_after import HELD_SCHEDULE_MIN_AGE_S, HeldSchedule
 from controlplane.store import RedisStore
 from tests.controlplane.builders import quota
 from tests.redis_server import RedisServer, unique_keys
@@ -533,7 +532,7 @@ class ReferenceBucket:
 
 
 _TAKE_AT = (
-    _TAKE_PROMPT_TOKENS
+    TAKE_PROMPT_TOKENS
     + "return take_prompt_tokens(KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), "
     + "tonumber(ARGV[3]), tonumber(ARGV[4]))"
 )

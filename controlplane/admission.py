@@ -298,6 +298,7 @@ class Admission:
             keys.reservation_total(tenant_id),
             keys.reservation_sequences(tenant_id),
             keys.reservation_lapsed(tenant_id),
+            keys.reservation_lapsed_at(tenant_id),
         ]
 
     def _decision(
@@ -317,10 +318,12 @@ class Admission:
         if reservation.blocks <= reservation.steady:
             return reservation
         tenant_id = reservation.tenant_id
-        await self._settle(
+        settled = await self._settle(
             keys=[self.keys.reservations(tenant_id), self.keys.reservation_total(tenant_id)],
             args=[reservation.request_id, reservation.steady],
         )
+        if not settled:  # not held now (lapsed, or released): a later call settles it
+            return reservation
         return Reservation(
             reservation.tenant_id, reservation.request_id, reservation.steady, reservation.steady
         )
@@ -337,6 +340,7 @@ class Admission:
                 self.keys.reservation_total(tenant_id),
                 self.keys.reservation_sequences(tenant_id),
                 self.keys.reservation_lapsed(tenant_id),
+                self.keys.reservation_lapsed_at(tenant_id),
             ],
             args=[reservation.request_id],
         )
@@ -418,6 +422,7 @@ class Admission:
                 self.keys.reservation_total(tenant_id),
                 self.keys.reservation_starts(tenant_id),
                 self.keys.reservation_sequences(tenant_id),
+                self.keys.reservation_lapsed_at(tenant_id),
             ],
             args=[reservation.request_id, int(self.config.reservation_ttl_s * 1000)],
         )

@@ -49,8 +49,8 @@ end
 """
 
 # KEYS: quotas, usage, reservations, deadlines, rate bucket, reservation starts, total,
-# sequences, lapsed. ARGV: tenant, request id, blocks, lease_ms, prompt_tokens, rate burst seconds,
-# max_tokens, steady blocks, n (sequences).
+# sequences, lapsed, lapsed-at. ARGV: tenant, request id, blocks, lease_ms, prompt_tokens,
+# rate burst seconds, max_tokens, steady blocks, n (sequences).
 # Returns {outcome, reason, retry_after_ms}.
 ADMIT = (
     NOW_MS
@@ -91,16 +91,30 @@ if #expired > 0 then
       freed = freed + tonumber(held)
       -- A renewal that arrives late (its request still runs) reserves it again.
       redis.call('HSET', KEYS[9], request_id, held .. '|' .. start)
+      redis.call('ZADD', KEYS[10], now, request_id)
     end
     redis.call('HDEL', KEYS[3], request_id)
     redis.call('HDEL', KEYS[6], request_id)
   end
+  -- Forget what lapsed a whole TTL ago: its ingress is gone, no renewal will come.
+  local forgotten = redis.call('ZRANGEBYSCORE', KEYS[10], '-inf', now - tonumber(ARGV[4]))
+  for _, request_id in ipairs(forgotten) do redis.call('HDEL', KEYS[9], request_id) end
+  redis.call('ZREMRANGEBYSCORE', KEYS[10], '-inf', now - tonumber(ARGV[4]))
   redis.call('PEXPIRE', KEYS[9], tonumber(ARGV[4]))
+  redis.call('PEXPIRE', KEYS[10], tonumber(ARGV[4]))
   redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
   redis.call('DECRBY', KEYS[7], freed)
   redis.call('SET', KEYS[8], math.max(sequences, 0))
 end
-if redis.call('HEXISTS', KEYS[3], ARGV[2]) == 1 then
+local same = redis.call('HGET', KEYS[3], ARGV[2])
+if same then
+  -- The same admission sent again (redis-py retries a script whose reply timed out):
+  -- it is admitted once. Another request under a held id is a duplicate.
+  local start = redis.call('HGET', KEYS[6], ARGV[2]) or ''
+  local asked = ' ' .. ARGV[7] .. ' ' .. ARGV[5] .. ' ' .. ARGV[8] .. ' ' .. ARGV[9]
+  if same == ARGV[3] and string.sub(start, -#asked) == asked then
+    return {'admitted', 'ok', 0}
+  end
   return {'rejected', 'duplicate_request', 0}
 end
 local max_concurrent = quota['max_concurrent_requests']
@@ -142,13 +156,14 @@ end
 return 1
 """
 
-# KEYS: reservations, deadlines, starts, total, sequences, lapsed. ARGV: request id.
-# 1 iff it was held.
+# KEYS: reservations, deadlines, starts, total, sequences, lapsed, lapsed-at.
+# ARGV: request id. 1 iff it was held.
 RELEASE = (
     SEQUENCES_OF
     + """
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[6], ARGV[1])
+redis.call('ZREM', KEYS[7], ARGV[1])
 local start = redis.call('HGET', KEYS[3], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
 local held = redis.call('HGET', KEYS[1], ARGV[1])
@@ -160,9 +175,9 @@ return 1
 """
 )
 
-# KEYS: deadlines, reservations, lapsed, total, starts, sequences. ARGV: request id,
-# lease_ms. 1: renewed; 2: it had lapsed and is reserved again (its request still runs,
-# so its KV counts); 0: not held (released, or never admitted).
+# KEYS: deadlines, reservations, lapsed, total, starts, sequences, lapsed-at.
+# ARGV: request id, lease_ms. 1: renewed; 2: it had lapsed and is reserved again (its
+# request still runs, so its KV counts); 0: not held (released, or never admitted).
 RENEW = (
     NOW_MS
     + SEQUENCES_OF
@@ -181,6 +196,7 @@ end
 local lapsed = redis.call('HGET', KEYS[3], ARGV[1])
 if not lapsed then return 0 end
 redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('ZREM', KEYS[7], ARGV[1])
 local blocks, start = string.match(lapsed, '^(%d+)|(.*)$')
 redis.call('HSET', KEYS[2], ARGV[1], blocks)
 if start ~= '' then redis.call('HSET', KEYS[5], ARGV[1], start) end

@@ -95,6 +95,11 @@ class KeySpace:
         while a released request is never re-reserved by a renewal that arrives late."""
         return f"{self.prefix}:resv-lapsed:{tenant_id}"
 
+    def reservation_lapsed_at(self, tenant_id: str) -> str:
+        """Sorted set: request id -> when its reservation lapsed (ms, Redis's clock); an
+        entry of ``reservation_lapsed`` older than the reservation TTL is forgotten."""
+        return f"{self.prefix}:resv-lapsed-at:{tenant_id}"
+
     def reservation_starts(self, tenant_id: str) -> str:
         """Hash: request id -> `admitted_ms max_tokens prompt steady n` (when it was
         admitted, how long its answer may be, its prompt, its steady bound, its sequences):

@@ -25,13 +25,16 @@ from controlplane.admission_scripts import NOW_MS
 from controlplane.keys import KeySpace
 from controlplane.models import TenantQuota
 
-# KEYS: reservation deadlines, rate bucket. ARGV: rate per s (0: none), burst seconds.
-# Returns {held reservations, ms until the bucket is out of debt (0: not in debt)}.
+# KEYS: reservation deadlines, rate bucket, sequences. ARGV: rate per s (0: none), burst
+# seconds. Returns {held sequences, ms until the bucket is out of debt (0: not in debt)}.
+# The sequences held are admission's count (`max_concurrent_requests` counts sequences),
+# and none while no reservation is live (lapsed ones no longer count).
 _PRECHECK = (
     NOW_MS
     + """
 local now = now_ms()
 local held = redis.call('ZCOUNT', KEYS[1], '(' .. now, '+inf')
+if held > 0 then held = math.max(held, tonumber(redis.call('GET', KEYS[3]) or '0') or 0) end
 local rate = tonumber(ARGV[1])
 if rate <= 0 then return {held, 0} end
 local state = redis.call('HMGET', KEYS[2], 'tokens', 'at_ms')
@@ -47,7 +50,7 @@ return {held, math.ceil(-tokens * 1000 / rate)}
 
 @dataclass(frozen=True, slots=True)
 class Precheck:
-    """``held``: the tenant's reservations held now. ``reason`` is ``None`` when admission
+    """``held``: the tenant's sequences held now. ``reason`` is ``None`` when admission
     may admit, else why it cannot (``max_concurrent_requests`` or ``prompt_token_rate``,
     admission's own reasons) and ``retry_after_s`` (> 0) says when to retry."""
 
@@ -67,7 +70,11 @@ class AdmissionPrecheck:
         """Whether ``quota``'s tenant is at its concurrency limit or its bucket in debt."""
         tenant_id = quota.tenant_id
         held, wait_ms = await self._precheck(
-            keys=[self.keys.reservation_deadlines(tenant_id), self.keys.rate_bucket(tenant_id)],
+            keys=[
+                self.keys.reservation_deadlines(tenant_id),
+                self.keys.rate_bucket(tenant_id),
+                self.keys.reservation_sequences(tenant_id),
+            ],
             args=[quota.prompt_tokens_per_s or 0, self.config.rate_burst_s],
         )
         limit = quota.max_concurrent_requests

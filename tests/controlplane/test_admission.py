@@ -175,7 +175,9 @@ async def test_rejections(admission: Admission, store: RedisStore) -> None:
     too_big = await admission.admit(tenant, "r1", 48, 0)  # 3 blocks > budget 2: never fits
     assert (too_big.outcome, too_big.reason) == (AdmissionOutcome.REJECTED, "exceeds_budget")
     assert (await admission.admit(tenant, "r1", 16, 0)).admitted
-    duplicate = await admission.admit(tenant, "r1", 16, 0)
+    again = await admission.admit(tenant, "r1", 16, 0)  # the same admission sent again
+    assert again.admitted and await admission.reserved_blocks("acme") == 1
+    duplicate = await admission.admit(tenant, "r1", 17, 0)  # another request, same id
     assert duplicate.reason == "duplicate_request"
     with pytest.raises(ValueError, match="request_id"):
         await admission.admit(tenant, "", 1, 1)
@@ -617,3 +619,73 @@ async def test_retry_after_parses_a_tenants_reservations_once_a_second(
     later = await admission.kv_retry_after_s(tenant, 100, seconds_per_token=0.01)
     assert reads == 2
     assert later == pytest.approx(now_ms / 1000 + (1000 + 98) * 0.01 - asked_s, abs=0.05)
+
+
+async def test_an_admission_whose_reply_timed_out_is_admitted_once(
+    redis_server: RedisServer, keys: KeySpace, store: RedisStore
+) -> None:
+    """Redis stalls 1.3 s (a slow script elsewhere) while an admission waits: the client's
+    1 s socket timeout makes redis-py send the script again. It once answered
+    ``duplicate_request`` (a 400) and left the first run's reservation held until its TTL;
+    now the retry is the same admission, admitted once."""
+    client = connect(RedisConfig(url=redis_server.url))  # production's timeout and retries
+    stall = connect(RedisConfig(url=redis_server.url, socket_timeout_s=5.0))
+    admission = Admission(client, AdmissionConfig(block_size=16), keys)
+    tenant = quota("acme", budget=100, max_concurrent_requests=1)
+    await store.put_quota(tenant)
+    busy = "local t0 = redis.call('TIME')[1] while redis.call('TIME')[1] - t0 < 2 do end"
+    try:
+        await admission.redis_now_s()  # a connection, and the script loaded, before the stall
+        stalling = asyncio.create_task(stall.eval(busy, 0))
+        await asyncio.sleep(0.05)
+        decision = await admission.admit(tenant, "r1", 16, 0)
+        await stalling
+        assert decision.admitted, decision
+        assert await admission.reserved_blocks("acme") == 1
+        assert await admission.held_sequences("acme") == 1
+        assert decision.reservation is not None and await admission.release(decision.reservation)
+        assert await admission.reserved_blocks("acme") == 0
+        await admission.check_invariants("acme")
+    finally:
+        await client.aclose()
+        await stall.aclose()
+
+
+async def test_a_settle_that_finds_nothing_held_is_tried_again(
+    redis: aioredis.Redis, keys: KeySpace, store: RedisStore
+) -> None:
+    """A reservation purged after lapsing is not settled by a settle that finds nothing:
+    once a renewal reserves it again at its peak, the next settle shrinks it."""
+    admission = Admission(redis, AdmissionConfig(block_size=16, reservation_ttl_s=0.1), keys)
+    tenant = quota("acme", budget=100, eviction_budget_tokens=32)
+    await store.put_quota(tenant)
+    peak = (await admission.admit(tenant, "d", 512, 16, n=1)).reservation
+    assert peak is not None and peak.blocks > peak.steady
+    await asyncio.sleep(0.15)
+    assert (await admission.admit(tenant, "e", 1, 1)).admitted  # purges "d"
+    unsettled = await admission.settle(peak)
+    assert unsettled == peak  # nothing held: not settled
+    assert await admission.renew(peak) is Renewal.RESERVED_AGAIN
+    settled = await admission.settle(unsettled)
+    assert settled.blocks == peak.steady
+    assert await admission.reserved_blocks("acme") == peak.steady + 1
+    await admission.check_invariants("acme")
+
+
+async def test_lapsed_entries_are_forgotten_after_a_ttl(
+    redis: aioredis.Redis, keys: KeySpace, store: RedisStore
+) -> None:
+    """Requests whose ingress died leave a lapsed entry each; those older than the TTL are
+    forgotten at the next purge, so the record of lapses stays bounded under traffic."""
+    admission = Admission(redis, AdmissionConfig(block_size=16, reservation_ttl_s=0.2), keys)
+    tenant = quota("acme", budget=1000)
+    await store.put_quota(tenant)
+    for i in range(8):
+        assert (await admission.admit(tenant, f"dead-{i}", 1, 1)).admitted
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(0.25)
+    assert (await admission.admit(tenant, "purge", 1, 1)).admitted
+    await asyncio.sleep(0.25)
+    assert (await admission.admit(tenant, "purge-again", 1, 1)).admitted
+    assert len(await redis.hkeys(keys.reservation_lapsed("acme"))) <= 2
+    assert await redis.zcard(keys.reservation_lapsed_at("acme")) <= 2

@@ -25,12 +25,14 @@ they load as 16-byte vectors.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from kernels.layout import KVLayout, vector_alignment
+from kernels.layout import KVLayout, PartStrides, vector_alignment
 from kernels.score_spans import ScoredSpan
 
 BLOCK_N = 64
@@ -292,115 +294,225 @@ def triton_span_scores(
     parts = layout.part_strides(kv_cache)
     if parts is None:
         raise ValueError(f"the Triton scores kernel does not handle layout {layout.value}")
-    keys = parts[0]
     if query.stride(-1) != 1:
         query = query.contiguous()
     if block_tables.stride(-1) != 1:
         block_tables = block_tables.contiguous()  # the kernels step through a row by one
-    num_q_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads = layout.num_kv_heads(kv_cache)
-    group = num_q_heads // num_kv_heads
-    rows = [group * span.q_len for span in spans]
-    info, row_requests, logits_size, rows_start, lse_size = [], [], 0, 0, 0
-    for index, (span, num_rows) in enumerate(zip(spans, rows, strict=True)):
-        info.append([span.q_start, span.q_len, span.seq_len, span.causal, logits_size,
-                     rows_start, span.key_offset, lse_size])  # fmt: skip
-        logits_size += num_kv_heads * num_rows * span.seq_len
-        lse_size += num_kv_heads * num_rows * triton.cdiv(span.seq_len, BLOCK_N)
-        rows_start += num_rows
-        row_requests.extend([index] * num_rows)
-    device = query.device
-    table_rows = [span.table_row for span in spans]
-    # One host-to-device copy: the per-request table, then each row's request.
-    packed_host = np.concatenate(
-        [np.asarray(info, dtype=np.int64).ravel(), np.asarray(row_requests, dtype=np.int64)]
-    )
-    packed = torch.from_numpy(packed_host).to(device, non_blocking=True)
-    requests = packed[: 8 * len(spans)]
-    row_request = packed[8 * len(spans) :]
-    tables = block_tables
-    if table_rows != list(range(len(spans))):
-        selected = torch.tensor(table_rows, dtype=torch.int64).to(device, non_blocking=True)
-        tables = block_tables.index_select(0, selected)
-    max_tiles = triton.cdiv(max(span.seq_len for span in spans), BLOCK_N)
-    # Keep the float32 logits for the second pass when writing and reading them back costs
-    # less than reading the keys again (decode: a few rows per KV head); else recompute.
-    store_logits = 8 * max(rows) < head_dim * kv_cache.element_size()
-    native_dot = query.dtype in (torch.bfloat16, torch.float16) and (
-        kv_cache.dtype == query.dtype or kv_cache.element_size() == 1
-    )
-    if query.dtype == torch.bfloat16 and _INTERPRETED:
-        native_dot = False  # the interpreter's dot reads bf16 as raw integers
-    logits = torch.empty(logits_size if store_logits else 1, dtype=torch.float32, device=device)
-    lse = torch.empty(lse_size, dtype=torch.float32, device=device)
-    # tl.dot needs >= 16 rows; 64 keys x head_dim keeps a bf16 K tile at 16 KB.
-    block_r = min(64, max(16, triton.next_power_of_2(max(rows))))
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    align = vector_alignment(
-        [kv_cache],
-        [keys.base, keys.block_stride, keys.offset_stride, keys.head_stride],
-        keys.dim_stride,
-    )
-    row_tiles = triton.cdiv(max(rows), block_r)
-    _logits_kernel[(len(spans) * row_tiles, max_tiles, num_kv_heads)](
-        query,
-        kv_cache,
-        tables,
-        requests,
-        logits,
-        lse,
-        layout.block_size(kv_cache),
-        tables.stride(0),
-        scale,
-        query.stride(0),
-        query.stride(1),
-        keys.base,
-        keys.block_stride,
-        keys.offset_stride,
-        keys.head_stride,
-        keys.dim_stride,
-        row_tiles,
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        BLOCK_R=block_r,
-        BLOCK_N=BLOCK_N,
-        BLOCK_D=block_d,
-        NATIVE_DOT=native_dot,
-        STORE_LOGITS=store_logits,
-        ALIGN=align,
-        num_warps=4,
-    )
-    row_lse = torch.empty((num_kv_heads, rows_start), dtype=torch.float32, device=device)
-    _lse_kernel[(rows_start, num_kv_heads)](
-        row_request, requests, lse, row_lse, rows_start, BLOCK_T=64, BLOCK_N=BLOCK_N, GROUP=group
-    )
-    _mass_kernel[(len(spans), max_tiles, num_kv_heads)](
-        requests,
-        logits,
-        row_lse,
-        out,
-        rows_start,
-        out.stride(0),
-        query,
-        kv_cache,
-        tables,
-        layout.block_size(kv_cache),
-        tables.stride(0),
-        scale,
-        query.stride(0),
-        query.stride(1),
-        keys.base,
-        keys.block_stride,
-        keys.offset_stride,
-        keys.head_stride,
-        keys.dim_stride,
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        BLOCK_R=block_r,
-        BLOCK_N=BLOCK_N,
-        BLOCK_D=block_d,
-        NATIVE_DOT=native_dot,
-        STORED_LOGITS=store_logits,
-        ALIGN=align,
-        num_warps=4,
-    )
+    launch = _Launch.plan(query, kv_cache, block_tables, spans, layout, parts[0], scale)
+    logits, lse = launch.logits()
+    launch.mass(logits, launch.row_lse(lse), out)
+
+
+@dataclass(frozen=True, slots=True)
+class _SpanTable:
+    """One call's spans as the kernels read them, on ``device``. ``requests``:
+    int64 ``[num_spans * 8]``, per span ``(q_start, q_len, seq_len, causal, logits offset,
+    first row, key offset, lse offset)``; ``row_request``: int64 ``[num_rows]``, each row's
+    span; ``tables``: the spans' block-table rows, in span order. A span has ``group *
+    q_len`` rows per KV head; the sizes are of the float32 scratch over all KV heads."""
+
+    requests: torch.Tensor
+    row_request: torch.Tensor
+    tables: torch.Tensor
+    num_spans: int
+    num_rows: int
+    max_rows: int  # of one span
+    max_tiles: int  # BLOCK_N key tiles of the longest span
+    logits_size: int
+    lse_size: int
+
+    @classmethod
+    def pack(
+        cls,
+        spans: list[ScoredSpan],
+        group: int,
+        num_kv_heads: int,
+        block_tables: torch.Tensor,
+        device: torch.device,
+    ) -> _SpanTable:
+        rows = [group * span.q_len for span in spans]
+        info, row_requests, logits_size, rows_start, lse_size = [], [], 0, 0, 0
+        for index, (span, num_rows) in enumerate(zip(spans, rows, strict=True)):
+            info.append([span.q_start, span.q_len, span.seq_len, span.causal, logits_size,
+                         rows_start, span.key_offset, lse_size])  # fmt: skip
+            logits_size += num_kv_heads * num_rows * span.seq_len
+            lse_size += num_kv_heads * num_rows * triton.cdiv(span.seq_len, BLOCK_N)
+            rows_start += num_rows
+            row_requests.extend([index] * num_rows)
+        table_rows = [span.table_row for span in spans]
+        # One host-to-device copy: the per-request table, then each row's request.
+        packed_host = np.concatenate(
+            [np.asarray(info, dtype=np.int64).ravel(), np.asarray(row_requests, dtype=np.int64)]
+        )
+        packed = torch.from_numpy(packed_host).to(device, non_blocking=True)
+        tables = block_tables
+        if table_rows != list(range(len(spans))):
+            selected = torch.tensor(table_rows, dtype=torch.int64).to(device, non_blocking=True)
+            tables = block_tables.index_select(0, selected)
+        max_tiles = triton.cdiv(max(span.seq_len for span in spans), BLOCK_N)
+        requests, row_request = packed[: 8 * len(spans)], packed[8 * len(spans) :]
+        return cls(
+            requests=requests,
+            row_request=row_request,
+            tables=tables,
+            num_spans=len(spans),
+            num_rows=rows_start,
+            max_rows=max(rows),
+            max_tiles=max_tiles,
+            logits_size=logits_size,
+            lse_size=lse_size,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Launch:
+    """The three launches of one :func:`triton_span_scores` call: their shared arguments
+    and the tiling and code paths chosen for this call's shapes and dtypes."""
+
+    query: torch.Tensor  # [num_tokens, num_q_heads, head_dim], last dim contiguous
+    kv_cache: torch.Tensor
+    keys: PartStrides
+    block_size: int
+    scale: float
+    group: int  # query heads per KV head
+    num_kv_heads: int
+    spans: _SpanTable
+    block_r: int
+    block_d: int
+    row_tiles: int
+    store_logits: bool
+    native_dot: bool
+    align: int
+
+    @classmethod
+    def plan(
+        cls,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        spans: list[ScoredSpan],
+        layout: KVLayout,
+        keys: PartStrides,
+        scale: float,
+    ) -> _Launch:
+        num_q_heads, head_dim = query.shape[1], query.shape[2]
+        num_kv_heads = layout.num_kv_heads(kv_cache)
+        group = num_q_heads // num_kv_heads
+        table = _SpanTable.pack(spans, group, num_kv_heads, block_tables, query.device)
+        # Keep the float32 logits for the second pass when writing and reading them back
+        # costs less than reading the keys again (decode: a few rows per KV head); else
+        # recompute.
+        store_logits = 8 * table.max_rows < head_dim * kv_cache.element_size()
+        native_dot = query.dtype in (torch.bfloat16, torch.float16) and (
+            kv_cache.dtype == query.dtype or kv_cache.element_size() == 1
+        )
+        if query.dtype == torch.bfloat16 and _INTERPRETED:
+            native_dot = False  # the interpreter's dot reads bf16 as raw integers
+        # tl.dot needs >= 16 rows; 64 keys x head_dim keeps a bf16 K tile at 16 KB.
+        block_r = min(64, max(16, triton.next_power_of_2(table.max_rows)))
+        block_d = max(16, triton.next_power_of_2(head_dim))
+        align = vector_alignment(
+            [kv_cache],
+            [keys.base, keys.block_stride, keys.offset_stride, keys.head_stride],
+            keys.dim_stride,
+        )
+        row_tiles = triton.cdiv(table.max_rows, block_r)
+        return cls(
+            query=query,
+            kv_cache=kv_cache,
+            keys=keys,
+            block_size=layout.block_size(kv_cache),
+            scale=scale,
+            group=group,
+            num_kv_heads=num_kv_heads,
+            spans=table,
+            block_r=block_r,
+            block_d=block_d,
+            row_tiles=row_tiles,
+            store_logits=store_logits,
+            native_dot=native_dot,
+            align=align,
+        )
+
+    def logits(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_logits_kernel``: the float32 logits (one element when not kept) and each
+        row's log-sum-exp per key tile."""
+        spans, query, keys, device = self.spans, self.query, self.keys, self.query.device
+        size = spans.logits_size if self.store_logits else 1
+        logits = torch.empty(size, dtype=torch.float32, device=device)
+        lse = torch.empty(spans.lse_size, dtype=torch.float32, device=device)
+        _logits_kernel[(spans.num_spans * self.row_tiles, spans.max_tiles, self.num_kv_heads)](
+            query,
+            self.kv_cache,
+            spans.tables,
+            spans.requests,
+            logits,
+            lse,
+            self.block_size,
+            spans.tables.stride(0),
+            self.scale,
+            query.stride(0),
+            query.stride(1),
+            keys.base,
+            keys.block_stride,
+            keys.offset_stride,
+            keys.head_stride,
+            keys.dim_stride,
+            self.row_tiles,
+            GROUP=self.group,
+            HEAD_DIM=query.shape[2],
+            BLOCK_R=self.block_r,
+            BLOCK_N=BLOCK_N,
+            BLOCK_D=self.block_d,
+            NATIVE_DOT=self.native_dot,
+            STORE_LOGITS=self.store_logits,
+            ALIGN=self.align,
+            num_warps=4,
+        )
+        return logits, lse
+
+    def row_lse(self, lse: torch.Tensor) -> torch.Tensor:
+        """``_lse_kernel``: each row's softmax normaliser, ``[num_kv_heads, num_rows]``."""
+        spans = self.spans
+        row_lse = torch.empty(
+            (self.num_kv_heads, spans.num_rows), dtype=torch.float32, device=self.query.device
+        )
+        _lse_kernel[(spans.num_rows, self.num_kv_heads)](
+            spans.row_request, spans.requests, lse, row_lse, spans.num_rows, BLOCK_T=64,
+            BLOCK_N=BLOCK_N, GROUP=self.group,
+        )  # fmt: skip
+        return row_lse
+
+    def mass(self, logits: torch.Tensor, row_lse: torch.Tensor, out: torch.Tensor) -> None:
+        """``_mass_kernel``: each key's attention mass added into ``out``."""
+        spans, query, keys = self.spans, self.query, self.keys
+        _mass_kernel[(spans.num_spans, spans.max_tiles, self.num_kv_heads)](
+            spans.requests,
+            logits,
+            row_lse,
+            out,
+            spans.num_rows,
+            out.stride(0),
+            query,
+            self.kv_cache,
+            spans.tables,
+            self.block_size,
+            spans.tables.stride(0),
+            self.scale,
+            query.stride(0),
+            query.stride(1),
+            keys.base,
+            keys.block_stride,
+            keys.offset_stride,
+            keys.head_stride,
+            keys.dim_stride,
+            GROUP=self.group,
+            HEAD_DIM=query.shape[2],
+            BLOCK_R=self.block_r,
+            BLOCK_N=BLOCK_N,
+            BLOCK_D=self.block_d,
+            NATIVE_DOT=self.native_dot,
+            STORED_LOGITS=self.store_logits,
+            ALIGN=self.align,
+            num_warps=4,
+        )

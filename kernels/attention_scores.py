@@ -246,9 +246,7 @@ def batch_attention_scores(
     if check:
         _check_batch_args(query, kv_cache, block_tables, query_starts, query_lens, seq_lens, layout)
     scale = _effective_scale(query, scale, k_scale)
-    key_offsets = [0]
-    for seq_len in seq_lens:
-        key_offsets.append(key_offsets[-1] + int(seq_len))
+    key_offsets = _key_offsets(seq_lens)
     out = torch.zeros(
         layout.num_kv_heads(kv_cache), key_offsets[-1], dtype=torch.float32, device=query.device
     )
@@ -261,18 +259,15 @@ def batch_attention_scores(
                 layout,
             )  # fmt: skip
         for batch in batches:
-            mass = batch.mass(query, kv_cache, layout, scale)
-            for row, r in enumerate(batch.requests):
-                out[:, key_offsets[r] : key_offsets[r + 1]] = mass[row, :, : batch.lengths[row]]
+            batch.write_mass(out, key_offsets, query, kv_cache, layout, scale)
         single = {r for batch in batches for r in batch.requests}
         for r in range(num_requests):
-            if r in single:
-                continue
-            rows = query[query_starts[r] : query_starts[r] + query_lens[r]]
-            out[:, key_offsets[r] : key_offsets[r + 1]] = attention_scores(
-                rows, kv_cache, block_tables[r], int(seq_lens[r]), layout,
-                scale=scale, backend=backend, check=False,
-            )  # fmt: skip
+            if r not in single:
+                rows = query[query_starts[r] : query_starts[r] + query_lens[r]]
+                out[:, key_offsets[r] : key_offsets[r + 1]] = attention_scores(
+                    rows, kv_cache, block_tables[r], int(seq_lens[r]), layout,
+                    scale=scale, backend=backend, check=False,
+                )  # fmt: skip
         return out
     requests = [
         score_spans.request_spans(query.shape[1], int(query_starts[r]), int(query_lens[r]),
@@ -282,6 +277,15 @@ def batch_attention_scores(
     ]  # fmt: skip
     _triton_scores(query, kv_cache, block_tables, requests, out, layout, scale)
     return out
+
+
+def _key_offsets(seq_lens: Sequence[int]) -> list[int]:
+    """Where each request's keys start in a step's concatenated keys, and the total:
+    request ``r``'s are ``[offsets[r], offsets[r + 1])``."""
+    key_offsets = [0]
+    for seq_len in seq_lens:
+        key_offsets.append(key_offsets[-1] + int(seq_len))
+    return key_offsets
 
 
 def _decode_chunks(
@@ -354,6 +358,21 @@ class _DecodeBatch:
         logits.masked_fill_(self.hidden, float("-inf"))
         return logits.softmax(dim=-1).sum(dim=2)
 
+    def write_mass(
+        self,
+        out: torch.Tensor,
+        key_offsets: Sequence[int],
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        layout: KVLayout,
+        scale: float,
+    ) -> None:
+        """:meth:`mass` into each request's columns of ``out`` (``[num_kv_heads,
+        sum(seq_lens)]``, request ``r``'s keys at ``key_offsets[r]``)."""
+        mass = self.mass(query, kv_cache, layout, scale)
+        for row, r in enumerate(self.requests):
+            out[:, key_offsets[r] : key_offsets[r + 1]] = mass[row, :, : self.lengths[row]]
+
 
 def _decode_batches(
     query_lens: Sequence[int],
@@ -397,9 +416,7 @@ def summed_attention_mass(
     query, kv_cache, _ = layers[0]
     _check_batch_args(query, kv_cache, block_tables, query_starts, query_lens, seq_lens, layout)
     backend = ScoresBackend(backend) if backend else _default_backend(kv_cache, layout)
-    key_offsets = [0]
-    for seq_len in seq_lens:
-        key_offsets.append(key_offsets[-1] + int(seq_len))
+    key_offsets = _key_offsets(seq_lens)
     total = torch.zeros(key_offsets[-1], dtype=torch.float32, device=kv_cache.device)
     if backend is not ScoresBackend.TORCH or layout is KVLayout.CPU_ATTN_AMX:
         for query, kv_cache, scale in layers:

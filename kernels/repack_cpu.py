@@ -12,6 +12,7 @@ import ctypes
 import functools
 import os
 from collections.abc import Sequence
+from typing import NoReturn
 
 import torch
 
@@ -130,6 +131,15 @@ def cpu_repack(
     )
     if status >= 1:
         return status
+    _raise_status(library, status, num_moves, num_slots)
+
+
+def _raise_status(
+    library: CLibrary, status: int, num_moves: int, num_slots: int | None
+) -> NoReturn:
+    """The C loop's failure ``status`` (below 1, named by the library) as an exception:
+    ``MemoryError`` when it ran out of memory, else ``ValueError`` with the slot problem's
+    message (reported only when ``num_slots`` was given)."""
     name = library.handle.vtoken_repack_status_name(status)
     assert name is not None, f"vtoken_repack returned {status}"
     if name == b"out_of_memory":

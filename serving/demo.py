@@ -278,14 +278,12 @@ def local_cluster(
     (Serve's ``logging_config``) add to the defaults.
     Redis lives in ``folder`` (a temporary one by default), with ``redis_password`` if
     given: the URL then travels as a Serve config must carry it, in ``$VTOKEN_REDIS_URL``,
-    not in the config. ``ray_init`` may
-    name an ``address`` to deploy onto a running cluster. The admin token is
-    ``ADMIN_TOKEN``."""
+    not in the config. ``ray_init`` may name an ``address`` to deploy onto a running
+    cluster. The admin token is ``ADMIN_TOKEN``."""
     import ray
     from ray import serve
 
-    from controlplane.local_redis import LocalRedis, free_port
-    from serving.app import build_app
+    from controlplane.local_redis import LocalRedis
     from workers.models import resolve_model
 
     engine = {"model": "smollm2", "max_model_len": 1024, "dtype": "float32", **(engine or {})}
@@ -295,9 +293,7 @@ def local_cluster(
         redis = stack.enter_context(LocalRedis(folder / "redis", password=redis_password))
         if redis_password:  # in the driver (build_app) and, below, in every actor
             stack.enter_context(mock.patch.dict(os.environ, {"VTOKEN_REDIS_URL": redis.url}))
-            runtime_env = dict((ray_init or {}).get("runtime_env", {}))
-            env_vars = {**runtime_env.get("env_vars", {}), "VTOKEN_REDIS_URL": redis.url}
-            ray_init = {**(ray_init or {}), "runtime_env": {**runtime_env, "env_vars": env_vars}}
+            ray_init = _with_redis_url(ray_init, redis.url)
         ray.init(
             **{
                 "include_dashboard": False,
@@ -307,23 +303,9 @@ def local_cluster(
             }
         )
         try:
-            port = free_port()
-            # One proxy, on the head: nodes sharing this machine cannot all bind the port.
-            serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-            args = {
-                **({} if redis_password else {"redis_url": redis.url}),
-                "num_replicas": num_replicas,
-                "replica_num_cpus": 0.5,
-                "controller_period_s": 0.2,
-                **(app_args or {}),
-                "engine": {**engine, "vtoken": vtoken},
-            }
-            serve.run(
-                build_app(args, admin_token=ADMIN_TOKEN),
-                name="vtoken",
-                route_prefix="/",
-                logging_config=serve_logging,
-            )
+            redis_url = None if redis_password else redis.url  # else in the environment
+            args = _app_args(num_replicas, {**engine, "vtoken": vtoken}, app_args, redis_url)
+            port = _serve_app(args, serve_logging)
             model_path = str(resolve_model(engine["model"]))
             yield LocalCluster(f"http://127.0.0.1:{port}", redis, ADMIN_TOKEN, model_path)
         finally:
@@ -332,6 +314,52 @@ def local_cluster(
             ray.shutdown()
             if not redis.running:
                 redis.start()  # a benchmark stopped it: its context manager stops it again
+
+
+def _with_redis_url(ray_init: dict[str, Any] | None, redis_url: str) -> dict[str, Any]:
+    """``ray_init`` whose runtime environment gives every actor ``$VTOKEN_REDIS_URL``."""
+    runtime_env = dict((ray_init or {}).get("runtime_env", {}))
+    env_vars = {**runtime_env.get("env_vars", {}), "VTOKEN_REDIS_URL": redis_url}
+    return {**(ray_init or {}), "runtime_env": {**runtime_env, "env_vars": env_vars}}
+
+
+def _app_args(
+    num_replicas: int,
+    engine: dict[str, Any],
+    app_args: dict[str, Any] | None,
+    redis_url: str | None,
+) -> dict[str, Any]:
+    """The ``AppArgs`` fields of a local cluster: ``num_replicas`` small replicas running
+    ``engine``, a fast controller, ``app_args`` over those, and ``redis_url`` unless it is
+    ``None`` (then the app reads ``$VTOKEN_REDIS_URL``)."""
+    return {
+        **({} if redis_url is None else {"redis_url": redis_url}),
+        "num_replicas": num_replicas,
+        "replica_num_cpus": 0.5,
+        "controller_period_s": 0.2,
+        **(app_args or {}),
+        "engine": engine,
+    }
+
+
+def _serve_app(args: dict[str, Any], serve_logging: dict[str, Any] | None) -> int:
+    """Serve (on a free port of this machine) running the app ``args`` (fields of
+    ``AppArgs``) describe, behind ``ADMIN_TOKEN``; returns the port."""
+    from ray import serve
+
+    from controlplane.local_redis import free_port
+    from serving.app import build_app
+
+    port = free_port()
+    # One proxy, on the head: nodes sharing this machine cannot all bind the port.
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
+    serve.run(
+        build_app(args, admin_token=ADMIN_TOKEN),
+        name="vtoken",
+        route_prefix="/",
+        logging_config=serve_logging,
+    )
+    return port
 
 
 def run_demo(report_path: Path | None, num_replicas: int = 2) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,6 +22,8 @@ from redis.exceptions import RedisError
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from controlplane.redis_conn import REDIS_ERRORS
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -29,6 +31,7 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 logger = logging.getLogger("vtoken.ingress")
+T = TypeVar("T")
 
 REQUEST_ID_HEADER = "x-request-id"
 _SCOPE_KEY = "vtoken.request_id"
@@ -46,6 +49,8 @@ ERROR_TYPES = frozenset(
     }
 )
 _TYPE_OF_STATUS = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+REDIS_RETRY_AFTER_S = 2
+"""Retry-After of a 503 while Redis is away (its clients reconnect within ~1 s)."""
 _SERVER_MESSAGES = {
     503: "the service is unavailable right now; retry later",
     504: "the request timed out; retry later",
@@ -113,7 +118,23 @@ async def _redis_error(request: Request, error: Exception) -> JSONResponse:
         "request %s: Redis unavailable: %r", request.scope.get("vtoken.request_id"), error
     )
     message = "the quota store is unavailable; retry later"
-    return _json(request.scope, 503, message, "server_error", {"Retry-After": "2"})
+    retry = {"Retry-After": str(REDIS_RETRY_AFTER_S)}
+    return _json(request.scope, 503, message, "server_error", retry)
+
+
+async def redis_or_503(call: Awaitable[T]) -> T:
+    """``await call``; a Redis error becomes a 503 with Retry-After (quotas fail closed).
+    The error's text names Redis's address: it is logged, never answered."""
+    try:
+        return await call
+    except REDIS_ERRORS as error:
+        logger.warning("Redis unavailable at the ingress: %r", error)
+        raise HTTPError(
+            503,
+            "the quota store is unavailable; retry the request",
+            "server_error",
+            headers={"Retry-After": str(REDIS_RETRY_AFTER_S)},
+        ) from None
 
 
 def install_error_handlers(api: FastAPI) -> None:

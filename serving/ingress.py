@@ -79,7 +79,7 @@ async def chat_completions(request: Request, state: State) -> Response:
 
 @openai_routes.get("/v1/models")
 async def models(request: Request, state: State) -> dict[str, Any]:
-    await state.tenant(request)
+    await state.gate.tenant(request)
     name = state.settings.model_name
     return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "vtoken"}]}
 

@@ -1,0 +1,93 @@
+"""Who is asking, and may it start: the tenant of a request, checked before its body costs CPU.
+
+:meth:`TenantGate.tenant` authenticates ``Authorization: Bearer <key>`` (401 when missing or
+unknown; 503 when the tenant's stored quota no longer validates: not the client's fault);
+:meth:`TenantGate.before_tokenizing` refuses (429 + Retry-After) a tenant at its concurrency
+limit or with its prompt-token bucket in debt (:mod:`controlplane.precheck`), before its
+body is read or its prompt tokenized. Redis away is a 503 (quotas fail closed).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import Request
+
+from controlplane.admission import AdmissionOutcome
+from controlplane.auth import TenantKeys, bearer
+from controlplane.metrics import IngressMetrics
+from controlplane.models import TenantQuota
+from controlplane.otel_metrics import RequestMetrics
+from controlplane.precheck import AdmissionPrecheck, Precheck
+from controlplane.store import InvalidQuotaError, RedisStore
+from serving.errors import HTTPError, redis_or_503
+
+logger = logging.getLogger(__name__)
+
+THROTTLE_REASONS = {
+    "kv_budget": "over its KV budget",
+    "max_concurrent_requests": "at its concurrent-request limit",
+    "prompt_token_rate": "over its prompt-token rate",
+}
+
+
+def throttled(tenant_id: str, reason: str, retry_after_s: int) -> HTTPError:
+    """The 429 of a tenant admission throttles for ``reason`` (a key of
+    :data:`THROTTLE_REASONS`, else said as is), with ``Retry-After``."""
+    why = THROTTLE_REASONS.get(reason, reason)
+    return HTTPError(
+        429,
+        f"tenant {tenant_id!r} is {why}; retry after {retry_after_s} s",
+        "rate_limit",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+class TenantGate:
+    """Authentication and the pre-check of one ingress; counts the throttled admissions
+    in ``metrics`` (Prometheus) and ``request_metrics`` (OpenTelemetry)."""
+
+    def __init__(
+        self,
+        tenant_keys: TenantKeys,
+        store: RedisStore,
+        precheck: AdmissionPrecheck,
+        metrics: IngressMetrics,
+        request_metrics: RequestMetrics,
+    ) -> None:
+        self.tenant_keys = tenant_keys
+        self.store = store
+        self.precheck = precheck
+        self.metrics = metrics
+        self.request_metrics = request_metrics
+
+    async def tenant(self, request: Request) -> TenantQuota:
+        """The quota of the tenant whose key ``request`` carries."""
+        api_key = bearer(request.headers.get("authorization"))
+        if api_key is None:
+            raise HTTPError(401, "missing API key: send 'Authorization: Bearer <key>'", "auth")
+        tenant_id = await redis_or_503(self.tenant_keys.tenant_for(api_key))
+        try:
+            quota = await redis_or_503(self.store.get_quota(tenant_id)) if tenant_id else None
+        except InvalidQuotaError as error:  # known tenant, unusable record: not the client's
+            logger.error("%s", error)
+            raise HTTPError(
+                503,
+                f"tenant {tenant_id!r} cannot be served: its stored quota is invalid "
+                "(an administrator must set it again)",
+                "server_error",
+            ) from None
+        if quota is None:
+            raise HTTPError(401, "unknown API key", "auth")
+        return quota
+
+    async def before_tokenizing(self, quota: TenantQuota) -> Precheck:
+        """The tenant's concurrency and prompt-rate limits, read before its body and prompt
+        cost any CPU: 429 with ``Retry-After`` when admission would throttle any prompt."""
+        precheck = await redis_or_503(self.precheck.check(quota))
+        if precheck.reason is None:
+            return precheck
+        outcome = AdmissionOutcome.THROTTLED.value
+        self.metrics.admission(quota.tenant_id, outcome)
+        self.request_metrics.admission(quota.tenant_id, outcome)
+        raise throttled(quota.tenant_id, precheck.reason, max(1, round(precheck.retry_after_s)))

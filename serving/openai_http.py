@@ -122,23 +122,26 @@ class IngressState:
             model: type[CompletionRequest | ChatCompletionRequest] = (
                 ChatCompletionRequest if chat else CompletionRequest
             )
-            body = await read_request(request, model, settings.limits, settings.max_prompt_chars)
-            if body.n > settings.max_n:
-                raise HTTPError(
-                    400,
-                    f"invalid request: n: at most {settings.max_n} choices are served "
-                    f"per request (got {body.n})",
-                    "invalid_request",
+            with self.gate.in_flight(quota, settings.limits.max_tokenizing_per_tenant):
+                body = await read_request(
+                    request, model, settings.limits, settings.max_prompt_chars
                 )
-            # Tokenizing is CPU work: on the pool, at most as many of the tenant's at once
-            # as its concurrency limit leaves room for.
-            limit = quota.max_concurrent_requests
-            ids = await self.tokenize_pool.run(
-                quota.tenant_id,
-                self.prompts.ids,
-                body,
-                limit=None if limit is None else limit - precheck.held,
-            )
+                if body.n > settings.max_n:
+                    raise HTTPError(
+                        400,
+                        f"invalid request: n: at most {settings.max_n} choices are served "
+                        f"per request (got {body.n})",
+                        "invalid_request",
+                    )
+                # Tokenizing is CPU work: on the pool, at most as many of the tenant's at
+                # once as its concurrency limit leaves room for.
+                limit = quota.max_concurrent_requests
+                ids = await self.tokenize_pool.run(
+                    quota.tenant_id,
+                    self.prompts.ids,
+                    body,
+                    limit=None if limit is None else limit - precheck.held,
+                )
             request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             span.set_attribute(telemetry.ATTR_REQUEST_ID, request_id)
             raise_if_cancelled()

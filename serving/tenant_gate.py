@@ -9,7 +9,11 @@ body is read or its prompt tokenized. Redis away is a 503 (quotas fail closed).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
+from collections import Counter
+from collections.abc import Iterator
 
 from fastapi import Request
 
@@ -28,6 +32,7 @@ THROTTLE_REASONS = {
     "kv_budget": "over its KV budget",
     "max_concurrent_requests": "at its concurrent-request limit",
     "prompt_token_rate": "over its prompt-token rate",
+    "requests_in_flight": "reading and tokenizing as many requests as it may at once",
 }
 
 
@@ -60,6 +65,7 @@ class TenantGate:
         self.precheck = precheck
         self.metrics = metrics
         self.request_metrics = request_metrics
+        self._in_flight: Counter[str] = Counter()  # tenant -> requests reading or tokenizing
 
     async def tenant(self, request: Request) -> TenantQuota:
         """The quota of the tenant whose key ``request`` carries."""
@@ -90,4 +96,25 @@ class TenantGate:
         outcome = AdmissionOutcome.THROTTLED.value
         self.metrics.admission(quota.tenant_id, outcome)
         self.request_metrics.admission(quota.tenant_id, outcome)
-        raise throttled(quota.tenant_id, precheck.reason, max(1, round(precheck.retry_after_s)))
+        retry_after_s = max(1, math.ceil(precheck.retry_after_s))  # never before it may
+        raise throttled(quota.tenant_id, precheck.reason, retry_after_s)
+
+    @contextlib.contextmanager
+    def in_flight(self, quota: TenantQuota, limit: int) -> Iterator[None]:
+        """Hold one of the tenant's ``limit`` places for a request whose body is being read,
+        decoded and tokenized on this ingress; 429 when all are taken. Admission counts a
+        request only once admitted, so without this a tenant's concurrent bodies could cost
+        any amount of CPU before its limits apply."""
+        tenant_id = quota.tenant_id
+        if self._in_flight[tenant_id] >= limit:
+            outcome = AdmissionOutcome.THROTTLED.value
+            self.metrics.admission(tenant_id, outcome)
+            self.request_metrics.admission(tenant_id, outcome)
+            raise throttled(tenant_id, "requests_in_flight", 1)
+        self._in_flight[tenant_id] += 1
+        try:
+            yield
+        finally:
+            self._in_flight[tenant_id] -= 1
+            if not self._in_flight[tenant_id]:
+                del self._in_flight[tenant_id]

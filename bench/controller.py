@@ -17,7 +17,6 @@ Figures:
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import tempfile
@@ -26,6 +25,8 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+
+from bench.common import write_json
 
 TARGETS = {"route_p99_us": 50.0, "plan_ms": 200.0, "ingest_reports_per_s": 20_000.0}
 
@@ -67,7 +68,7 @@ def cli(
             f"{'met' if met else 'MISSED'}"
         )
     if json_path is not None:
-        json_path.write_text(json.dumps(figures, indent=2) + "\n")
+        write_json(json_path, figures)
 
 
 def _synthetic(replicas: int, tenants: int, now_s: float, rng: random.Random) -> tuple[Any, Any]:

@@ -1,4 +1,4 @@
-"""What every benchmark shares: option parsing, percentiles, SLOs, JSON and figures.
+"""What every benchmark shares: prompts, option parsing, percentiles, SLOs, JSON, figures.
 
 Result rows are frozen dataclasses in the module of the benchmark that makes them; their
 field order is the key order of the JSON the benchmark writes (``dataclasses.asdict``), so

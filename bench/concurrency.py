@@ -25,7 +25,7 @@ from bench.common import PROMPT_TOPICS, csv_items, model_prompts, write_json
 
 
 @dataclass(frozen=True, slots=True)
-class CasePreset:
+class Case:
     """A case to search: the policy every request carries, its keep ratio, and the mode
     of the engine that serves it."""
 
@@ -34,13 +34,13 @@ class CasePreset:
     mode: str
 
 
-CASES = (CasePreset("none", 1.0, "vtoken"),) + tuple(
-    CasePreset("h2o", keep, mode) for keep in (0.2, 0.5) for mode in ("naive", "vtoken")
+CASES = (Case("none", 1.0, "vtoken"),) + tuple(
+    Case("h2o", keep, mode) for keep in (0.2, 0.5) for mode in ("naive", "vtoken")
 )
 
 
 @dataclass(frozen=True, slots=True)
-class Case:
+class CaseResult:
     """A case's result (a row of the JSON's ``cases``)."""
 
     policy: str
@@ -140,7 +140,7 @@ def run_cases(
     new_tokens: int,
     limit: int,
     modes: tuple[str, ...] = ("vtoken", "naive"),
-) -> list[Case]:
+) -> list[CaseResult]:
     path, prompts = model_prompts(model, len(PROMPT_TOPICS), prompt_tokens)
     results = []
     for mode in modes:
@@ -153,7 +153,7 @@ def run_cases(
 
 def _run_mode(
     path: str, mode: str, prompts: list[list[int]], num_blocks: int, new_tokens: int, limit: int
-) -> list[Case]:
+) -> list[CaseResult]:
     from workers.engine import make_llm
 
     llm = make_llm(
@@ -169,7 +169,9 @@ def _run_mode(
         if case.mode == mode:
             trial = functools.partial(runner.run, policy=case.policy, keep=case.keep)
             best, rate = max_concurrency(trial, limit)
-            results.append(Case(case.policy, case.keep, mode, num_blocks, best, round(rate, 2)))
+            results.append(
+                CaseResult(case.policy, case.keep, mode, num_blocks, best, round(rate, 2))
+            )
             typer.echo(
                 f"{case.policy} keep={case.keep} {mode}: {best} concurrent, {rate:.1f} tok/s"
             )

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,13 +21,28 @@ from typing import Annotated, Any
 
 import typer
 
-CASES = (("none", 1.0, "vtoken"),) + tuple(
-    ("h2o", keep, mode) for keep in (0.2, 0.5) for mode in ("naive", "vtoken")
-)
+from bench.common import PROMPT_TOPICS, csv_items, model_prompts, write_json
 
 
 @dataclass(frozen=True, slots=True)
 class Case:
+    """A case to search: the policy every request carries, its keep ratio, and the mode
+    of the engine that serves it."""
+
+    policy: str
+    keep: float
+    mode: str
+
+
+CASES = (Case("none", 1.0, "vtoken"),) + tuple(
+    Case("h2o", keep, mode) for keep in (0.2, 0.5) for mode in ("naive", "vtoken")
+)
+
+
+@dataclass(frozen=True, slots=True)
+class CaseResult:
+    """A case's result (a row of the JSON's ``cases``)."""
+
     policy: str
     keep: float
     mode: str
@@ -126,9 +140,7 @@ def run_cases(
     new_tokens: int,
     limit: int,
     modes: tuple[str, ...] = ("vtoken", "naive"),
-) -> list[Case]:
-    from bench.fragmentation import PROMPT_TOPICS, model_prompts
-
+) -> list[CaseResult]:
     path, prompts = model_prompts(model, len(PROMPT_TOPICS), prompt_tokens)
     results = []
     for mode in modes:
@@ -141,7 +153,7 @@ def run_cases(
 
 def _run_mode(
     path: str, mode: str, prompts: list[list[int]], num_blocks: int, new_tokens: int, limit: int
-) -> list[Case]:
+) -> list[CaseResult]:
     from workers.engine import make_llm
 
     llm = make_llm(
@@ -153,12 +165,16 @@ def _run_mode(
     )
     runner = TrialRunner(llm, prompts, new_tokens)
     results = []
-    for policy, keep, case_mode in CASES:
-        if case_mode == mode:
-            trial = functools.partial(runner.run, policy=policy, keep=keep)
+    for case in CASES:
+        if case.mode == mode:
+            trial = functools.partial(runner.run, policy=case.policy, keep=case.keep)
             best, rate = max_concurrency(trial, limit)
-            results.append(Case(policy, keep, mode, num_blocks, best, round(rate, 2)))
-            typer.echo(f"{policy} keep={keep} {mode}: {best} concurrent, {rate:.1f} tok/s")
+            results.append(
+                CaseResult(case.policy, case.keep, mode, num_blocks, best, round(rate, 2))
+            )
+            typer.echo(
+                f"{case.policy} keep={case.keep} {mode}: {best} concurrent, {rate:.1f} tok/s"
+            )
     return results
 
 
@@ -172,7 +188,7 @@ def cli(
     modes: Annotated[str, typer.Option(help="Comma-separated: vtoken, naive.")] = "vtoken,naive",
 ) -> None:
     """Largest number of concurrent requests a fixed KV pool serves without preemption."""
-    chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
+    chosen = tuple(csv_items(modes))
     if not chosen or set(chosen) - {"vtoken", "naive"}:
         raise typer.BadParameter(f"modes must be vtoken and/or naive, got {modes!r}")
     cases = run_cases(model, num_blocks, prompt_tokens, new_tokens, limit, chosen)
@@ -189,4 +205,4 @@ def cli(
             "new_tokens": new_tokens,
             "cases": [asdict(c) for c in cases],
         }
-        json_path.write_text(json.dumps(document, indent=2) + "\n")
+        write_json(json_path, document)

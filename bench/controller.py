@@ -33,7 +33,6 @@ Figures:
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import statistics
 import tempfile
@@ -42,6 +41,8 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+
+from bench.common import write_json
 
 TARGETS = {"route_p99_us": 50.0, "plan_ms": 100.0, "ingest_reports_per_s": 20_000.0}
 NEW_KEYS_PER_CYCLE = 4  # prefix keys a replica's cache gains (and loses) per write
@@ -83,7 +84,7 @@ def cli(
             f"{'met' if met else 'MISSED'}"
         )
     if json_path is not None:
-        json_path.write_text(json.dumps(figures, indent=2) + "\n")
+        write_json(json_path, figures)
 
 
 def _synthetic(replicas: int, tenants: int, now_s: float, rng: random.Random) -> tuple[Any, Any]:

@@ -60,11 +60,13 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+
+from bench.common import write_json
 
 SCENARIOS = (
     "replica_kill",
@@ -80,7 +82,6 @@ POST_FAULT_S = 10.0  # load after the fault (after recovery, where one is awaite
 DRAIN_TIMEOUT_S = 20.0
 CLOCK_SKEW_S = 600.0
 RESERVATION_TTL_S = 600.0  # AdmissionConfig's default: what a skewed deadline is held to
-TENANTS = (("steady-a", 400), ("steady-b", 400))
 MAX_RETRY_WAIT_S = 5.0
 
 
@@ -94,6 +95,15 @@ class Outcome(enum.Enum):
     THROTTLED = "throttled"  # 429: the client retries the same request
 
 
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    """A tenant of the load; its budget never binds."""
+
+    id: str
+    budget_blocks: int
+
+
+TENANTS = (Tenant("steady-a", 400), Tenant("steady-b", 400))
 FAILURES = (Outcome.ERROR_EVENT, Outcome.SILENT_CUT, Outcome.UNAVAILABLE, Outcome.FAILED)
 
 
@@ -151,29 +161,57 @@ def recovery_s(records: list[Record], fault_at: float | None) -> float | None:
     return round(min(successes) - fault_at, 2) if successes else None
 
 
-def summarize(scenario: str, records: list[Record], fault_at: float | None) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class Counts:
+    """The counting part of a scenario's row (the module docstring defines each)."""
+
+    scenario: str
+    requests: int
+    ok: int
+    failed: int
+    failed_with_error_event: int
+    silent_cuts: int
+    failed_503_retry_after: int
+    failed_other: int
+    aborted: int
+    throttled_at_stop: int
+    recovery_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Leaks:
+    """What a drained scenario left behind; ``None`` (a missed target) where Redis or the
+    status could not be read."""
+
+    leaked_reservations: int | None
+    leaked_reservations_by_tenant: dict[str, int]
+    leaked_blocks: int | None
+    leaked_blocks_by_replica: dict[str, int]
+
+
+def summarize(scenario: str, records: list[Record], fault_at: float | None) -> Counts:
     """The counting part of a scenario's row (the rest is measured on the stack)."""
     outcomes = Counter(r.outcome for r in records)
-    failed = sum(outcomes[o] for o in FAILURES)
-    row: dict[str, Any] = {
-        "scenario": scenario,
-        "requests": len(records),
-        "ok": outcomes[Outcome.OK],
-        "failed": failed,
-        "failed_with_error_event": outcomes[Outcome.ERROR_EVENT],
-        "silent_cuts": outcomes[Outcome.SILENT_CUT],
-        "failed_503_retry_after": outcomes[Outcome.UNAVAILABLE],
-        "failed_other": outcomes[Outcome.FAILED],
-        "aborted": outcomes[Outcome.ABORTED],
-        "throttled_at_stop": outcomes[Outcome.THROTTLED],
-        "recovery_s": recovery_s(records, fault_at),
-    }
-    assert row["ok"] + failed + row["aborted"] + row["throttled_at_stop"] == row["requests"]
-    return row
+    counts = Counts(
+        scenario=scenario,
+        requests=len(records),
+        ok=outcomes[Outcome.OK],
+        failed=sum(outcomes[o] for o in FAILURES),
+        failed_with_error_event=outcomes[Outcome.ERROR_EVENT],
+        silent_cuts=outcomes[Outcome.SILENT_CUT],
+        failed_503_retry_after=outcomes[Outcome.UNAVAILABLE],
+        failed_other=outcomes[Outcome.FAILED],
+        aborted=outcomes[Outcome.ABORTED],
+        throttled_at_stop=outcomes[Outcome.THROTTLED],
+        recovery_s=recovery_s(records, fault_at),
+    )
+    assert counts.ok + counts.failed + counts.aborted + counts.throttled_at_stop == len(records)
+    return counts
 
 
 def targets_met(row: dict[str, Any]) -> bool:
-    """The issue's targets for one scenario's row."""
+    """The issue's targets for one scenario's row (``Counts``, ``Leaks``, engine restarts
+    and the scenario's own figures, flattened)."""
     leaks = row["leaked_reservations"] == 0 and row["leaked_blocks"] == 0
     base = leaks and row["silent_cuts"] == 0
     scenario = row["scenario"]
@@ -442,10 +480,10 @@ class Bench:
         return None
 
     async def setup(self, http: Any) -> None:
-        for tenant_id, budget in TENANTS:
+        for tenant in TENANTS:
             response = await http.put(
-                f"{self.stack.url}/admin/tenants/{tenant_id}",
-                json={"kv_budget_blocks": budget},
+                f"{self.stack.url}/admin/tenants/{tenant.id}",
+                json={"kv_budget_blocks": tenant.budget_blocks},
                 headers=self.stack.admin,
             )
             response.raise_for_status()
@@ -506,8 +544,8 @@ class Bench:
                 await asyncio.sleep(POST_FAULT_S)
                 load.stop.set()
                 await asyncio.gather(*clients)
-            row = summarize(scenario, load.records, fault_at)
-            row.update(await self.leaks(http))
+            row = asdict(summarize(scenario, load.records, fault_at))
+            row.update(asdict(await self.leaks(http)))
             row["engine_restarts"] = self.engine_actor_count() - engines_before
             row.update(extra)
             row["errors"] = sorted({r.detail for r in load.records if r.detail})[:8]
@@ -594,8 +632,8 @@ class Bench:
         for _ in range(20):
             seconds, micros = await asyncio.to_thread(self.redis.time)
             now_ms = seconds * 1000 + micros // 1000
-            for tenant_id, _ in TENANTS:
-                key = keys.reservation_deadlines(tenant_id)
+            for tenant in TENANTS:
+                key = keys.reservation_deadlines(tenant.id)
                 top = await asyncio.to_thread(
                     functools.partial(self.redis.zrange, key, -1, -1, withscores=True)
                 )
@@ -604,7 +642,7 @@ class Bench:
             await asyncio.sleep(0.25)
         return {"max_deadline_ahead_s": round(ahead, 1), "reservation_ttl_s": RESERVATION_TTL_S}
 
-    async def leaks(self, http: Any) -> dict[str, Any]:
+    async def leaks(self, http: Any) -> Leaks:
         """Reservations left per tenant and blocks still used per replica, once drained."""
         from controlplane.keys import KeySpace
 
@@ -612,9 +650,9 @@ class Bench:
 
         def reservations() -> dict[str, int]:
             try:
-                return {t: int(self.redis.hlen(keys.reservations(t))) for t, _ in TENANTS}
+                return {t.id: int(self.redis.hlen(keys.reservations(t.id))) for t in TENANTS}
             except Exception:  # noqa: BLE001 - Redis not back yet: count as held
-                return {t: -1 for t, _ in TENANTS}
+                return {t.id: -1 for t in TENANTS}
 
         async def drained() -> bool:
             held = await asyncio.to_thread(reservations)
@@ -627,13 +665,12 @@ class Bench:
         replicas = await self.fresh_replicas(http)
         idle = self.idle_blocks_used or 0
         blocks = {r["id"][:8]: max(0, r["blocks_used"] - idle) for r in replicas}
-        return {
-            # Unknown (None, a missed target) when Redis or the status cannot be read.
-            "leaked_reservations": None if -1 in held.values() else sum(held.values()),
-            "leaked_reservations_by_tenant": held,
-            "leaked_blocks": sum(blocks.values()) if len(replicas) >= 2 else None,
-            "leaked_blocks_by_replica": blocks,
-        }
+        return Leaks(
+            leaked_reservations=None if -1 in held.values() else sum(held.values()),
+            leaked_reservations_by_tenant=held,
+            leaked_blocks=sum(blocks.values()) if len(replicas) >= 2 else None,
+            leaked_blocks_by_replica=blocks,
+        )
 
 
 def run(
@@ -671,7 +708,7 @@ def run(
             "max_tokens": list(max_tokens),
             "pre_fault_s": PRE_FAULT_S,
             "post_fault_s": POST_FAULT_S,
-            "tenants": [{"id": t, "budget_blocks": b} for t, b in TENANTS],
+            "tenants": [asdict(t) for t in TENANTS],
         },
         "elapsed_s": round(time.monotonic() - started, 1),
         "scenarios": rows,
@@ -696,5 +733,5 @@ def cli(
     if unknown or model not in ("tiny", "smollm2"):
         raise typer.BadParameter(f"unknown scenario or model: {unknown or model}")
     summary = run(chosen, model, concurrency, outage_s, (max(2, max_tokens // 3), max_tokens))
-    json_path.write_text(json.dumps(summary, indent=1) + "\n")
+    write_json(json_path, summary, indent=1)
     typer.echo(f"all targets met: {summary['all_targets_met']} ({summary['elapsed_s']} s)")

@@ -10,7 +10,6 @@ Blocks are the mean per request at the end of generation.
 from __future__ import annotations
 
 import gc
-import json
 import math
 from dataclasses import asdict, dataclass
 from enum import StrEnum
@@ -20,7 +19,16 @@ from typing import Annotated
 
 import typer
 
-PROMPT_TOPICS = ("compound", "specialnames", "types", "typesseq", "execmodel", "import")
+from bench.common import (
+    PROMPT_TOPICS,
+    model_prompts,
+    natural_prompts,
+    policy_names,
+    pyplot,
+    save_figure,
+    write_json,
+)
+
 POLICIES = ("h2o", "random", "scissorhands", "tova", "snapkv", "streaming_llm", "page", "none")
 KEEP_RATIOS = (0.2, 0.5)
 BLOCK_SIZES = (16, 32)
@@ -40,29 +48,6 @@ class Row:
     vtoken_blocks: float
     ideal_blocks: float
     reduction_pct: float
-
-
-def natural_prompts(tokenizer: object, count: int, num_tokens: int) -> list[list[int]]:
-    """``count`` prompts of exactly ``num_tokens`` tokens from the Python language reference."""
-    from pydoc_data.topics import topics
-
-    prompts = []
-    for topic in PROMPT_TOPICS[:count]:
-        ids = tokenizer(topics[topic])["input_ids"]  # type: ignore[operator]
-        if len(ids) < num_tokens:
-            raise ValueError(f"topic {topic!r} has only {len(ids)} tokens")
-        prompts.append(list(ids[:num_tokens]))
-    return prompts
-
-
-def model_prompts(model: str, count: int, num_tokens: int) -> tuple[str, list[list[int]]]:
-    """The model's folder and ``natural_prompts`` tokenized by its own tokenizer."""
-    from transformers import AutoTokenizer
-
-    from workers.models import resolve_model
-
-    path = str(resolve_model(model))
-    return path, natural_prompts(AutoTokenizer.from_pretrained(path), count, num_tokens)
 
 
 def keep_budget(keep: float, num_tokens: int) -> int:
@@ -240,11 +225,7 @@ def print_table(rows: list[Row], title: str) -> None:
 
 
 def plot(rows: list[Row], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     labels = [f"{r.policy}\nk={r.keep} b={r.block_size}" for r in rows]
     xs = range(len(rows))
     figure, axis = plt.subplots(figsize=(max(8, len(rows) * 0.6), 4.5))
@@ -253,13 +234,7 @@ def plot(rows: list[Row], path: Path) -> None:
     axis.set_xticks(list(xs), labels, rotation=90, fontsize=7)
     axis.set_ylabel("blocks retained per request")
     axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-
-
-def _csv(value: str) -> list[str]:
-    return [part.strip() for part in value.split(",") if part.strip()]
+    save_figure(figure, path)
 
 
 def cli(
@@ -276,12 +251,7 @@ def cli(
     plot_path: Annotated[Path | None, typer.Option("--plot", help="Write a PNG here.")] = None,
 ) -> None:
     """Retained KV blocks per request with and without repack, on identical decisions."""
-    from policies import REGISTRY
-
-    names = _csv(policies)
-    unknown = [name for name in names if name not in REGISTRY]
-    if unknown or not names:
-        raise typer.BadParameter(f"unknown policies {unknown}; known: {sorted(REGISTRY)}")
+    names = policy_names(policies)
     num_prompts = 1 if quick else prompts
     if engine is Engine.VLLM:
         rows = run_vllm(model, names, list(KEEP_RATIOS), num_prompts, prompt_tokens, new_tokens)
@@ -298,6 +268,6 @@ def cli(
     print_table(rows, f"Retained KV blocks per request ({engine.value}, {model})")
     if json_path is not None:
         document = {"engine": engine.value, "model": model, "results": [asdict(r) for r in rows]}
-        json_path.write_text(json.dumps(document, indent=2) + "\n")
+        write_json(json_path, document)
     if plot_path is not None:
         plot(rows, plot_path)

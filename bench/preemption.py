@@ -30,6 +30,8 @@ from typing import Annotated, Any
 
 import typer
 
+from bench.common import PROMPT_TOPICS, csv_items, model_prompts, write_json
+
 ENGINES = ("vanilla", "eager", "on_demand", "on_demand_at_budget")
 BLOCK_SIZE = 32
 
@@ -143,9 +145,7 @@ def cli(
     json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
 ) -> None:
     """Preemptions and throughput on a pool too small for its requests."""
-    from bench.fragmentation import PROMPT_TOPICS, model_prompts
-
-    chosen = tuple(e.strip() for e in engines.split(",") if e.strip())
+    chosen = tuple(csv_items(engines))
     if not chosen or set(chosen) - set(ENGINES):
         raise typer.BadParameter(f"engines must be among {ENGINES}, got {engines!r}")
     path, topics = model_prompts(model, len(PROMPT_TOPICS), prompt_tokens)
@@ -167,4 +167,4 @@ def cli(
             "keep": keep,
             "rows": [asdict(r) for r in rows],
         }
-        json_path.write_text(json.dumps(document, indent=2) + "\n")
+        write_json(json_path, document)

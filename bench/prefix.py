@@ -48,18 +48,28 @@ import json
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from bench.serve import percentile
+from bench.common import (
+    SLO_ATTAINMENT,
+    TPOT_SLO_FACTOR,
+    TTFT_SLO_FACTOR,
+    Slo,
+    csv_items,
+    doc_tokens,
+    percentile,
+    pyplot,
+    ratio,
+    save_figure,
+    write_json,
+)
 
 SETTINGS = ("vtoken:on", "serve_default:on", "serve_prefix_cache_affinity:on", "vtoken:off")
 THINK_S = 1.0
-SLO_ATTAINMENT = 0.9
-TTFT_SLO_FACTOR, TPOT_SLO_FACTOR = 5.0, 3.0
 BLOCK_SIZE = 32
 UNLOADED_PROBES = 4
 
@@ -117,8 +127,6 @@ def make_workload(
 ) -> list[Conversation]:
     """Seeded conversations: tenant ``t``'s system prompt is its own slice of the
     documentation; user messages are further slices; starts are Poisson at ``rate``/s."""
-    from bench.serve import doc_tokens
-
     corpus = doc_tokens(tokenizer)
     rng = random.Random(seed)
     systems = [
@@ -297,109 +305,192 @@ def ideal_cached_tokens(
     return ideal
 
 
-def trial_row(trial: Trial, ideal: list[int], slo: dict[str, float], turns: int) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class TrialRow:
+    """One trial's figures (a setting's ``per_rate``): hit rates over its requests,
+    latencies over those that finished; ``requests`` counts the failed ones too."""
+
+    conversation_rate: float
+    request_rate: float
+    requests: int
+    errors: list[str]
+    slo_attainment: float
+    passed: bool
+    hit_rate: float | None
+    hit_rate_of_ideal: float | None
+    cached_tokens: int
+    ideal_cached_tokens: int
+    prompt_tokens: int
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    tpot_p50_s: float | None
+    wall_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class SettingRow:
+    """One setting's figures (the JSON's ``routers``)."""
+
+    router: str
+    prefix_caching: bool
+    pin_cache_hits: bool
+    setting: str
+    goodput_rps: float
+    goodput_bound: str  # at_least (every rate passed), sweep, below_lowest
+    hit_rate: float | None
+    hit_rate_of_ideal: float | None
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    tpot_p50_s: float | None
+    per_rate: list[TrialRow]
+
+
+@dataclass(frozen=True, slots=True)
+class SettingRatios:
+    """The comparisons the benchmark answers; ``None`` where a setting did not run or its
+    figure is zero."""
+
+    ttft_p50_vtoken_over_serve_default: float | None
+    goodput_vtoken_over_serve_prefix_cache_affinity: float | None
+    goodput_prefix_caching_on_over_off: float | None
+
+
+def trial_row(trial: Trial, ideal: list[int], slo: Slo, turns: int) -> TrialRow:
     outcomes = sorted(trial.outcomes, key=lambda o: o.sent_s)
     ttfts = [o.ttft_s for o in outcomes]
     tpots = [o.tpot_s for o in outcomes if o.tpot_s is not None]
-    met = [
-        o.ttft_s <= slo["ttft_s"] and (o.tpot_s is None or o.tpot_s <= slo["tpot_s"])
-        for o in outcomes
-    ]
+    met = [slo.meets(o.ttft_s, o.tpot_s, o.prompt_tokens) for o in outcomes]
     total = len(outcomes) + len(trial.errors)
     attainment = sum(met) / total if total else 0.0
     cached = sum(o.cached_tokens for o in outcomes)
     prompt = sum(o.prompt_tokens for o in outcomes)
-    return {
-        "conversation_rate": trial.rate,
-        "request_rate": round(trial.rate * turns, 4),
-        "requests": total,
-        "errors": trial.errors,
-        "slo_attainment": round(attainment, 4),
-        "passed": attainment >= SLO_ATTAINMENT,
-        "hit_rate": round(cached / prompt, 4) if prompt else None,
-        "hit_rate_of_ideal": round(cached / sum(ideal), 4) if sum(ideal) else None,
-        "cached_tokens": cached,
-        "ideal_cached_tokens": sum(ideal),
-        "prompt_tokens": prompt,
-        "ttft_p50_s": percentile(ttfts, 0.5),
-        "ttft_p99_s": percentile(ttfts, 0.99),
-        "tpot_p50_s": percentile(tpots, 0.5),
-        "wall_s": round(trial.wall_s, 2),
-    }
+    return TrialRow(
+        conversation_rate=trial.rate,
+        request_rate=round(trial.rate * turns, 4),
+        requests=total,
+        errors=trial.errors,
+        slo_attainment=round(attainment, 4),
+        passed=attainment >= SLO_ATTAINMENT,
+        hit_rate=ratio(cached, prompt, 4),
+        hit_rate_of_ideal=ratio(cached, sum(ideal), 4),
+        cached_tokens=cached,
+        ideal_cached_tokens=sum(ideal),
+        prompt_tokens=prompt,
+        ttft_p50_s=percentile(ttfts, 0.5),
+        ttft_p99_s=percentile(ttfts, 0.99),
+        tpot_p50_s=percentile(tpots, 0.5),
+        wall_s=round(trial.wall_s, 2),
+    )
 
 
-def setting_row(setting: Setting, trials: list[dict[str, Any]]) -> dict[str, Any]:
+def setting_row(setting: Setting, trials: list[TrialRow]) -> SettingRow:
     """One row per setting: goodput over the sweep, hit rates over every trial, latencies
     at its lowest rate (each trial's are in ``per_rate``)."""
     passed = []  # the rates up to the first that failed (attainment is noisy: no skipping)
     for trial in trials:
-        if not trial["passed"]:
+        if not trial.passed:
             break
-        passed.append(trial["request_rate"])
+        passed.append(trial.request_rate)
     first = trials[0]
-    cached = sum(t["cached_tokens"] for t in trials)
-    ideal = sum(t["ideal_cached_tokens"] for t in trials)
-    prompt = sum(t["prompt_tokens"] for t in trials)
-    return {
-        "router": setting.router,
-        "prefix_caching": setting.prefix_caching,
-        "pin_cache_hits": setting.pin_cache_hits,
-        "setting": setting.name,
-        "goodput_rps": max(passed) if passed else 0.0,
-        "goodput_bound": (
+    cached = sum(t.cached_tokens for t in trials)
+    ideal = sum(t.ideal_cached_tokens for t in trials)
+    prompt = sum(t.prompt_tokens for t in trials)
+    return SettingRow(
+        router=setting.router,
+        prefix_caching=setting.prefix_caching,
+        pin_cache_hits=setting.pin_cache_hits,
+        setting=setting.name,
+        goodput_rps=max(passed) if passed else 0.0,
+        goodput_bound=(
             "at_least" if len(passed) == len(trials) else "sweep" if passed else "below_lowest"
         ),
-        "hit_rate": round(cached / prompt, 4) if prompt else None,
-        "hit_rate_of_ideal": round(cached / ideal, 4) if ideal else None,
-        **{name: first[name] for name in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s")},
-        "per_rate": trials,
-    }
+        hit_rate=ratio(cached, prompt, 4),
+        hit_rate_of_ideal=ratio(cached, ideal, 4),
+        ttft_p50_s=first.ttft_p50_s,
+        ttft_p99_s=first.ttft_p99_s,
+        tpot_p50_s=first.tpot_p50_s,
+        per_rate=trials,
+    )
 
 
-def ratios(rows: list[dict[str, Any]]) -> dict[str, float | None]:
-    by = {row["setting"]: row for row in rows}
+def ratios(rows: list[SettingRow]) -> SettingRatios:
+    by = {row.setting: row for row in rows}
 
-    def ratio(a: str, b: str, name: str) -> float | None:
-        if a not in by or b not in by or not by[b][name]:
+    def over(a: str, b: str, name: str) -> float | None:
+        if a not in by or b not in by:
             return None
-        return round(by[a][name] / by[b][name], 3)
+        return ratio(getattr(by[a], name), getattr(by[b], name), 3)
 
-    return {
-        "ttft_p50_vtoken_over_serve_default": ratio("vtoken:on", "serve_default:on", "ttft_p50_s"),
-        "goodput_vtoken_over_serve_prefix_cache_affinity": ratio(
+    return SettingRatios(
+        ttft_p50_vtoken_over_serve_default=over("vtoken:on", "serve_default:on", "ttft_p50_s"),
+        goodput_vtoken_over_serve_prefix_cache_affinity=over(
             "vtoken:on", "serve_prefix_cache_affinity:on", "goodput_rps"
         ),
-        "goodput_prefix_caching_on_over_off": ratio("vtoken:on", "vtoken:off", "goodput_rps"),
-    }
+        goodput_prefix_caching_on_over_off=over("vtoken:on", "vtoken:off", "goodput_rps"),
+    )
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(rows: list[SettingRow], path: Path) -> None:
+    plt = pyplot()
     figure, (hits, ttft) = plt.subplots(1, 2, figsize=(11, 4))
-    names = [row["setting"] for row in rows]
-    hits.barh(names, [row["hit_rate_of_ideal"] or 0.0 for row in rows])
+    names = [row.setting for row in rows]
+    hits.barh(names, [row.hit_rate_of_ideal or 0.0 for row in rows])
     hits.set_xlabel("prefix-cache hit rate (of the ideal)")
     hits.set_xlim(0, 1)
     for row in rows:
-        rates = [t["request_rate"] for t in row["per_rate"]]
-        ttft.plot(
-            rates, [t["ttft_p50_s"] for t in row["per_rate"]], marker="o", label=row["setting"]
-        )
+        rates = [t.request_rate for t in row.per_rate]
+        ttft.plot(rates, [t.ttft_p50_s for t in row.per_rate], marker="o", label=row.setting)
     ttft.set_xlabel("request rate (req/s)")
     ttft.set_ylabel("TTFT p50 (s)")
     ttft.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    save_figure(figure, path)
 
 
 # ---------------------------------------------------------------- what to pin
+@dataclass(frozen=True, slots=True)
+class PinCheckEngine:
+    """One engine of the pin check: its name in the JSON, its vToken section (``None``:
+    vanilla vLLM) and the prompt tokens it pins (``None``: vanilla)."""
+
+    name: str
+    vtoken: dict[str, Any] | None
+    prefix_pin_tokens: int | None
+
+
+def pin_check_engines(system_tokens: int) -> tuple[PinCheckEngine, ...]:
+    """Vanilla vLLM, H2O at keep 0.5 evicting eagerly, and StreamingLLM (4 sinks, 256
+    recent), each with the system prompt pinned and with nothing pinned; H2O also with
+    cache hits pinned."""
+    h2o = {"policy": "h2o", "keep_ratio": 0.5, "eviction": "eager"}
+    window = {"policy": "streaming_llm", "policy_args": {"sinks": 4, "recent": 256}}
+    pinned, hits = {"prefix_pin_tokens": system_tokens}, {"pin_cache_hits": True}
+    return (
+        PinCheckEngine("vanilla", None, None),
+        PinCheckEngine("h2o_system_prompt_pinned", {**h2o, **pinned}, system_tokens),
+        PinCheckEngine("h2o_nothing_pinned", {**h2o, "prefix_pin_tokens": 0}, 0),
+        PinCheckEngine(
+            "h2o_system_prompt_and_cache_hits_pinned", {**h2o, **pinned, **hits}, system_tokens
+        ),
+        PinCheckEngine("streaming_system_prompt_pinned", {**window, **pinned}, system_tokens),
+        PinCheckEngine("streaming_nothing_pinned", {**window, "prefix_pin_tokens": 0}, 0),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class PinCheckRow:
+    engine: str
+    prefix_pin_tokens: int | None
+    requests: int
+    hit_rate: float
+    hit_rate_of_ideal: float | None
+    cached_tokens: int
+    ideal_cached_tokens: int
+    evicted_tokens: int
+
+
 def pin_check(
     tokenizer: Any, workload: list[Conversation], max_tokens: int, system_tokens: int
-) -> list[dict[str, Any]]:
+) -> list[PinCheckRow]:
     """The conversations turn by turn (each turn of every conversation as one batch) on one
     in-process engine with prefix caching on, per-tenant salts: vanilla vLLM, then H2O at
     keep 0.5 evicting eagerly, and StreamingLLM (4 sinks, 256 recent: it drops the middle
@@ -411,31 +502,13 @@ def pin_check(
     from workers.engine import engine_state, make_llm
     from workers.models import resolve_model
 
-    h2o = {"policy": "h2o", "keep_ratio": 0.5, "eviction": "eager"}
-    window = {"policy": "streaming_llm", "policy_args": {"sinks": 4, "recent": 256}}
-    engines: tuple[tuple[str, dict[str, Any] | None, int | None], ...] = (
-        ("vanilla", None, None),
-        ("h2o_system_prompt_pinned", {**h2o, "prefix_pin_tokens": system_tokens}, system_tokens),
-        ("h2o_nothing_pinned", {**h2o, "prefix_pin_tokens": 0}, 0),
-        (
-            "h2o_system_prompt_and_cache_hits_pinned",
-            {**h2o, "prefix_pin_tokens": system_tokens, "pin_cache_hits": True},
-            system_tokens,
-        ),
-        (
-            "streaming_system_prompt_pinned",
-            {**window, "prefix_pin_tokens": system_tokens},
-            system_tokens,
-        ),
-        ("streaming_nothing_pinned", {**window, "prefix_pin_tokens": 0}, 0),
-    )
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     turns = len(workload[0].user_turns)
     rows = []
-    for name, vtoken, pin in engines:
+    for engine in pin_check_engines(system_tokens):
         llm = make_llm(
             str(resolve_model("smollm2")),
-            vtoken,
+            engine.vtoken,
             block_size=BLOCK_SIZE,
             max_model_len=2048,
             enable_prefix_caching=True,
@@ -474,27 +547,41 @@ def pin_check(
         ideal = ideal_cached_tokens(tokenizer, outcomes, BLOCK_SIZE)
         cached = sum(o.cached_tokens for o in outcomes)
         rows.append(
-            {
-                "engine": name,
-                "prefix_pin_tokens": pin,
-                "requests": len(outcomes),
-                "hit_rate": round(cached / sum(o.prompt_tokens for o in outcomes), 4),
-                "hit_rate_of_ideal": round(cached / sum(ideal), 4) if sum(ideal) else None,
-                "cached_tokens": cached,
-                "ideal_cached_tokens": sum(ideal),
-                "evicted_tokens": evicted,
-            }
+            PinCheckRow(
+                engine=engine.name,
+                prefix_pin_tokens=engine.prefix_pin_tokens,
+                requests=len(outcomes),
+                hit_rate=round(cached / sum(o.prompt_tokens for o in outcomes), 4),
+                hit_rate_of_ideal=ratio(cached, sum(ideal), 4),
+                cached_tokens=cached,
+                ideal_cached_tokens=sum(ideal),
+                evicted_tokens=evicted,
+            )
         )
     return rows
 
 
 # ---------------------------------------------------------------- command
+@dataclass(frozen=True, slots=True)
+class ProbedSlo:
+    """The unloaded p50s and the SLOs set from them (rounded: requests are judged against
+    these rounded bounds), as the JSON's ``slo``."""
+
+    unloaded_ttft_p50_s: float
+    unloaded_tpot_p50_s: float
+    ttft_s: float
+    tpot_s: float
+
+    @property
+    def slo(self) -> Slo:
+        """The same bounds for every prompt length."""
+        return Slo(self.ttft_s, 0.0, self.tpot_s)
+
+
 def unloaded_slo(base_url: str, key: str, tenant: str, tokenizer: Any, system_tokens: int,
-                 user_tokens: int, max_tokens: int) -> dict[str, float]:  # fmt: skip
+                 user_tokens: int, max_tokens: int) -> ProbedSlo:  # fmt: skip
     """TTFT and TPOT p50 of ``UNLOADED_PROBES`` requests one at a time, with prompts the
     workload never sends (held-out documentation), of a first turn's length."""
-    from bench.serve import doc_tokens
-
     corpus = doc_tokens(tokenizer, held_out=True)
     length = system_tokens + user_tokens
     outcomes: list[Outcome] = []
@@ -510,12 +597,12 @@ def unloaded_slo(base_url: str, key: str, tenant: str, tokenizer: Any, system_to
     asyncio.run(probe())
     ttft = percentile([o.ttft_s for o in outcomes], 0.5) or 0.0
     tpot = percentile([o.tpot_s for o in outcomes if o.tpot_s is not None], 0.5) or 0.0
-    return {
-        "unloaded_ttft_p50_s": ttft,
-        "unloaded_tpot_p50_s": tpot,
-        "ttft_s": round(TTFT_SLO_FACTOR * ttft, 4),
-        "tpot_s": round(TPOT_SLO_FACTOR * tpot, 4),
-    }
+    return ProbedSlo(
+        unloaded_ttft_p50_s=ttft,
+        unloaded_tpot_p50_s=tpot,
+        ttft_s=round(TTFT_SLO_FACTOR * ttft, 4),
+        tpot_s=round(TPOT_SLO_FACTOR * tpot, 4),
+    )
 
 
 def cli(
@@ -543,16 +630,16 @@ def cli(
     from serving.demo import local_cluster
     from workers.models import resolve_model
 
-    chosen = [Setting.parse(text) for text in settings.split(",") if text]
+    chosen = [Setting.parse(text) for text in csv_items(settings)]
     try:
-        rate_values = sorted(float(r) for r in rates.split(","))
+        rate_values = sorted(float(r) for r in csv_items(rates))
     except ValueError:
         raise typer.BadParameter(f"--rates takes numbers, got {rates!r}") from None
     if not rate_values or min(rate_values) <= 0:
         raise typer.BadParameter("--rates must be positive")
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model("smollm2")))
     names = [f"tenant-{t}" for t in range(tenants)]
-    slo: dict[str, float] | None = None
+    slo: ProbedSlo | None = None
     rows = []
     for setting in chosen:
         engine = {
@@ -574,7 +661,7 @@ def cli(
                 slo = unloaded_slo(
                     c.url, keys["probe"], "probe", tokenizer, system_tokens, user_tokens, max_tokens
                 )
-                typer.echo(f"SLO: {slo}")
+                typer.echo(f"SLO: {asdict(slo)}")
             for index, rate in enumerate(rate_values):
                 workload = make_workload(
                     tokenizer, tenants, conversations, turns, system_tokens, user_tokens, rate,
@@ -583,8 +670,8 @@ def cli(
                 trial = Trial(setting.name, rate)
                 asyncio.run(run_trial(c.url, keys, workload, max_tokens, trial))
                 ideal = ideal_cached_tokens(tokenizer, trial.outcomes, BLOCK_SIZE, seen)
-                row = trial_row(trial, ideal, slo, turns)
-                typer.echo(f"{setting.name} @ {rate}/s: {json.dumps(row)}")
+                row = trial_row(trial, ideal, slo.slo, turns)
+                typer.echo(f"{setting.name} @ {rate}/s: {json.dumps(asdict(row))}")
                 trials.append(row)
                 # The next rate: a new seed, new user messages, the same system prompts
                 # (still cached, as a serving system's would be: ``seen`` counts them).
@@ -601,17 +688,18 @@ def cli(
         "block_size": BLOCK_SIZE,
         "seed": seed,
         "vtoken": vtoken_config(system_tokens),
-        "slo": slo,
-        "routers": rows,
-        "ratios": ratios(rows),
+        "slo": None if slo is None else asdict(slo),
+        "routers": [asdict(row) for row in rows],
+        "ratios": asdict(ratios(rows)),
     }
     if pin_check_run:  # one conversation per tenant: nothing else shares its system prompt
         workload = make_workload(
             tokenizer, tenants, 1, turns, system_tokens, user_tokens, 1.0, seed
         )
-        document["pin_check"] = pin_check(tokenizer, workload, max_tokens, system_tokens)
+        rows_pinned = pin_check(tokenizer, workload, max_tokens, system_tokens)
+        document["pin_check"] = [asdict(row) for row in rows_pinned]
     typer.echo(json.dumps({k: v for k, v in document.items() if k != "routers"}, indent=2))
     if json_path is not None:
-        json_path.write_text(json.dumps(document, indent=2) + "\n")
+        write_json(json_path, document)
     if plot_path is not None:
         plot(rows, plot_path)

@@ -41,7 +41,15 @@ from typing import Annotated, Any
 
 import typer
 
-from bench.serve import doc_tokens, percentile
+from bench.common import (
+    csv_floats,
+    doc_tokens,
+    percentile,
+    policy_names,
+    pyplot,
+    save_figure,
+    write_json,
+)
 
 BLOCK_SIZE = 32
 POLICIES = ("h2o", "snapkv", "page", "streaming_llm", "tova")
@@ -57,6 +65,22 @@ INTRO = (
     "Find it and memorize it. I will quiz you about the pass key.\n\n"
 )
 KEY = re.compile(r"(?<!\d)\d{5}(?!\d)")  # a 5-digit number, not part of a longer one
+
+
+@dataclass(frozen=True, slots=True)
+class Sizes:
+    """How big a run is: passkey cases per task and cell, prompt lengths (inclusive),
+    perplexity documents (0: none) and their context and target tokens."""
+
+    cases: int
+    min_tokens: int
+    max_tokens: int
+    ppl_docs: int
+    ppl_context: int
+    ppl_target: int
+
+
+QUICK = Sizes(cases=8, min_tokens=256, max_tokens=512, ppl_docs=1, ppl_context=128, ppl_target=8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,26 +246,48 @@ class Cell:
         return {"policy": self.policy, "keep_ratio": self.keep, "policy_args": args}
 
 
+@dataclass(frozen=True, slots=True)
+class PasskeyRow:
+    """One cell's passkey figures (its ``Cell`` fields first). ``cases_from``: ``all`` or
+    ``evaluation_half`` (a calibrated PAGE cell); ``random_guess``: the accuracy of
+    guessing."""
+
+    task: str
+    engine: str
+    policy: str
+    keep: float | None
+    threshold: float | None
+    cases: int
+    cases_from: str
+    accuracy: float
+    harm_rate: float
+    mean_generated_tokens: float
+    output_length_change: float
+    mean_held_blocks: float
+    random_guess: float
+
+
 def summarize(
     cell: Cell, answers: Sequence[Answer], full: Sequence[Answer], cases_from: str = "all"
-) -> dict[str, Any]:
+) -> PasskeyRow:
     """One cell's passkey figures against the full cache's answers to the same cases."""
     correct_full = [f.correct for f in full]
     harmed = sum(f and not a.correct for f, a in zip(correct_full, answers, strict=True))
-    return {
+    return PasskeyRow(
         **asdict(cell),
-        "cases": len(answers),
-        "cases_from": cases_from,
-        "accuracy": round(sum(a.correct for a in answers) / len(answers), 4),
-        "harm_rate": round(harmed / max(1, sum(correct_full)), 4),
-        "mean_generated_tokens": round(sum(a.generated_tokens for a in answers) / len(answers), 2),
-        "output_length_change": round(
+        cases=len(answers),
+        cases_from=cases_from,
+        accuracy=round(sum(a.correct for a in answers) / len(answers), 4),
+        harm_rate=round(harmed / max(1, sum(correct_full)), 4),
+        mean_generated_tokens=round(sum(a.generated_tokens for a in answers) / len(answers), 2),
+        output_length_change=round(
             sum(a.generated_tokens for a in answers) / max(1, sum(f.generated_tokens for f in full))
             - 1.0,
             4,
         ),
-        "mean_held_blocks": round(sum(a.held_blocks for a in answers) / len(answers), 2),
-    }
+        mean_held_blocks=round(sum(a.held_blocks for a in answers) / len(answers), 2),
+        random_guess=1 / MULTI_KEYS if cell.task == "multi" else 1 / 90000,
+    )
 
 
 # ---------------------------------------------------------------- PAGE
@@ -274,6 +320,17 @@ def calibrate(drops: Sequence[float], full: Sequence[bool], evicted: Sequence[bo
 # ---------------------------------------------------------------- perplexity
 
 
+@dataclass(frozen=True, slots=True)
+class PerplexityRow:
+    """A policy's perplexity at a keep ratio (``none``: the full cache, keep ``None``) and
+    relative to the full cache's."""
+
+    policy: str
+    keep: float | None
+    perplexity: float
+    relative: float
+
+
 def perplexities(
     path: str,
     corpus: Sequence[int],
@@ -283,7 +340,7 @@ def perplexities(
     context: int,
     target: int,
     seed: int,
-) -> list[dict[str, Any]]:
+) -> list[PerplexityRow]:
     """Teacher-forced perplexity of ``target`` tokens after ``context`` tokens of held-out
     documentation, per policy and keep, relative to the full cache (reference engine)."""
     from policies import make_policy
@@ -310,19 +367,12 @@ def perplexities(
         return total / len(starts)
 
     full = math.exp(nll("none", 1.0))
-    rows = [{"policy": "none", "keep": None, "perplexity": round(full, 3), "relative": 1.0}]
+    rows = [PerplexityRow("none", None, round(full, 3), 1.0)]
     # PAGE here runs at its default threshold (the calibrated one is chosen on passkey)
     for policy in policies:
         for keep in keeps:
             value = math.exp(nll(policy, keep))
-            rows.append(
-                {
-                    "policy": policy,
-                    "keep": keep,
-                    "perplexity": round(value, 3),
-                    "relative": round(value / full, 4),
-                }
-            )
+            rows.append(PerplexityRow(policy, keep, round(value, 3), round(value / full, 4)))
     return rows
 
 
@@ -381,17 +431,42 @@ def run(
         else:  # calibrated on the first half: judged on the second only
             half = len(result) // 2
             rows.append(summarize(cell, result[half:], full[half:], "evaluation_half"))
-    for row in rows:
-        row["random_guess"] = 1 / MULTI_KEYS if row["task"] == "multi" else 1 / 90000
     return {
         "cases_per_task": cases_per_task,
         "prompt_tokens": list(lengths),
         "multi_keys": MULTI_KEYS,
         "on_demand_blocks": on_demand_blocks,
         "seed": seed,
-        "passkey": rows,
-        "page": page,
+        "passkey": [asdict(row) for row in rows],
+        "page": None if page is None else asdict(page),
     }
+
+
+@dataclass(frozen=True, slots=True)
+class DropQuantiles:
+    """How many PAGE requests recorded their agreement drop, and its p10, p50 and p90."""
+
+    recorded: int
+    p10: float | None
+    p50: float | None
+    p90: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class PageReport:
+    """PAGE at its calibrated threshold on the evaluation half, against SnapKV alone."""
+
+    keep: float
+    threshold: float
+    calibration_cases: int
+    evaluation_cases: int
+    harm_rate: float
+    snapkv_harm_rate: float
+    gate_open_rate: float
+    blocks_saved: float
+    drops: DropQuantiles
+    default_threshold: float
+    default_threshold_open_rate: float
 
 
 def page_section(
@@ -399,7 +474,7 @@ def page_section(
     tasks: dict[str, list[Case]],
     answers: dict[Cell, list[Answer]],
     keep: float,
-) -> dict[str, Any]:
+) -> PageReport:
     """Calibrate PAGE's threshold on the first half of every task's cases (from the drops
     the default-threshold cell recorded and plain SnapKV's answers), run PAGE at it, and
     judge it on the second half against SnapKV alone at the same budget."""
@@ -429,42 +504,38 @@ def page_section(
     full_blocks = [a.held_blocks for t in tasks for a in answers[Cell(t, "vanilla", "none", None)]]
     blocks_full = part(full_blocks, False)
     correct_full = max(1, sum(held_out_full))
-    return {
-        "keep": keep,
-        "threshold": threshold,
-        "calibration_cases": halves.count(True),
-        "evaluation_cases": halves.count(False),
-        "harm_rate": round(harmed / correct_full, 4),
-        "snapkv_harm_rate": round(snap_harmed / correct_full, 4),
-        "gate_open_rate": round(
+    return PageReport(
+        keep=keep,
+        threshold=threshold,
+        calibration_cases=halves.count(True),
+        evaluation_cases=halves.count(False),
+        harm_rate=round(harmed / correct_full, 4),
+        snapkv_harm_rate=round(snap_harmed / correct_full, 4),
+        gate_open_rate=round(
             sum(bool(g.gate_open) for g in held_out_gated) / len(held_out_gated), 4
         ),
-        "blocks_saved": round(
+        blocks_saved=round(
             sum(f - g.held_blocks for f, g in zip(blocks_full, held_out_gated, strict=True))
             / len(held_out_gated),
             2,
         ),
-        "drops": {
-            "recorded": len(recorded_drops),
-            "p10": percentile(recorded_drops, 0.1),
-            "p50": percentile(recorded_drops, 0.5),
-            "p90": percentile(recorded_drops, 0.9),
-        },
-        "default_threshold": DEFAULT_THRESHOLD,
-        "default_threshold_open_rate": round(
+        drops=DropQuantiles(
+            len(recorded_drops),
+            percentile(recorded_drops, 0.1),
+            percentile(recorded_drops, 0.5),
+            percentile(recorded_drops, 0.9),
+        ),
+        default_threshold=DEFAULT_THRESHOLD,
+        default_threshold_open_rate=round(
             sum(d > DEFAULT_THRESHOLD for d in recorded_drops) / max(1, len(recorded_drops)), 4
         ),
-    }
+    )
 
 
 def plot(document: dict[str, Any], path: Path) -> None:
     """Passkey accuracy per policy and keep (eager), one panel per task; the full cache as
     a line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = document["passkey"]
     tasks = sorted({r["task"] for r in rows})
     figure, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4), squeeze=False)
@@ -480,9 +551,7 @@ def plot(document: dict[str, Any], path: Path) -> None:
         axis.set_ylabel("accuracy")
         axis.tick_params(axis="x", labelsize=7)
         axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def cli(
@@ -508,36 +577,32 @@ def cli(
     from transformers import AutoTokenizer
 
     from kernels.intmath import cdiv
-    from policies import REGISTRY
     from workers.models import resolve_model
 
-    names = [p.strip() for p in policies.split(",") if p.strip()]
-    unknown = [n for n in names if n not in REGISTRY or n == "none"]
-    if unknown or not names:
-        raise typer.BadParameter(f"unknown policies {unknown}; known: {sorted(REGISTRY)}")
-    try:
-        ratios = sorted({float(k) for k in keeps.split(",") if k.strip()})
-    except ValueError:
-        raise typer.BadParameter(f"keeps must be numbers, got {keeps!r}") from None
+    names = policy_names(policies, allow_none=False)
+    ratios = csv_floats(keeps, "keeps")
     if not ratios or not all(0.0 < k <= 1.0 for k in ratios):
         raise typer.BadParameter("keeps must lie in (0, 1]")
     if min_tokens > max_tokens:
         raise typer.BadParameter("min-tokens must not exceed max-tokens")
-    if quick:
-        cases, min_tokens, max_tokens, ppl_docs, ppl_context, ppl_target = 8, 256, 512, 1, 128, 8
+    sizes = (
+        QUICK if quick else Sizes(cases, min_tokens, max_tokens, ppl_docs, ppl_context, ppl_target)
+    )
     path = str(resolve_model(model))
     tokenizer = AutoTokenizer.from_pretrained(path)
-    longest = cdiv(max_tokens + ANSWER_TOKENS, BLOCK_SIZE) + 1
+    longest = cdiv(sizes.max_tokens + ANSWER_TOKENS, BLOCK_SIZE) + 1
     blocks = on_demand_blocks if on_demand_blocks is not None else 2 * longest
     if blocks <= longest:
         raise typer.BadParameter(f"on-demand-blocks must exceed the longest request's {longest}")
-    document = run(path, tokenizer, cases, (min_tokens, max_tokens), names, ratios, blocks, seed)
-    if ppl_docs:
+    lengths = (sizes.min_tokens, sizes.max_tokens)
+    document = run(path, tokenizer, sizes.cases, lengths, names, ratios, blocks, seed)
+    if sizes.ppl_docs:
         # held out: the documentation topics after the ones the passkey filler comes from
         held_out = doc_tokens(tokenizer, held_out=True)
-        document["perplexity"] = perplexities(
-            path, held_out, names, ratios, ppl_docs, ppl_context, ppl_target, seed
+        rows = perplexities(
+            path, held_out, names, ratios, sizes.ppl_docs, sizes.ppl_context, sizes.ppl_target, seed
         )
+        document["perplexity"] = [asdict(row) for row in rows]
     document = {"model": model, "quick": quick, **document}
     for row in document["passkey"]:
         gate = "" if row["threshold"] is None else f" threshold={row['threshold']:.3f}"
@@ -549,6 +614,6 @@ def cli(
     if document["page"] is not None:
         typer.echo("page: " + json.dumps(document["page"]))
     if json_path is not None:
-        json_path.write_text(json.dumps(document, indent=2) + "\n")
+        write_json(json_path, document)
     if plot_path is not None:
         plot(document, plot_path)

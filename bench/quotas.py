@@ -33,7 +33,6 @@ arrival to the last completion.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import random
 import time
@@ -43,6 +42,7 @@ from typing import Annotated, Any
 
 import typer
 
+from bench.common import pyplot, save_figure, write_json
 from serving.demo import over_budget, over_budget_stretches
 
 MODES = ("worst_case", "active_kv")
@@ -91,12 +91,67 @@ class TenantTally:
 REPORT_PERIOD_S = 0.1  # the replicas' default report period (serving.replica_reporter)
 
 
+@dataclass(frozen=True, slots=True)
+class Stretch:
+    """A stretch of a tenant's active KV above its budget (seconds from the first arrival),
+    the replicas holding its KV then, the longest engine step during it, and its bound
+    (one report period plus that step)."""
+
+    start_s: float
+    length_s: float
+    replicas: list[str]
+    step_s: float
+    bound_s: float
+    within_bound: bool
+
+
+@dataclass(frozen=True, slots=True)
+class TenantRow:
+    """One tenant's figures in one mode (see the module docstring)."""
+
+    id: str
+    budget_blocks: int
+    arrivals: int
+    peak_active_blocks: int
+    seconds_over_budget: float
+    longest_over_budget_s: float
+    # each stretch against one report period plus the longest engine step the replicas
+    # reported during it (the target's bound)
+    stretches_over_budget: list[Stretch]
+    stretches_over_bound: int
+    # what a stretch above budget shorter than this could hide between samples
+    max_sample_gap_s: float
+    requests_ok: int
+    requests_throttled: int
+    requests_failed: int
+    throttle_responses: int
+    completed_per_min: float
+    errors: list[str]  # the first five
+    active_blocks_series: list[list[float]]  # [seconds, blocks] per sample
+
+
+@dataclass(frozen=True, slots=True)
+class ModeResult:
+    """One mode's figures: per tenant, the totals, and the replicas' eviction counters."""
+
+    tenants: list[TenantRow]
+    requests_ok: int
+    completed_per_min: float
+    elapsed_s: float
+    stretches_over_bound: int
+    max_step_s: float
+    preemptions: int
+    evictions_under_pressure: int
+    evictions_below_budget: int
+    evictions_to_bound: int
+
+
 def judge_stretches(
     stretches: list[tuple[float, float]],
     hosts: list[tuple[float, frozenset[str]]],
     steps: dict[str, list[tuple[float, float]]],
     report_period_s: float,
-) -> list[dict[str, Any]]:
+) -> list[Stretch]:
     """Each stretch above budget with its bound: one report period plus the longest engine
     step that ran during it (overlapping ``[start, end]``) on a replica holding the
     tenant's KV then. ``hosts``: per sample, the replicas holding the tenant's KV;
@@ -119,14 +174,14 @@ def judge_stretches(
         )
         bound_s = report_period_s + step_s
         judged.append(
-            {
-                "start_s": round(start, 2),
-                "length_s": round(end - start, 2),
-                "replicas": sorted(holding),
-                "step_s": round(step_s, 3),
-                "bound_s": round(bound_s, 3),
-                "within_bound": end - start <= bound_s,
-            }
+            Stretch(
+                start_s=round(start, 2),
+                length_s=round(end - start, 2),
+                replicas=sorted(holding),
+                step_s=round(step_s, 3),
+                bound_s=round(bound_s, 3),
+                within_bound=end - start <= bound_s,
+            )
         )
     return judged
 
@@ -215,7 +270,7 @@ async def _one(
 
 async def drive(
     cluster: Any, tenants: tuple[BenchTenant, ...], arrivals: list[Arrival], duration_s: float
-) -> dict[str, Any]:
+) -> ModeResult:
     """Create the tenants, run ``arrivals`` while sampling active KV from the replicas'
     reports in Redis (not through the loaded ingress); the mode's figures."""
     import httpx
@@ -293,47 +348,44 @@ async def drive(
             REPORT_PERIOD_S,
         )
         rows.append(
-            {
-                "id": tenant.tenant_id,
-                "budget_blocks": tenant.budget_blocks,
-                "arrivals": sum(1 for a in arrivals if a.tenant_id == tenant.tenant_id),
-                "peak_active_blocks": max((blocks for _, blocks in series), default=0),
-                "seconds_over_budget": round(seconds_over, 2),
-                "longest_over_budget_s": round(longest_over, 2),
-                # each stretch against one report period plus the longest engine step the
-                # replicas reported during it (the target's bound)
-                "stretches_over_budget": stretches,
-                "stretches_over_bound": sum(1 for s in stretches if not s["within_bound"]),
-                # what a stretch above budget shorter than this could hide between samples
-                "max_sample_gap_s": round(
+            TenantRow(
+                id=tenant.tenant_id,
+                budget_blocks=tenant.budget_blocks,
+                arrivals=sum(1 for a in arrivals if a.tenant_id == tenant.tenant_id),
+                peak_active_blocks=max((blocks for _, blocks in series), default=0),
+                seconds_over_budget=round(seconds_over, 2),
+                longest_over_budget_s=round(longest_over, 2),
+                stretches_over_budget=stretches,
+                stretches_over_bound=sum(1 for s in stretches if not s.within_bound),
+                max_sample_gap_s=round(
                     max((b[0] - a[0] for a, b in zip(series, series[1:], strict=False)), default=0),
                     2,
                 ),
-                "requests_ok": tally.ok,
-                "requests_throttled": tally.throttled,
-                "requests_failed": tally.failed,
-                "throttle_responses": tally.throttle_responses,
-                "completed_per_min": round(tally.ok / elapsed_min, 2) if elapsed_min else 0.0,
-                "errors": tally.errors[:5],
-                "active_blocks_series": [[round(t, 2), b] for t, b in series],
-            }
+                requests_ok=tally.ok,
+                requests_throttled=tally.throttled,
+                requests_failed=tally.failed,
+                throttle_responses=tally.throttle_responses,
+                completed_per_min=round(tally.ok / elapsed_min, 2) if elapsed_min else 0.0,
+                errors=tally.errors[:5],
+                active_blocks_series=[[round(t, 2), b] for t, b in series],
+            )
         )
-    return {
-        "tenants": rows,
-        "requests_ok": sum(t.ok for t in tallies.values()),
-        "completed_per_min": round(sum(t.ok for t in tallies.values()) / elapsed_min, 2)
+    return ModeResult(
+        tenants=rows,
+        requests_ok=sum(t.ok for t in tallies.values()),
+        completed_per_min=round(sum(t.ok for t in tallies.values()) / elapsed_min, 2)
         if elapsed_min
         else 0.0,
-        "elapsed_s": round(elapsed_min * 60, 1),
-        "stretches_over_bound": sum(row["stretches_over_bound"] for row in rows),
-        "max_step_s": round(
+        elapsed_s=round(elapsed_min * 60, 1),
+        stretches_over_bound=sum(row.stretches_over_bound for row in rows),
+        max_step_s=round(
             max((end - start for spans in steps.values() for start, end in spans), default=0.0), 3
         ),
-        "preemptions": sum(r.get("preemptions", 0) for r in replicas),
-        "evictions_under_pressure": sum(r.get("evictions_under_pressure", 0) for r in replicas),
-        "evictions_below_budget": sum(r.get("evictions_below_budget", 0) for r in replicas),
-        "evictions_to_bound": sum(r.get("evictions_to_bound", 0) for r in replicas),
-    }
+        preemptions=sum(r.get("preemptions", 0) for r in replicas),
+        evictions_under_pressure=sum(r.get("evictions_under_pressure", 0) for r in replicas),
+        evictions_below_budget=sum(r.get("evictions_below_budget", 0) for r in replicas),
+        evictions_to_bound=sum(r.get("evictions_to_bound", 0) for r in replicas),
+    )
 
 
 def mode_settings(mode: str, keep: float) -> tuple[str, dict[str, Any]]:
@@ -365,7 +417,7 @@ def run(
     tenants = scaled(TENANTS, load)
     arrivals = make_arrivals(tenants, duration_s, seed, passages, tokenizer.decode)
     max_model_len = 2 * (PROMPT_TOKENS[1] + OUTPUT_TOKENS[1])  # text re-tokenizes a bit longer
-    results: dict[str, Any] = {}
+    results: dict[str, ModeResult] = {}
     for mode in modes:
         admission, vtoken = mode_settings(mode, keep)
         with local_cluster(
@@ -375,7 +427,7 @@ def run(
             app_args={"admission": admission},
         ) as cluster:
             results[mode] = asyncio.run(drive(cluster, tenants, arrivals, duration_s))
-        typer.echo(f"{mode}: {results[mode]['requests_ok']} ok in {results[mode]['elapsed_s']} s")
+        typer.echo(f"{mode}: {results[mode].requests_ok} ok in {results[mode].elapsed_s} s")
     summary: dict[str, Any] = {
         "config": {
             "duration_s": duration_s,
@@ -389,10 +441,10 @@ def run(
             "tenants": [asdict(t) for t in tenants],
             "arrivals": len(arrivals),
         },
-        "modes": results,
+        "modes": {mode: asdict(result) for mode, result in results.items()},
     }
     if "worst_case" in results and "active_kv" in results:
-        worst, active = results["worst_case"]["requests_ok"], results["active_kv"]["requests_ok"]
+        worst, active = results["worst_case"].requests_ok, results["active_kv"].requests_ok
         summary["completed_ratio_active_kv_over_worst_case"] = (
             round(active / worst, 2) if worst else math.inf
         )
@@ -401,11 +453,7 @@ def run(
 
 def plot(summary: dict[str, Any], path: Path) -> None:
     """Active KV over time per tenant against its budget, one panel per mode."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     modes = list(summary["modes"])
     figure, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4), sharey=True)
     for axis, mode in zip([axes] if len(modes) == 1 else axes, modes, strict=True):
@@ -425,8 +473,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
         axis.legend(fontsize=8)
     axes_list = [axes] if len(modes) == 1 else list(axes)
     axes_list[0].set_ylabel("active KV blocks (dashed: budget)")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    save_figure(figure, path)
 
 
 def cli(
@@ -442,7 +489,7 @@ def cli(
 ) -> None:
     """Active-KV admission + on-demand eviction vs worst-case reservations (real stack)."""
     summary = run(duration_s, seed, keep, replicas, MODES, load)
-    json_path.write_text(json.dumps(summary, indent=1) + "\n")
+    write_json(json_path, summary, indent=1)
     if plot_path is not None:
         plot(summary, plot_path)
     for mode, result in summary["modes"].items():

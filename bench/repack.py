@@ -32,7 +32,6 @@ torch ops, and the same pool for the C loop when it is built with OpenMP (see
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable
@@ -41,6 +40,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from bench.common import csv_items, write_json
 from kernels.intmath import cdiv
 
 if TYPE_CHECKING:
@@ -405,9 +405,9 @@ def cli(
         ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     )
     cases = []
-    for shape in shapes.split(","):
-        for block_size in (int(b) for b in block_sizes.split(",")):
-            for pattern in patterns.split(","):
+    for shape in csv_items(shapes):
+        for block_size in (int(b) for b in csv_items(block_sizes)):
+            for pattern in csv_items(patterns):
                 case = run_case(
                     shape, block_size, pattern, chosen, reps, getattr(torch, dtype), cold,
                     kv_cache_layout,
@@ -432,4 +432,4 @@ def cli(
         "cases": cases,
     }
     if json_path is not None:
-        json_path.write_text(json.dumps(result, indent=1) + "\n")
+        write_json(json_path, result, indent=1)

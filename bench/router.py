@@ -21,15 +21,39 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
+
+from bench.common import Quantiles, doc_tokens, write_json
 
 ROUTERS = ("serve_default", "vtoken")
 PROMPT_TOKENS = 64
 WARM_UP = 4
 VTOKEN = {"policy": "h2o", "keep_ratio": 0.5, "eviction": "on_demand"}
+
+
+@dataclass(frozen=True, slots=True)
+class Latencies:
+    """One router's measured requests and their end-to-end latency quantiles."""
+
+    requests: int
+    p50_s: float | None
+    p90_s: float | None
+    p99_s: float | None
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Latencies:
+        quantiles = Quantiles.of(values)
+        return cls(len(values), quantiles.p50, quantiles.p90, quantiles.p99)
+
+
+def _over(value: float | None, other: float | None) -> float:
+    assert value is not None and other is not None  # every router measured >= 2 requests
+    return round(value / other, 3)
 
 
 async def _tenant_key(base_url: str) -> str:
@@ -99,7 +123,6 @@ def cli(
     """End-to-end latency through the Serve stack: the project's router vs Serve's default."""
     from transformers import AutoTokenizer
 
-    from bench.serve import doc_tokens, percentile
     from workers.models import resolve_model
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model("smollm2")))
@@ -114,16 +137,12 @@ def cli(
         for router in ROUTERS:
             latencies[router] += measure(router, prompts, replicas, clients, max_tokens)
             typer.echo(f"round {round_index}: {router} done")
-    rows: dict[str, Any] = {
-        router: {
-            "requests": len(values),
-            **{f"p{q}_s": percentile(values, q / 100) for q in (50, 90, 99)},
-        }
-        for router, values in latencies.items()
-    }
+    rows = {router: Latencies.of(values) for router, values in latencies.items()}
+    vtoken, default = rows["vtoken"], rows["serve_default"]
     ratios = {
-        f"p{q}": round(rows["vtoken"][f"p{q}_s"] / rows["serve_default"][f"p{q}_s"], 3)
-        for q in (50, 90, 99)
+        "p50": _over(vtoken.p50_s, default.p50_s),
+        "p90": _over(vtoken.p90_s, default.p90_s),
+        "p99": _over(vtoken.p99_s, default.p99_s),
     }
     document = {
         "replicas": replicas,
@@ -132,9 +151,9 @@ def cli(
         "max_tokens": max_tokens,
         "rounds": rounds,
         "vtoken": VTOKEN,
-        "routers": rows,
+        "routers": {router: asdict(row) for router, row in rows.items()},
         "vtoken_over_serve_default": ratios,
     }
     typer.echo(json.dumps(document, indent=2))
     if json_path is not None:
-        json_path.write_text(json.dumps(document, indent=2) + "\n")
+        write_json(json_path, document)

@@ -17,12 +17,12 @@ interleaved, each call warmed by an untimed one right before, medians.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from bench.common import csv_items, write_json
 from kernels.intmath import cdiv
 
 if TYPE_CHECKING:
@@ -175,10 +175,10 @@ def cli(
         ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     )
     cases = []
-    for shape in shapes.split(","):
-        for batch in (int(b) for b in batches.split(",")):
-            for seq_len in (int(s) for s in seq_lens.split(",")):
-                for q_len in (int(q) for q in q_lens.split(",")):
+    for shape in csv_items(shapes):
+        for batch in (int(b) for b in csv_items(batches)):
+            for seq_len in (int(s) for s in csv_items(seq_lens)):
+                for q_len in (int(q) for q in csv_items(q_lens)):
                     case = run_case(
                         shape, batch, seq_len, q_len, chosen, reps, getattr(torch, dtype)
                     )
@@ -197,4 +197,4 @@ def cli(
         "cases": cases,
     }
     if json_path is not None:
-        json_path.write_text(json.dumps(result, indent=1) + "\n")
+        write_json(json_path, result, indent=1)

@@ -34,12 +34,13 @@ the first.
 
 **SLOs and goodput.** At the start of a run the vanilla engine serves
 ``UNLOADED_REQUESTS`` prompts of the workload one at a time; the SLOs are
-``TTFT_FACTOR`` x its TTFT at the request's prompt length (a line fitted through the
-measurements, see ``unloaded_slo``) and ``TPOT_FACTOR`` x its p50 TPOT. A request meets
+``TTFT_SLO_FACTOR`` x its TTFT at the request's prompt length (a line fitted through the
+measurements, see ``unloaded_slo``) and ``TPOT_SLO_FACTOR`` x its p50 TPOT
+(``bench.common``). A request meets
 the SLO when both hold. Goodput (DistServe's definition) is the highest rate at which at least
-``ATTAINMENT`` of the requests meet it: every rate of the sweep is run (the attainment
+``SLO_ATTAINMENT`` of the requests meet it: every rate of the sweep is run (the attainment
 curve), then the rate is bisected (geometrically) between the highest passing rate and the
-first failing one. A trial stops as soon as more than ``1 - ATTAINMENT`` of its requests
+first failing one. A trial stops as soon as more than ``1 - SLO_ATTAINMENT`` of its requests
 have missed (its attainment is then the upper bound ``1 - missed / requests``), which keeps
 overloaded trials short.
 """
@@ -60,6 +61,21 @@ from typing import Annotated, Any
 
 import typer
 
+from bench.common import (
+    SLO_ATTAINMENT,
+    TPOT_SLO_FACTOR,
+    TTFT_SLO_FACTOR,
+    Quantiles,
+    Slo,
+    csv_floats,
+    csv_items,
+    doc_tokens,
+    pyplot,
+    ratio,
+    save_figure,
+    write_json,
+)
+
 ENGINES = ("vanilla", "naive", "eager", "on_demand")
 VTOKEN_ENGINES = {  # the engine-wide vToken section of each kind (the policy is per request)
     "naive": {"policy": "none", "mode": "naive", "eviction": "eager"},
@@ -69,21 +85,25 @@ VTOKEN_ENGINES = {  # the engine-wide vToken section of each kind (the policy is
 POLICIES = ("h2o:0.2", "h2o:0.5", "snapkv:0.2")
 WORKLOADS = ("single", "chat")
 BLOCK_SIZE = 32
-ATTAINMENT = 0.9
-TTFT_FACTOR = 5.0
-TPOT_FACTOR = 3.0
 UNLOADED_REQUESTS = 8
 PARETO_SHAPE = 1.2
 MAX_NUM_SEQS = 64
-DOC_TOPICS = 60  # the documentation topics prompts are cut from
 
 
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank ``q``-quantile (``0 < q <= 1``) of ``values``; ``None`` when empty."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return round(float(ordered[max(0, math.ceil(q * len(ordered)) - 1)]), 4)
+@dataclass(frozen=True, slots=True)
+class WorkloadPreset:
+    """Token ranges (inclusive) of the workloads: single-turn prompts, outputs, chat user
+    messages, turns per conversation, and the longest conversation."""
+
+    prompt_tokens: tuple[int, int]
+    new_tokens: tuple[int, int]
+    user_tokens: tuple[int, int]
+    turns: tuple[int, int]
+    max_context: int
+
+
+FULL = WorkloadPreset((128, 2048), (32, 256), (32, 256), (2, 6), 2048 + 256)
+QUICK = WorkloadPreset((64, 256), (8, 16), (32, 96), (2, 3), 512)
 
 
 # ---------------------------------------------------------------- workloads
@@ -124,16 +144,6 @@ class Workload:
     def max_len(self) -> int:
         """The longest sequence (prompt and output) of any request."""
         return max(s.context_len(len(s.turns) - 1) + s.turns[-1].max_tokens for s in self.sessions)
-
-
-def doc_tokens(tokenizer: Any, held_out: bool = False) -> list[int]:
-    """CPython's documentation topics (sorted, the first ``DOC_TOPICS``; ``held_out``: the
-    ones after them, 19 in CPython 3.11), tokenized."""
-    from pydoc_data.topics import topics
-
-    names = sorted(topics)[DOC_TOPICS : 2 * DOC_TOPICS] if held_out else sorted(topics)[:DOC_TOPICS]
-    text = "\n\n".join(topics[name] for name in names)
-    return list(tokenizer(text)["input_ids"])
 
 
 def truncated_pareto(rng: random.Random, low: int, high: int, shape: float) -> int:
@@ -275,19 +285,6 @@ class ServeEngine:
 
 
 @dataclass(frozen=True, slots=True)
-class Slo:
-    """TTFT allowed a prompt of ``n`` tokens: ``ttft_base_s + ttft_per_token_s * n``;
-    TPOT allowed every request: ``tpot_s``."""
-
-    ttft_base_s: float
-    ttft_per_token_s: float
-    tpot_s: float
-
-    def ttft_s(self, prompt_len: int) -> float:
-        return self.ttft_base_s + self.ttft_per_token_s * prompt_len
-
-
-@dataclass(frozen=True, slots=True)
 class Outcome:
     ttft_s: float
     tpot_s: float
@@ -296,7 +293,7 @@ class Outcome:
     preempted: bool
 
     def meets(self, slo: Slo) -> bool:
-        return self.ttft_s <= slo.ttft_s(self.prompt_len) and self.tpot_s <= slo.tpot_s
+        return slo.meets(self.ttft_s, self.tpot_s, self.prompt_len)
 
 
 @dataclass(slots=True)
@@ -307,6 +304,26 @@ class _InFlight:
     context: list[int]  # the prompt this turn was sent with
     internal_id: str  # the engine core's id of the request
     first: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TrialSummary:
+    """One trial's figures in the JSON (``per_rate``). A trial stopped early has no
+    attainment or latencies: its attainment is only known to be below ``SLO_ATTAINMENT``
+    and its latencies would cover the fast requests only."""
+
+    rate: float
+    passed: bool
+    slo_attainment: float | None
+    requests: int
+    finished: int
+    stopped_early: bool
+    ttft_s: Quantiles
+    tpot_s: Quantiles
+    e2e_s: Quantiles
+    preempted_requests: int
+    preemptions: int
+    peak_blocks: int
 
 
 @dataclass(slots=True)
@@ -329,31 +346,28 @@ class Trial:
 
     @property
     def passed(self) -> bool:
-        return self.attainment >= ATTAINMENT
+        return self.attainment >= SLO_ATTAINMENT
 
-    def summary(self) -> dict[str, Any]:
-        """The trial's figures. A stopped trial's are ``None``: its attainment is only known
-        to be below ``ATTAINMENT`` and its latencies would cover the fast requests only."""
+    def summary(self) -> TrialSummary:
+        """The trial's figures (``None`` where it stopped early)."""
 
-        def percentiles(values: list[float]) -> dict[str, float | None]:
-            if self.stopped_early:
-                return {"p50": None, "p90": None, "p99": None}
-            return {f"p{q}": percentile(values, q / 100) for q in (50, 90, 99)}
+        def quantiles(values: list[float]) -> Quantiles:
+            return Quantiles() if self.stopped_early else Quantiles.of(values)
 
-        return {
-            "rate": round(self.rate, 6),
-            "passed": self.passed,
-            "slo_attainment": None if self.stopped_early else round(self.attainment, 4),
-            "requests": self.total,
-            "finished": len(self.outcomes),
-            "stopped_early": self.stopped_early,
-            "ttft_s": percentiles([o.ttft_s for o in self.outcomes]),
-            "tpot_s": percentiles([o.tpot_s for o in self.outcomes]),
-            "e2e_s": percentiles([o.e2e_s for o in self.outcomes]),
-            "preempted_requests": sum(o.preempted for o in self.outcomes),
-            "preemptions": self.preemptions,
-            "peak_blocks": self.peak_blocks,
-        }
+        return TrialSummary(
+            rate=round(self.rate, 6),
+            passed=self.passed,
+            slo_attainment=None if self.stopped_early else round(self.attainment, 4),
+            requests=self.total,
+            finished=len(self.outcomes),
+            stopped_early=self.stopped_early,
+            ttft_s=quantiles([o.ttft_s for o in self.outcomes]),
+            tpot_s=quantiles([o.tpot_s for o in self.outcomes]),
+            e2e_s=quantiles([o.e2e_s for o in self.outcomes]),
+            preempted_requests=sum(o.preempted for o in self.outcomes),
+            preemptions=self.preemptions,
+            peak_blocks=self.peak_blocks,
+        )
 
 
 def run_trial(
@@ -367,13 +381,13 @@ def run_trial(
 ) -> Trial:
     """Serve ``workload`` at ``rate`` conversations per second on ``engine`` (see the
     module's docstring for the clock). ``stop_early``: abort the trial once more than
-    ``1 - ATTAINMENT`` of its requests have missed the SLO (its pass/fail is then known)."""
+    ``1 - SLO_ATTAINMENT`` of its requests have missed the SLO (its pass/fail is then known)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     extra = {"vtoken_policy": policy} if policy is not None and engine.kind != "vanilla" else None
     trial = Trial(rate=rate, total=workload.num_requests)
-    allowed = math.floor((1.0 - ATTAINMENT) * trial.total + 1e-9)
+    allowed = math.floor((1.0 - SLO_ATTAINMENT) * trial.total + 1e-9)
     preemptions_before = engine.num_preemptions
     engine.peak_blocks = 0
     arrivals: list[tuple[float, int, int, list[int]]] = [
@@ -449,14 +463,41 @@ def run_trial(
 # ---------------------------------------------------------------- SLOs and goodput
 
 
-def unloaded_slo(engine: ServeEngine, workload: Workload, count: int) -> tuple[dict[str, Any], Slo]:
+@dataclass(frozen=True, slots=True)
+class TtftFit:
+    """The unloaded TTFT line: ``base_s + per_token_s * prompt tokens``."""
+
+    base_s: float
+    per_token_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class UnloadedSlo:
+    """How the SLOs were set (the JSON's ``slo``): the unloaded measurements, the factors,
+    the bounds (rounded) and the attainment goodput asks for."""
+
+    unloaded_requests: int
+    unloaded_prompt_tokens: list[int]
+    unloaded_ttft_s: list[float]
+    unloaded_ttft_p50_s: float
+    unloaded_ttft_fit: TtftFit
+    unloaded_tpot_p50_s: float
+    ttft_factor: float
+    tpot_factor: float
+    ttft_slo_base_s: float
+    ttft_slo_per_token_s: float
+    tpot_slo_s: float
+    attainment: float
+
+
+def unloaded_slo(engine: ServeEngine, workload: Workload, count: int) -> tuple[UnloadedSlo, Slo]:
     """SLOs from the vanilla engine serving ``count`` requests one at a time, their prompt
     lengths spread over the workload's (evenly spaced in its sorted lengths).
 
-    TPOT: ``TPOT_FACTOR`` x the p50. TTFT: ``TTFT_FACTOR`` x the unloaded TTFT *of the
-    request's prompt length*, from a least-squares line through the measurements: prefill
-    time grows with the prompt, and an absolute bound of ``TTFT_FACTOR`` x the p50 would be
-    missed by every long prompt of a long-tailed workload on an idle engine.
+    TPOT: ``TPOT_SLO_FACTOR`` x the p50. TTFT: ``TTFT_SLO_FACTOR`` x the unloaded TTFT *of
+    the request's prompt length*, from a least-squares line through the measurements:
+    prefill time grows with the prompt, and an absolute bound of ``TTFT_SLO_FACTOR`` x the
+    p50 would be missed by every long prompt of a long-tailed workload on an idle engine.
     """
     import numpy as np
 
@@ -475,22 +516,22 @@ def unloaded_slo(engine: ServeEngine, workload: Workload, count: int) -> tuple[d
     per_token = max(0.0, float(per_token))
     base = max(float(base), float(ttfts.min()) - per_token * float(lengths.min()), 1e-3)
     tpot = float(np.median([o.tpot_s for o in trial.outcomes]))
-    slo = Slo(TTFT_FACTOR * base, TTFT_FACTOR * per_token, TPOT_FACTOR * tpot)
-    values = {
-        "unloaded_requests": count,
-        "unloaded_prompt_tokens": [int(n) for n in lengths],
-        "unloaded_ttft_s": [round(float(t), 4) for t in ttfts],
-        "unloaded_ttft_p50_s": round(float(np.median(ttfts)), 4),
-        "unloaded_ttft_fit": {"base_s": round(base, 5), "per_token_s": round(per_token, 7)},
-        "unloaded_tpot_p50_s": round(tpot, 4),
-        "ttft_factor": TTFT_FACTOR,
-        "tpot_factor": TPOT_FACTOR,
-        "ttft_slo_base_s": round(TTFT_FACTOR * base, 5),
-        "ttft_slo_per_token_s": round(TTFT_FACTOR * per_token, 7),
-        "tpot_slo_s": round(TPOT_FACTOR * tpot, 4),
-        "attainment": ATTAINMENT,
-    }
-    return values, slo
+    slo = Slo.from_unloaded(base, per_token, tpot)
+    report = UnloadedSlo(
+        unloaded_requests=count,
+        unloaded_prompt_tokens=[int(n) for n in lengths],
+        unloaded_ttft_s=[round(float(t), 4) for t in ttfts],
+        unloaded_ttft_p50_s=round(float(np.median(ttfts)), 4),
+        unloaded_ttft_fit=TtftFit(round(base, 5), round(per_token, 7)),
+        unloaded_tpot_p50_s=round(tpot, 4),
+        ttft_factor=TTFT_SLO_FACTOR,
+        tpot_factor=TPOT_SLO_FACTOR,
+        ttft_slo_base_s=round(slo.ttft_base_s, 5),
+        ttft_slo_per_token_s=round(slo.ttft_per_token_s, 7),
+        tpot_slo_s=round(slo.tpot_s, 4),
+        attainment=SLO_ATTAINMENT,
+    )
+    return report, slo
 
 
 def search_goodput(
@@ -538,6 +579,40 @@ def cases(engines: Sequence[str], policies: Sequence[tuple[str, float]]) -> Iter
                 yield Case(engine, name, keep)
 
 
+@dataclass(frozen=True, slots=True)
+class CaseResult:
+    """One row of the results: a case on one workload, its goodput (``goodput_bound``: see
+    ``search_goodput``), its attainment curve over the sweep (keyed by rate) and every
+    trial's figures, by rate."""
+
+    engine: str
+    policy: str
+    keep: float | None
+    workload: str
+    goodput_rps: float
+    goodput_bound: str
+    slo_attainment: dict[str, float]
+    preemptions: int
+    preempted_requests: int
+    peak_blocks: int
+    per_rate: list[TrialSummary]
+
+
+@dataclass(frozen=True, slots=True)
+class GoodputRatio:
+    """A vToken engine's goodput over Naive-Evict's (same policy) and vanilla's; ``exact``:
+    both goodputs were bisected (otherwise the ratio is only a bound)."""
+
+    engine: str
+    policy: str
+    keep: float | None
+    workload: str
+    vtoken_over_naive: float | None
+    vtoken_over_naive_exact: bool
+    vtoken_over_vanilla: float | None
+    vtoken_over_vanilla_exact: bool
+
+
 def serve_case(
     engine: ServeEngine,
     case: Case,
@@ -546,7 +621,7 @@ def serve_case(
     rates: Sequence[float],
     bisect_steps: int,
     bar: Any,
-) -> dict[str, Any]:
+) -> CaseResult:
     """One row of the results: ``case`` on ``engine``, its goodput and attainment curve."""
     policy = None if case.keep is None else {"policy": case.policy, "keep_ratio": case.keep}
 
@@ -562,17 +637,19 @@ def serve_case(
 
     goodput, bound, trials = search_goodput(trial_at, rates, bisect_steps)
     sweep = trials[: len(rates)]  # the same rates for every engine, each run to the end
-    return {
-        **asdict(case),
-        "workload": workload.name,
-        "goodput_rps": round(goodput, 4),
-        "goodput_bound": bound,
-        "slo_attainment": {f"{t.rate:g}": round(t.attainment, 4) for t in sweep},
-        "preemptions": sum(t.preemptions for t in sweep),
-        "preempted_requests": sum(o.preempted for t in sweep for o in t.outcomes),
-        "peak_blocks": max(t.peak_blocks for t in sweep),
-        "per_rate": [t.summary() for t in sorted(trials, key=lambda t: t.rate)],
-    }
+    return CaseResult(
+        engine=case.engine,
+        policy=case.policy,
+        keep=case.keep,
+        workload=workload.name,
+        goodput_rps=round(goodput, 4),
+        goodput_bound=bound,
+        slo_attainment={f"{t.rate:g}": round(t.attainment, 4) for t in sweep},
+        preemptions=sum(t.preemptions for t in sweep),
+        preempted_requests=sum(o.preempted for t in sweep for o in t.outcomes),
+        peak_blocks=max(t.peak_blocks for t in sweep),
+        per_rate=[t.summary() for t in sorted(trials, key=lambda t: t.rate)],
+    )
 
 
 def run(
@@ -598,7 +675,7 @@ def run(
         disable=not progress,
     )
     vanilla = ServeEngine(path, "vanilla", num_blocks, max_len, **engine_args)
-    slo_values, slo = unloaded_slo(vanilla, probe, UNLOADED_REQUESTS)
+    slo_report, slo = unloaded_slo(vanilla, probe, UNLOADED_REQUESTS)
     if "vanilla" not in engines:
         vanilla.close()
     results = []
@@ -621,57 +698,49 @@ def run(
         "max_num_seqs": MAX_NUM_SEQS,
         "rates": list(rates),
         "bisect_steps": bisect_steps,
-        "slo": slo_values,
+        "slo": asdict(slo_report),
         "workloads": {w.name: w.params for w in workloads},
-        "results": results,
-        "ratios": ratios(results),
+        "results": [asdict(r) for r in results],
+        "ratios": [asdict(r) for r in ratios(results)],
     }
 
 
-def _ratio(row: dict[str, Any], other: dict[str, Any] | None) -> tuple[float | None, bool]:
+def _ratio(row: CaseResult, other: CaseResult | None) -> tuple[float | None, bool]:
     """``row``'s goodput over ``other``'s, and whether both were bisected (otherwise the
     ratio is only a bound)."""
-    if other is None or other["goodput_rps"] == 0:
+    if other is None or other.goodput_rps == 0:
         return None, False
-    exact = row["goodput_bound"] == other["goodput_bound"] == "bisected"
-    return round(row["goodput_rps"] / other["goodput_rps"], 3), exact
+    exact = row.goodput_bound == other.goodput_bound == "bisected"
+    return ratio(row.goodput_rps, other.goodput_rps, 3), exact
 
 
-def ratios(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def ratios(results: Sequence[CaseResult]) -> list[GoodputRatio]:
     """Goodput of each vToken engine over Naive-Evict (same policy) and over vanilla."""
-    by_key = {(r["engine"], r["policy"], r["keep"], r["workload"]): r for r in results}
+    by_key = {(r.engine, r.policy, r.keep, r.workload): r for r in results}
     rows = []
     for r in results:
-        if r["engine"] not in ("eager", "on_demand"):
+        if r.engine not in ("eager", "on_demand"):
             continue
-        over_naive, naive_exact = _ratio(
-            r, by_key.get(("naive", r["policy"], r["keep"], r["workload"]))
-        )
-        over_vanilla, vanilla_exact = _ratio(
-            r, by_key.get(("vanilla", "none", None, r["workload"]))
-        )
+        over_naive, naive_exact = _ratio(r, by_key.get(("naive", r.policy, r.keep, r.workload)))
+        over_vanilla, vanilla_exact = _ratio(r, by_key.get(("vanilla", "none", None, r.workload)))
         rows.append(
-            {
-                "engine": r["engine"],
-                "policy": r["policy"],
-                "keep": r["keep"],
-                "workload": r["workload"],
-                "vtoken_over_naive": over_naive,
-                "vtoken_over_naive_exact": naive_exact,
-                "vtoken_over_vanilla": over_vanilla,
-                "vtoken_over_vanilla_exact": vanilla_exact,
-            }
+            GoodputRatio(
+                r.engine,
+                r.policy,
+                r.keep,
+                r.workload,
+                over_naive,
+                naive_exact,
+                over_vanilla,
+                vanilla_exact,
+            )
         )
     return rows
 
 
 def plot(document: dict[str, Any], path: Path) -> None:
     """SLO attainment against rate, one panel per policy and workload, a line per engine."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     results = document["results"]
     panels = sorted({(r["policy"], r["keep"], r["workload"]) for r in results if r["keep"]})
     figure, axes = plt.subplots(
@@ -688,19 +757,13 @@ def plot(document: dict[str, Any], path: Path) -> None:
                     if p["slo_attainment"] is not None  # a stopped trial: only "below"
                 ]
                 axis.plot(*zip(*points, strict=True), marker="o", label=r["engine"])
-        axis.axhline(ATTAINMENT, color="grey", linestyle=":", linewidth=1)
+        axis.axhline(SLO_ATTAINMENT, color="grey", linestyle=":", linewidth=1)
         axis.set_xscale("log")
         axis.set_title(f"{policy} keep {keep}, {workload}")
         axis.set_xlabel("arrival rate (per s)")
     axes[0][0].set_ylabel("SLO attainment")
     axes[0][0].legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-
-
-def _csv(value: str) -> list[str]:
-    return [part.strip() for part in value.split(",") if part.strip()]
+    save_figure(figure, path)
 
 
 def parse_policies(value: str) -> list[tuple[str, float]]:
@@ -708,7 +771,7 @@ def parse_policies(value: str) -> list[tuple[str, float]]:
     from policies import REGISTRY
 
     chosen = []
-    for part in _csv(value):
+    for part in csv_items(value):
         name, _, keep = part.partition(":")
         try:
             ratio = float(keep)
@@ -752,39 +815,21 @@ def cli(
 
     from workers.models import resolve_model
 
-    chosen_engines = list(dict.fromkeys(_csv(engines)))
+    chosen_engines = list(dict.fromkeys(csv_items(engines)))
     if not chosen_engines or set(chosen_engines) - set(ENGINES):
         raise typer.BadParameter(f"engines must be among {ENGINES}, got {engines!r}")
-    chosen_workloads = list(dict.fromkeys(_csv(workloads)))
+    chosen_workloads = list(dict.fromkeys(csv_items(workloads)))
     if not chosen_workloads or set(chosen_workloads) - set(WORKLOADS):
         raise typer.BadParameter(f"workloads must be among {WORKLOADS}, got {workloads!r}")
-    try:
-        sweep = sorted({float(r) for r in _csv(rates)})
-    except ValueError:
-        raise typer.BadParameter(f"rates must be numbers, got {rates!r}") from None
+    sweep = csv_floats(rates, "rates")
     if not sweep or not all(math.isfinite(r) and r > 0 for r in sweep):
         raise typer.BadParameter(f"rates must be positive finite numbers, got {rates!r}")
     chosen_policies = list(dict.fromkeys(parse_policies(policies)))
     path = str(resolve_model(model))
     corpus = doc_tokens(AutoTokenizer.from_pretrained(path))
-    if quick:
-        prompt_range, output_range, user_range, turns, max_context = (
-            (64, 256),
-            (8, 16),
-            (32, 96),
-            (2, 3),
-            512,
-        )
-    else:
-        prompt_range, output_range, user_range, turns, max_context = (
-            (128, 2048),
-            (32, 256),
-            (32, 256),
-            (2, 6),
-            2048 + 256,
-        )
+    preset = QUICK if quick else FULL
     # the SLO probe always comes from the single-turn prompts: they span the whole range
-    single = single_workload(corpus, requests, prompt_range, output_range, seed)
+    single = single_workload(corpus, requests, preset.prompt_tokens, preset.new_tokens, seed)
     built = []
     for name in chosen_workloads:
         if name == "single":
@@ -794,10 +839,10 @@ def cli(
                 chat_workload(
                     corpus,
                     max(2, requests // 4),
-                    turns,
-                    user_range,
-                    output_range,
-                    max_context,
+                    preset.turns,
+                    preset.user_tokens,
+                    preset.new_tokens,
+                    preset.max_context,
                     think_s=1.0,
                     seed=seed + 1,
                 )
@@ -820,6 +865,6 @@ def cli(
     for row in document["ratios"]:
         typer.echo(json.dumps(row))
     if json_path is not None:
-        json_path.write_text(json.dumps(document, indent=2) + "\n")
+        write_json(json_path, document)
     if plot_path is not None:
         plot(document, plot_path)

@@ -70,16 +70,16 @@ def test_summarize_counts_every_request_once():
         (4.6, 9.0, Outcome.THROTTLED),
     )
     row = summarize("replica_kill", rows, fault_at=4.0)
-    assert row["requests"] == 8
-    assert row["ok"] == 2
-    assert row["failed"] == 4  # error event, 503, silent cut, other
-    assert row["failed_with_error_event"] == 1
-    assert row["failed_503_retry_after"] == 1
-    assert row["silent_cuts"] == 1
-    assert row["failed_other"] == 1
-    assert row["aborted"] == 1
-    assert row["throttled_at_stop"] == 1
-    assert row["recovery_s"] == 1.0  # the first request sent after 4.3 ended at 5.0
+    assert row.requests == 8
+    assert row.ok == 2
+    assert row.failed == 4  # error event, 503, silent cut, other
+    assert row.failed_with_error_event == 1
+    assert row.failed_503_retry_after == 1
+    assert row.silent_cuts == 1
+    assert row.failed_other == 1
+    assert row.aborted == 1
+    assert row.throttled_at_stop == 1
+    assert row.recovery_s == 1.0  # the first request sent after 4.3 ended at 5.0
     assert set(FAILURES) == {
         Outcome.ERROR_EVENT,
         Outcome.SILENT_CUT,

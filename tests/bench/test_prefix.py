@@ -3,9 +3,12 @@ logic; the stack run itself is the benchmark)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import typer
 
+from bench.common import Slo
 from bench.prefix import (
     Outcome,
     Setting,
@@ -62,24 +65,24 @@ def test_the_ideal_is_the_longest_prefix_shared_with_the_tenants_earlier_prompts
 
 
 def test_rows_and_ratios():
-    slo = {"ttft_s": 0.5, "tpot_s": 0.05}
+    slo = Slo(0.5, 0.0, 0.05)
     fast = Trial("vtoken:on", 0.25, [outcome("a", "p q", float(i), cached=1) for i in range(9)])
     fast.outcomes.append(outcome("a", "p q", 9.0, ttft=2.0))  # misses the TTFT SLO
     row = trial_row(fast, [2] * 10, slo, turns=4)
-    assert row["slo_attainment"] == 0.9 and row["passed"] and row["request_rate"] == 1.0
-    assert row["hit_rate"] == 0.45 and row["hit_rate_of_ideal"] == 0.45  # 9 of 20 tokens
+    assert row.slo_attainment == 0.9 and row.passed and row.request_rate == 1.0
+    assert row.hit_rate == 0.45 and row.hit_rate_of_ideal == 0.45  # 9 of 20 tokens
     slow = Trial("vtoken:on", 0.5, [outcome("a", "p q", 0.0, ttft=2.0)], errors=["boom"])
     failed = trial_row(slow, [0], slo, turns=4)
-    assert not failed["passed"] and failed["requests"] == 2 and failed["hit_rate_of_ideal"] is None
+    assert not failed.passed and failed.requests == 2 and failed.hit_rate_of_ideal is None
     on = setting_row(Setting("vtoken", True), [row, failed])
-    assert on["goodput_rps"] == 1.0 and on["goodput_bound"] == "sweep"
+    assert on.goodput_rps == 1.0 and on.goodput_bound == "sweep"
     # A pass above a failed rate does not count (attainment is noisy).
-    later = {**row, "request_rate": 4.0}
-    assert setting_row(Setting("vtoken", True), [row, failed, later])["goodput_rps"] == 1.0
-    assert setting_row(Setting("vtoken", True), [row, later])["goodput_bound"] == "at_least"
+    later = replace(row, request_rate=4.0)
+    assert setting_row(Setting("vtoken", True), [row, failed, later]).goodput_rps == 1.0
+    assert setting_row(Setting("vtoken", True), [row, later]).goodput_bound == "at_least"
     off = setting_row(Setting("vtoken", False), [failed])
-    assert off["goodput_rps"] == 0.0 and off["goodput_bound"] == "below_lowest"
-    default = setting_row(Setting("serve_default", True), [{**row, "ttft_p50_s": 0.2}])
+    assert off.goodput_rps == 0.0 and off.goodput_bound == "below_lowest"
+    default = setting_row(Setting("serve_default", True), [replace(row, ttft_p50_s=0.2)])
     result = ratios([on, off, default])
-    assert result["ttft_p50_vtoken_over_serve_default"] == 0.5
-    assert result["goodput_prefix_caching_on_over_off"] is None  # off served nothing
+    assert result.ttft_p50_vtoken_over_serve_default == 0.5
+    assert result.goodput_prefix_caching_on_over_off is None  # off served nothing

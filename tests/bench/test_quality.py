@@ -34,7 +34,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def corpus(tokenizer):
-    from bench.serve import doc_tokens
+    from bench.common import doc_tokens
 
     return doc_tokens(tokenizer)
 
@@ -121,12 +121,12 @@ def test_page_is_calibrated_on_one_half_and_judged_on_the_other():
     engine = GatedAnswers(drops, full, snap)
     page = page_section(engine, cases, answers, 0.2)
     # calibration half (cases 0-3): opening above 0.02 loses nothing there
-    assert engine.thresholds == [page["threshold"]] and 0.02 <= page["threshold"] < 0.2
+    assert engine.thresholds == [page.threshold] and 0.02 <= page.threshold < 0.2
     # evaluation half (cases 4-7): open on 4 (0.25, right) and 6 (0.4, wrong) -> 1 harmed of 4
-    assert page["harm_rate"] == 0.25 and page["gate_open_rate"] == 0.5
-    assert page["snapkv_harm_rate"] == 0.75  # SnapKV alone: 5, 6 and 7 wrong
-    assert page["blocks_saved"] == pytest.approx((7 + 7) / 4)
-    assert page["calibration_cases"] == page["evaluation_cases"] == 4
+    assert page.harm_rate == 0.25 and page.gate_open_rate == 0.5
+    assert page.snapkv_harm_rate == 0.75  # SnapKV alone: 5, 6 and 7 wrong
+    assert page.blocks_saved == pytest.approx((7 + 7) / 4)
+    assert page.calibration_cases == page.evaluation_cases == 4
 
 
 @pytest.mark.slow

@@ -97,13 +97,13 @@ def test_stretches_are_judged_against_a_report_period_plus_the_step() -> None:
         "r2": [(0.9, 1.6)],  # a long step on a replica that does not hold the tenant
     }
     first, second = judge_stretches(stretches, hosts, steps, report_period_s=0.1)
-    assert first["step_s"] == 0.25 and first["bound_s"] == pytest.approx(0.35)
-    assert first["within_bound"] and first["replicas"] == ["r1"]
-    assert second["step_s"] == 0.0 and not second["within_bound"]  # 0.5 s > 0.1 s
+    assert first.step_s == 0.25 and first.bound_s == pytest.approx(0.35)
+    assert first.within_bound and first.replicas == ["r1"]
+    assert second.step_s == 0.0 and not second.within_bound  # 0.5 s > 0.1 s
     # A long step that ended before the stretch began does not excuse it...
     early = judge_stretches([(1.0, 1.5)], hosts, {"r1": [(0.0, 0.99)]}, 0.1)[0]
-    assert not early["within_bound"]
+    assert not early.within_bound
     # ...one that ran during it does, on a replica holding the tenant's KV.
     hosts_both = [(1.2, frozenset({"r1", "r2"}))]
     during = judge_stretches([(1.0, 1.5)], hosts_both, steps, 0.1)[0]
-    assert during["within_bound"] and during["step_s"] == pytest.approx(0.7)
+    assert during.within_bound and during.step_s == pytest.approx(0.7)

@@ -9,9 +9,10 @@ import random
 import pytest
 from typer.testing import CliRunner
 
+from bench.common import SLO_ATTAINMENT, Slo
 from bench.serve import (
-    ATTAINMENT,
     ENGINES,
+    CaseResult,
     Session,
     Trial,
     Turn,
@@ -100,18 +101,11 @@ def test_goodput_bounds_when_every_rate_passes_or_none_does():
 def test_a_stopped_trial_reports_an_upper_bound_on_attainment():
     trial = Trial(rate=1.0, met=3, missed=2, total=10, stopped_early=True)
     assert trial.attainment == pytest.approx(0.8) and not trial.passed
-    assert Trial(rate=1.0, met=9, missed=1, total=10).attainment == pytest.approx(ATTAINMENT)
+    assert Trial(rate=1.0, met=9, missed=1, total=10).attainment == pytest.approx(SLO_ATTAINMENT)
 
 
 def _row(engine, policy, keep, workload, goodput, bound="bisected"):
-    return {
-        "engine": engine,
-        "policy": policy,
-        "keep": keep,
-        "workload": workload,
-        "goodput_rps": goodput,
-        "goodput_bound": bound,
-    }
+    return CaseResult(engine, policy, keep, workload, goodput, bound, {}, 0, 0, 0, [])
 
 
 def test_ratios_pair_each_vtoken_row_with_naive_and_vanilla():
@@ -121,12 +115,12 @@ def test_ratios_pair_each_vtoken_row_with_naive_and_vanilla():
         _row("eager", "h2o", 0.2, "single", 1.6),
         _row("on_demand", "h2o", 0.2, "chat", 2.0),
     ]
-    by_engine = {(r["engine"], r["workload"]): r for r in ratios(rows)}
+    by_engine = {(r.engine, r.workload): r for r in ratios(rows)}
     eager = by_engine[("eager", "single")]
-    assert eager["vtoken_over_naive"] == 2.0 and eager["vtoken_over_naive_exact"]
+    assert eager.vtoken_over_naive == 2.0 and eager.vtoken_over_naive_exact
     # vanilla passed every rate: the ratio is only a bound
-    assert eager["vtoken_over_vanilla"] == 1.6 and not eager["vtoken_over_vanilla_exact"]
-    assert by_engine[("on_demand", "chat")]["vtoken_over_naive"] is None  # no chat rows
+    assert eager.vtoken_over_vanilla == 1.6 and not eager.vtoken_over_vanilla_exact
+    assert by_engine[("on_demand", "chat")].vtoken_over_naive is None  # no chat rows
 
 
 @pytest.mark.slow
@@ -232,7 +226,7 @@ def fake_clock(monkeypatch):
 
 
 def test_an_idle_engine_gives_each_request_its_own_step_times(fake_clock):
-    from bench.serve import Slo, Workload, run_trial
+    from bench.serve import Workload, run_trial
 
     engine = FakeEngine(fake_clock, prefill_s=0.2, decode_s=0.01)
     sessions = tuple(Session(10.0 * i, (Turn((1, 2, 3), 5),)) for i in range(1, 4))
@@ -256,7 +250,7 @@ def test_a_chat_turn_carries_the_conversation_and_its_answers(fake_clock):
 
 
 def test_an_overloaded_trial_stops_once_it_cannot_pass(fake_clock):
-    from bench.serve import Slo, Workload, run_trial
+    from bench.serve import Workload, run_trial
 
     engine = FakeEngine(fake_clock, prefill_s=1.0, decode_s=0.01)
     sessions = tuple(Session(1.5 * i, (Turn((1,) * 8, 4),)) for i in range(20))
@@ -265,6 +259,6 @@ def test_an_overloaded_trial_stops_once_it_cannot_pass(fake_clock):
     stopped = run_trial(engine, workload, 1.0, slo, None, "o", stop_early=True)
     assert stopped.stopped_early and not stopped.passed
     assert stopped.missed == 3 and len(stopped.outcomes) == 3  # stopped at the 3rd miss of 20
-    assert stopped.summary()["slo_attainment"] is None
+    assert stopped.summary().slo_attainment is None
     full = run_trial(FakeEngine(fake_clock, 1.0, 0.01), workload, 1.0, slo, None, "f")
     assert not full.stopped_early and len(full.outcomes) == 20 and full.attainment == 0.0

@@ -1,0 +1,76 @@
+"""A request's KV in blocks under its policy: what admission reserves for it
+(:func:`kv_bounds`; the numbers a policy protects come from one source,
+``vtoken.policy.EvictionPolicy.protection``, through ``VTokenConfig.admission_protection``)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class KVBounds:
+    """A request's KV under its policy, in blocks.
+
+    ``prefill_peak``: the whole prompt, held until prefill ends. ``steady``: the most it
+    holds afterwards: prompt + max_tokens, or with a per-request eviction budget that
+    budget plus one block (the step's new tokens before the policy evicts), whichever is
+    smaller. ``peak`` is what admission reserves first."""
+
+    prefill_peak: int
+    steady: int
+
+    @property
+    def peak(self) -> int:
+        return max(self.prefill_peak, self.steady)
+
+
+def kv_bounds(
+    prompt_tokens: int,
+    max_tokens: int,
+    block_size: int,
+    eviction_budget_tokens: int | None,
+    keep_ratio: float | None = None,
+    n: int = 1,
+    floor_tokens: int | None = None,
+    protected_tokens: int = 0,
+    protected_fraction: float = 0.0,
+) -> KVBounds:
+    """The request's :class:`KVBounds`; ``ValueError`` on negative sizes, an empty request
+    or ``n < 1``.
+
+    The steady bound is the smallest of prompt + max_tokens, the tenant's per-request cap
+    (``eviction_budget_tokens``) and, without a cap, the engines' own ``keep_ratio`` of the
+    longest sequence; a budget counts one block more (the step's new tokens). ``n``
+    choices are ``n`` sequences: vLLM runs each as its own request holding its own KV,
+    so both bounds are ``n`` times one sequence's, and at its worst case: the choices share
+    the prompt's blocks through the prefix cache, and a block another request reads is
+    never evicted, so the first choice keeps its whole prompt past its budget (the
+    prompt is charged once, so this over-counts it). A budget ``B`` counts at least what the policy
+    protects whatever its budget, ``protected_tokens + ceil(protected_fraction * B)``
+    (sinks, a pinned prefix, recent windows: the engine keeps them past the budget).
+    ``floor_tokens`` (a tenant that squeezes to floors) lowers the steady bound to that
+    floor plus one block. Plain numbers (the control plane imports nothing of the engine's):
+    their one source is the policy's ``protection()`` (``vtoken.policy.Protection``), which
+    ``workers.config.VTokenConfig.admission_*`` turn into these."""
+    if prompt_tokens < 0 or max_tokens < 0 or prompt_tokens + max_tokens == 0:
+        raise ValueError(
+            f"need prompt_tokens >= 0, max_tokens >= 0, not both 0 "
+            f"(got {prompt_tokens}, {max_tokens})"
+        )
+    if n < 1:
+        raise ValueError(f"need n >= 1 sequences (got {n})")
+    if n > 1:  # the choices share the prompt's blocks, which none evicts while others read
+        worst = math.ceil((prompt_tokens + max_tokens) / block_size)
+        return KVBounds(prefill_peak=n * math.ceil(prompt_tokens / block_size), steady=n * worst)
+    longest = prompt_tokens + max_tokens
+    steady = math.ceil(longest / block_size)
+    budget = eviction_budget_tokens
+    if budget is None and keep_ratio is not None:
+        budget = math.ceil(keep_ratio * longest)
+    if budget is not None:
+        kept = max(budget, protected_tokens + math.ceil(protected_fraction * budget))
+        steady = min(steady, math.ceil(kept / block_size) + 1)
+    if floor_tokens is not None:
+        steady = min(steady, math.ceil(floor_tokens / block_size) + 1)
+    return KVBounds(prefill_peak=n * math.ceil(prompt_tokens / block_size), steady=n * steady)

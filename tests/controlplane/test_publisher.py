@@ -62,22 +62,26 @@ async def _engine_loop_max_lag_s(duration_s: float, tick_s: float = 0.005) -> fl
 
 async def test_publishes_every_period_with_a_ttl(store: RedisStore) -> None:
     engine = Engine()
-    config = PublisherConfig(replica_id="replica-1", model_id="smollm2", period_s=0.02)
+    config = PublisherConfig(replica_id="replica-1", model_id="smollm2", period_s=0.05)
     publisher = ReportPublisher(store, engine.counters, SystemClock(), config)
     stop = asyncio.Event()
     task = publisher.start(stop)
-    lag_s = await _engine_loop_max_lag_s(0.3)
+    lag_s = await _engine_loop_max_lag_s(0.5)
     engine.free_blocks = 70
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0.15)
     stop.set()
     await asyncio.wait_for(task, 1)
-    assert 8 <= publisher.stats.published <= 20 and publisher.stats.failed == 0
+    # One attempt a period (about 13 in 0.65 s). A write slower than its one-period
+    # deadline is dropped and counted, which a loaded machine does now and then: most
+    # attempts must land, not all.
+    stats = publisher.stats
+    assert 8 <= stats.published + stats.failed <= 20 and stats.failed <= 2
     assert lag_s < 0.2  # a synchronous client would stall it on connects and retry sleeps
     snapshot = await store.read_reports(time.time(), max_age_s=1.0, forget_after_s=60)
     published = snapshot.fresh["replica-1"]
     assert published.model_id == "smollm2" and published.used_blocks == 30
     assert published.tenants["acme"].blocks == 30 and published.available_blocks == 72
-    assert 0 < await store.redis.pttl(store.keys.replica("replica-1")) <= 60  # 3 periods
+    assert 0 < await store.redis.pttl(store.keys.replica("replica-1")) <= 150  # 3 periods
 
 
 async def test_never_blocks_or_raises_while_redis_is_away() -> None:
@@ -133,11 +137,11 @@ async def test_any_error_of_the_counters_is_counted_and_the_loop_goes_on(
             raise KeyError("request-7")
         return engine.counters()
 
-    config = PublisherConfig(replica_id="replica-3", period_s=0.02)
+    config = PublisherConfig(replica_id="replica-3", period_s=0.25)  # no write times out
     publisher = ReportPublisher(store, counters, SystemClock(), config)
     stop = asyncio.Event()
     task = asyncio.create_task(publisher.run(stop))
-    for _ in range(200):
+    for _ in range(500):
         await asyncio.sleep(0.01)
         if publisher.stats.published or task.done():
             break

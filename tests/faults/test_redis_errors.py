@@ -41,7 +41,7 @@ def _counters() -> EngineCounters:
 async def test_the_report_publisher_survives_and_its_report_age_shows(
     fault: str, store: RedisStore, admin: aioredis.Redis
 ) -> None:
-    config = PublisherConfig(replica_id="r1", period_s=0.02, backoff_cap_s=0.1)
+    config = PublisherConfig(replica_id="r1", period_s=0.05, backoff_cap_s=0.1)
     publisher = ReportPublisher(store, _counters, SystemClock(), config)
     stop = asyncio.Event()
     task = publisher.start(stop)

@@ -21,6 +21,7 @@ class H2O(EvictionPolicy):
     name = "h2o"
     needs = ScoreNeeds(step_scores=True)
     stat_names = ("h2o_score",)
+    observes_every_step = True  # cumulative: every step's attention counts
     recent_fraction: float = 0.5
 
     def observe(self, view: PolicyView) -> None:

@@ -21,6 +21,7 @@ class Scissorhands(EvictionPolicy):
     name = "scissorhands"
     needs = ScoreNeeds(query_window=32)
     stat_names = ("hits", "seen")
+    observes_every_step = True  # cumulative: every step's attention counts
     recent_fraction: float = 0.25
     drop_fraction: float = 0.1
 

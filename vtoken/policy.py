@@ -164,6 +164,11 @@ class EvictionPolicy:
       when it never evicts or limits itself.
     - ``evicts``: ``False`` for a policy that never evicts a token (``none``): every full
       block of such a request can be published to a prefix cache.
+    - ``observes_every_step``: its ``observe`` accumulates every step's statistics (H2O's
+      cumulative mass), so the engine computes them at every step. Otherwise the policy
+      reads them only at a step where it evicts, and an engine that evicts on demand
+      skips them at the others (:meth:`needs_at_step`): eviction costs nothing while
+      memory is free.
     """
 
     name: ClassVar[str] = "base"
@@ -171,6 +176,7 @@ class EvictionPolicy:
     stat_names: ClassVar[tuple[str, ...]] = ()
     holds_budget_every_step: ClassVar[bool] = True
     evicts: ClassVar[bool] = True
+    observes_every_step: ClassVar[bool] = False
 
     sinks: int = 0
     recent: int = 0
@@ -188,6 +194,13 @@ class EvictionPolicy:
 
     def score_needs(self) -> ScoreNeeds:
         return self.needs
+
+    def needs_at_step(self, may_evict: bool) -> ScoreNeeds:
+        """The statistics to compute at a step, given whether the policy may evict at its
+        end: all it declares when it may or when it observes every step, else none."""
+        if may_evict or self.observes_every_step:
+            return self.score_needs()
+        return ScoreNeeds()
 
     def observe(self, view: PolicyView) -> None:
         """Update per-token stats from this step's attention (every step, before selection)."""

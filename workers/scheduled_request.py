@@ -3,7 +3,7 @@ of vLLM's requests."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +37,7 @@ class ScheduledRequest:
     pending_dst: np.ndarray = field(default_factory=lambda: EMPTY_SLOTS)
     pending_num_blocks: int | None = None
     evictions: list[np.ndarray] = field(default_factory=list)
+    scored: bool = True  # its policy gets what it needs to evict after the step scheduled last
 
     @property
     def paid_blocks(self) -> int:
@@ -87,9 +88,11 @@ def take_ops(
     records: Mapping[str, ScheduledRequest],
     num_scheduled_tokens: Mapping[str, int],
     requests: Mapping[str, Any],
+    may_evict: Collection[str],
 ) -> StepOps:
     """The ops the workers apply before this step's forward (see ``StepOps``): each
-    scheduled request's evicted count and score needs, and every pending repack (taken:
+    scheduled request's evicted count and score needs (all its policy declares if it is in
+    ``may_evict``, else what it observes every step), and every pending repack (taken:
     the records keep none afterwards)."""
     num_evicted, score_needs = {}, {}
     for request_id in num_scheduled_tokens:
@@ -99,7 +102,10 @@ def take_ops(
         table, policy = record.kv.table, record.kv.policy
         assert table.num_logical == requests[request_id].num_computed_tokens
         num_evicted[request_id] = table.num_logical - table.num_slots
-        needs = policy.score_needs() if policy is not None else ScoreNeeds()
+        needs = full = ScoreNeeds()
+        if policy is not None:
+            needs, full = policy.needs_at_step(request_id in may_evict), policy.score_needs()
+        record.scored = needs == full
         if needs.any:
             score_needs[request_id] = needs
     src, dst, num_blocks = [EMPTY_SLOTS], [EMPTY_SLOTS], {}

@@ -56,6 +56,7 @@ from workers.messages import StepOps, StepScores
 from workers.prefix_cache import PrefixCacheRule
 from workers.request_budgets import RequestBudgets
 from workers.scheduled_request import FinishedRequest, ScheduledRequest, hold_blocks_of, take_ops
+from workers.score_timing import StepRequest, may_evict, memory_may_bind
 from workers.squeeze import SqueezePlan, SqueezePlanner
 from workers.step_counters import StepCounters
 from workers.step_times import StepTimes
@@ -223,6 +224,11 @@ class VTokenScheduler:
         then it unpublishes what changed and repacks."""
         request_id = record.kv.request_id
         budget = plan.budgets.get(request_id, record.kv.table.num_live)
+        if not record.scored and budget < record.kv.table.num_live:
+            # Its step was not scored (memory looked free when it was scheduled): it keeps
+            # its tokens this step rather than evict blind; counted, never expected.
+            self.counters.num_evictions_unscored += 1
+            budget = record.kv.table.num_live
         self._protect_shared(record)  # a policy may evict on its own (a fixed window)
         evicted = self.manager.evict(request_id, budget, attention)
         if len(evicted):
@@ -284,9 +290,52 @@ class VTokenScheduler:
         del self.stm.req_to_blocks[request_id][num_kept:]
         record.pending_num_blocks = num_kept
 
-    def take_ops(self, num_scheduled_tokens: dict[str, int], requests: dict[str, Any]) -> StepOps:
-        """The ops the workers apply before this step's forward (see ``StepOps``)."""
-        return take_ops(self.requests, num_scheduled_tokens, requests)
+    def take_ops(
+        self,
+        num_scheduled_tokens: dict[str, int],
+        requests: dict[str, Any],
+        num_waiting_blocks: int = 0,
+    ) -> StepOps:
+        """The ops the workers apply before this step's forward (see ``StepOps``), with the
+        statistics of the requests that may evict after it (``workers/score_timing.py``;
+        ``num_waiting_blocks`` as in :meth:`after_step`)."""
+        scored = self._may_evict(num_scheduled_tokens, requests, num_waiting_blocks)
+        ops = take_ops(self.requests, num_scheduled_tokens, requests, scored)
+        self.counters.num_scored_request_steps += len(ops.score_needs)
+        return ops
+
+    def _may_evict(
+        self, num_scheduled_tokens: dict[str, int], requests: dict[str, Any], num_waiting: int
+    ) -> frozenset[str]:
+        # vLLM's computed count already includes the tokens this step schedules.
+        running = {
+            request_id: StepRequest(
+                num_remaining=max(
+                    0, requests[request_id].num_tokens - requests[request_id].num_computed_tokens
+                ),
+                bounded=self._bounded(record),
+            )
+            for request_id, record in self.requests.items()
+            if request_id in requests
+        }
+        eager = self.config.eviction == "eager"
+        tight = not eager and memory_may_bind(
+            self.pool.num_free_blocks,
+            num_waiting,
+            running.values(),
+            self.block_size,
+            self.max_step_tokens,
+        )
+        return may_evict(num_scheduled_tokens, running, eager=eager, tight=tight)
+
+    def _bounded(self, record: ScheduledRequest) -> bool:
+        """It evicts after this step whatever memory holds: its policy's own timing, a
+        tenant's cap or pressure, or a next block past what admission counts it at."""
+        policy = record.kv.policy
+        own_timing = policy is not None and not policy.holds_budget_every_step
+        at_hold = record.hold_blocks is not None and record.paid_blocks + 1 > record.hold_blocks
+        under_pressure = self.tenants.applies_to(record.kv.tenant)
+        return own_timing or record.capped or at_hold or under_pressure
 
     # ------------------------------------------------------------------ lifecycle
     def free(self, request_id: str, preempted: bool = False) -> None:

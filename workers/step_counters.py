@@ -18,6 +18,9 @@ class StepCounters:
     # evicted to stay within what admission counts (``hold_blocks``)
     num_evictions_to_bound: int = 0
     num_evictions_below_budget: int = 0  # squeezed under their budgets
+    # asked to evict at a step that was not scored (``workers/score_timing.py``): none
+    num_evictions_unscored: int = 0
+    num_scored_request_steps: int = 0  # request-steps whose attention statistics were asked
     repack_bytes_total: int = 0
     repack_seconds_total: float = 0.0
 

@@ -141,6 +141,53 @@ def test_squeezed_tokens_equal_the_reference_engine(
         assert result.token_ids == expected
 
 
+TOVA_ON_DEMAND = H2O_ON_DEMAND | {"policy": "tova"}
+
+
+def test_a_policy_that_reads_one_step_costs_no_score_pass_while_memory_is_free(
+    tiny_llama_path,
+):
+    """TOVA reads only the step it evicts at: on an ample pool no step is scored, and the
+    tokens equal vanilla vLLM's (H2O, whose mass accumulates, is scored every step)."""
+    prompts = token_prompts([120, 90], seed=5)
+    kwargs = {"max_model_len": 512, "skip_tokenizer_init": True, "num_blocks": 64}
+    vanilla = make_llm(tiny_llama_path, None, **kwargs)
+    expected = _generate(vanilla, prompts, 40)
+    del vanilla
+    llm = make_llm(tiny_llama_path, TOVA_ON_DEMAND, **kwargs)
+    assert _generate(llm, prompts, 40) == expected
+    counters = engine_state(llm).counters
+    assert counters.num_scored_request_steps == 0 and counters.num_evictions_under_pressure == 0
+    del llm
+    llm = make_llm(tiny_llama_path, H2O_ON_DEMAND, **kwargs)
+    _generate(llm, prompts, 40)
+    assert engine_state(llm).counters.num_scored_request_steps >= 2 * 40
+
+
+def test_a_tight_pool_scores_the_steps_that_evict_and_equals_the_reference(smollm2_path):
+    """TOVA on a pool too small for its requests: every step asked to evict was scored
+    (none kept its tokens for want of statistics), none preempted, and the tokens equal
+    the transformers reference engine replaying the same evictions."""
+    from bench.fragmentation import natural_prompts
+    from workers.hf_sim import HFSimEngine
+
+    reference = HFSimEngine(str(smollm2_path))
+    prompts = natural_prompts(reference.tokenizer, 3, 100)
+    kwargs = {"max_model_len": 256, "num_blocks": 12}
+    llm, tokens = _squeezed_run(str(smollm2_path), TOVA_ON_DEMAND, prompts, 40, **kwargs)
+    counters = engine_state(llm).counters
+    assert counters.num_evictions_under_pressure > 0 and counters.num_preemptions == 0
+    assert counters.num_evictions_unscored == 0
+    total_steps = 3 * 40
+    assert 0 < counters.num_scored_request_steps < total_steps  # not every step
+    evictions = _evictions(llm, ["0", "1", "2"])
+    del llm
+    for prompt, expected, evicted in zip(prompts, tokens, evictions, strict=True):
+        manager = VTokenManager(StandaloneBlockPool(64), BLOCK_SIZE)
+        result = reference.generate(prompt, 40, Replay(steps=evicted), lambda n: n, [manager])
+        assert result.token_ids == expected
+
+
 def test_controller_pressure_squeezes_running_requests_of_that_tenant_only(tiny_llama_path):
     """Through the engine-core utility the replica calls when the plan changes."""
     from vllm import SamplingParams

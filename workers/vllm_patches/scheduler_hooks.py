@@ -69,7 +69,9 @@ def schedule(original: Callable[..., Any]) -> Callable[..., Any]:
             state.step_times.begin()  # the engine step: scheduling, forward, update
         output = original(self, *args, **kwargs)
         if state is not None:
-            ops = state.take_ops(output.num_scheduled_tokens, self.requests)
+            on_demand = state.config.eviction == "on_demand"
+            waiting = _waiting_head_blocks(self, state) if on_demand else 0
+            ops = state.take_ops(output.num_scheduled_tokens, self.requests, waiting)
             setattr(output, OPS_ATTRIBUTE, ops)
         return output
 

@@ -5,8 +5,9 @@ together, each generating ``--new-tokens`` tokens greedily, on a pool of ``--num
 32-token blocks (too few for all of them at once without eviction), with:
 
 - ``vanilla``: vLLM without a vToken config (it preempts and later recomputes requests);
-- ``eager``: vToken, H2O at ``--keep`` evicting every request to its budget every step;
-- ``on_demand``: vToken, the same H2O, evicting running requests only when the next step
+- ``eager``: vToken, ``--policy`` (H2O by default) at ``--keep`` evicting every request to
+  its budget every step;
+- ``on_demand``: vToken, the same policy, evicting running requests only when the next step
   or the head of the waiting queue needs blocks, instead of vLLM preempting one; when
   even their budgets do not fit, below them, down to their floors (``squeeze_below_budget``);
 - ``on_demand_at_budget``: the same, stopping at the budgets (vLLM preempts from there).
@@ -14,9 +15,12 @@ together, each generating ``--new-tokens`` tokens greedily, on a pool of ``--num
 Per engine: ``preemptions`` and ``recomputed_tokens`` (the computed tokens a preempted
 request loses and must recompute), ``evictions_under_pressure`` (request-steps squeezed,
 ``on_demand``), ``evictions_below_budget`` (those squeezed under their budgets),
-``completed`` requests, ``tokens_per_s`` (generated tokens over the wall
-time of the run), and the mean live tokens per request at the end (how much each engine
-evicted: what the speed costs in kept context). One process, engines one after another.
+``scored_request_steps`` (request-steps whose attention statistics were computed: on
+demand, only where a step may end in an eviction, or every step for a policy whose
+statistics accumulate, such as H2O), ``completed`` requests, ``tokens_per_s`` (generated
+tokens over the wall time of the run), and the mean live tokens per request at the end
+(how much each engine evicted: what the speed costs in kept context). One process, engines
+one after another.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class Row:
     recomputed_tokens: int
     evictions_under_pressure: int
     evictions_below_budget: int
+    scored_request_steps: int
     completed: int
     tokens_per_s: float
     mean_live_tokens_at_end: float | None
@@ -72,6 +77,7 @@ def run_engine(
     num_blocks: int,
     new_tokens: int,
     keep: float,
+    policy: str = "h2o",
     **engine_args: Any,
 ) -> Row:
     from vllm import SamplingParams
@@ -83,7 +89,7 @@ def run_engine(
         None
         if engine == "vanilla"
         else {
-            "policy": "h2o",
+            "policy": policy,
             "keep_ratio": keep,
             "eviction": "eager" if engine == "eager" else "on_demand",
             "squeeze_below_budget": engine == "on_demand",
@@ -121,6 +127,7 @@ def run_engine(
         recomputed_tokens=counter.recomputed_tokens,
         evictions_under_pressure=state.num_evictions_under_pressure if state else 0,
         evictions_below_budget=state.num_evictions_below_budget if state else 0,
+        scored_request_steps=state.counters.num_scored_request_steps if state else 0,
         completed=sum(o.finished for o in outputs),
         tokens_per_s=round(generated / elapsed, 2),
         mean_live_tokens_at_end=round(sum(live_at_end) / len(live_at_end), 1)
@@ -138,7 +145,10 @@ def cli(
     requests: Annotated[int, typer.Option(min=1)] = 16,
     prompt_tokens: Annotated[int, typer.Option(min=32)] = 256,
     new_tokens: Annotated[int, typer.Option(min=1)] = 128,
-    keep: Annotated[float, typer.Option(min=0.01, max=1.0, help="H2O keep ratio.")] = 0.5,
+    keep: Annotated[float, typer.Option(min=0.01, max=1.0, help="The policy's keep ratio.")] = 0.5,
+    policy: Annotated[
+        str, typer.Option(help="An eviction policy that holds its budget every step.")
+    ] = "h2o",
     engines: Annotated[
         str, typer.Option(help="Comma-separated subset of " + ",".join(ENGINES))
     ] = ",".join(ENGINES),
@@ -148,11 +158,18 @@ def cli(
     chosen = tuple(csv_items(engines))
     if not chosen or set(chosen) - set(ENGINES):
         raise typer.BadParameter(f"engines must be among {ENGINES}, got {engines!r}")
+    from policies import make_policy
+
+    try:
+        if not make_policy(policy).holds_budget_every_step:
+            raise typer.BadParameter(f"policy {policy!r} does not evict to a budget every step")
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
     path, topics = model_prompts(model, len(PROMPT_TOPICS), prompt_tokens)
     prompts = [topics[i % len(topics)] for i in range(requests)]
     rows = []
     for engine in chosen:
-        row = run_engine(path, engine, prompts, num_blocks, new_tokens, keep)
+        row = run_engine(path, engine, prompts, num_blocks, new_tokens, keep, policy)
         typer.echo(json.dumps(asdict(row)))
         rows.append(row)
     if json_path is not None:
@@ -163,7 +180,7 @@ def cli(
             "requests": requests,
             "prompt_tokens": prompt_tokens,
             "new_tokens": new_tokens,
-            "policy": "h2o",
+            "policy": policy,
             "keep": keep,
             "rows": [asdict(r) for r in rows],
         }

@@ -32,3 +32,4 @@ def test_on_demand_replaces_preemptions_with_evictions(tiny_llama_path):
     assert on_demand.evictions_under_pressure > 0
     assert on_demand.mean_live_tokens_at_end is not None
     assert on_demand.mean_live_tokens_at_end < 160 and on_demand.tokens_per_s > 0
+    assert vanilla.scored_request_steps == 0 and on_demand.scored_request_steps >= 4 * 60

@@ -152,3 +152,60 @@ def test_a_prompt_in_prefill_holds_about_one_chunk_plus_its_budget(engine_run):
                 prefill_chunk_tokens=engines.admission_prefill_chunk_tokens(CHUNK),
             )  # fmt: skip
             assert peak <= bounds.prefill_peak < cdiv(PROMPT_TOKENS, BLOCK_SIZE), (bounds, prefill)
+
+
+def test_a_mid_prefill_eviction_keeps_the_prefix_cache_rule(tiny_llama_path):
+    """With prefix caching, a pinned prefix of 64 tokens and chunks of 64: the first
+    request evicts in its second chunk, never in its pinned prefix; what that eviction
+    touched left the cache, so the same prompt afterwards hits exactly the blocks below
+    it, and so does a third request arriving while the second is still in prefill (the
+    blocks they share stay in place: invariants checked after every step)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from tests.workers.conftest import token_prompts
+
+    pin = 64
+    config = {
+        "policy": "h2o",
+        "keep_ratio": 0.3,
+        "prefix_pin_tokens": pin,
+        "record_evictions": True,
+        "check_invariants": True,
+    }
+    llm = make_llm(
+        tiny_llama_path,
+        config,
+        block_size=BLOCK_SIZE,
+        max_model_len=512,
+        skip_tokenizer_init=True,
+        enable_prefix_caching=True,
+        max_num_batched_tokens=64,
+    )
+    engine, state = llm.llm_engine, engine_state(llm)
+    (prompt,) = token_prompts([200], seed=7)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    outputs = {}
+
+    def run(request_id: str, *, steps: int | None = None) -> None:
+        engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
+        count = 0
+        while engine.has_unfinished_requests() and (steps is None or count < steps):
+            for output in engine.step():
+                if output.finished:
+                    outputs[output.request_id] = output
+            count += 1
+
+    run("a")
+    evictions = state.finished[internal_request_id(state, "a")].evictions
+    assert evictions[0].size == 0 and evictions[1].size > 0  # 64 pinned, then 128: evicts
+    assert all(not (step < pin).any() for step in evictions), "a pinned token was evicted"
+    below = int(evictions[1].min()) // BLOCK_SIZE * BLOCK_SIZE
+    assert pin <= below < 128
+    run("b", steps=1)  # b hits what a kept published, then prefills on
+    run("c")
+    assert outputs["b"].num_cached_tokens == below
+    assert outputs["c"].num_cached_tokens >= below
+    for request_id in ("b", "c"):
+        steps = state.finished[internal_request_id(state, request_id)].evictions
+        assert all(not (step < below).any() for step in steps), request_id

@@ -2,11 +2,12 @@
 
 One Lua script decides and reserves atomically, so concurrent requests from any number of
 ingress processes cannot slip past a budget. A request's reservation is its peak
-(:class:`KVBounds`): the whole prompt until prefill ends (nothing can be evicted before),
-then its steady bound; ``settle`` shrinks the reservation to the steady bound once the
-first token is out. A tenant's committed KV is `max(reported active KV, sum of
-reservations)`: the reservations bound the in-flight requests from above (requests in
-prefill at their prompt, the others at their steady bound), and the controller's reported
+(:class:`KVBounds`): the whole prompt until prefill ends (or one prefill chunk plus its
+budget, when the engines evict during chunked prefill and that is less), then its steady
+bound; ``settle`` shrinks the reservation to the steady bound once the first token is
+out. A tenant's committed KV is `max(reported active KV, sum of reservations)`: the
+reservations bound the in-flight requests from above (requests in prefill at their
+prefill peak, the others at their steady bound), and the controller's reported
 usage covers KV the reservations do not know about. A request is admitted when
 `committed + its peak <= kv_budget_blocks`, the concurrency limit has room for its ``n``
 sequences (``max_concurrent_requests`` counts sequences: a request asking for ``n``
@@ -70,7 +71,11 @@ class AdmissionConfig:
     `protected_tokens` and `protected_fraction`: what the engines' policy keeps whatever a
     request's budget `B` is, at most `protected_tokens + ceil(protected_fraction * B)`
     tokens (its sinks or the engines' pinned prefix, a fixed recent window, a recent window
-    sized on the budget): a request's steady bound is never under it (:func:`kv_bounds`)."""
+    sized on the budget): a request's steady bound is never under it (:func:`kv_bounds`);
+    `prefill_chunk_tokens`: the engines' prefill chunk (``max_num_batched_tokens``) when
+    their policies evict during chunked prefill, so a request with a budget counts one
+    chunk plus its budget until its prefill ends, if that is below its prompt (`None`: no
+    chunking known, a prompt counts whole)."""
 
     block_size: int = 16
     keep_ratio: float | None = None
@@ -80,6 +85,7 @@ class AdmissionConfig:
     reservation_ttl_s: float = 600.0
     throttle_retry_after_s: float = 1.0
     rate_burst_s: float = 1.0
+    prefill_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -94,6 +100,8 @@ class AdmissionConfig:
             raise ValueError("floor_tokens must be >= 0")
         if self.protected_tokens < 0 or not 0 <= self.protected_fraction <= 1:
             raise ValueError("protected_tokens must be >= 0 and protected_fraction in [0, 1]")
+        if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 1:
+            raise ValueError("prefill_chunk_tokens must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +223,7 @@ class Admission:
             floor_tokens=self.config.floor_tokens if quota.squeeze_to_floor else None,
             protected_tokens=self.config.protected_tokens,
             protected_fraction=self.config.protected_fraction,
+            prefill_chunk_tokens=self.config.prefill_chunk_tokens,
         )
 
     def _admit_keys(self, tenant_id: str) -> list[str]:

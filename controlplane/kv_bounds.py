@@ -12,8 +12,9 @@ from dataclasses import dataclass
 class KVBounds:
     """A request's KV under its policy, in blocks.
 
-    ``prefill_peak``: the whole prompt, held until prefill ends. ``steady``: the most it
-    holds afterwards: prompt + max_tokens, or with a per-request eviction budget that
+    ``prefill_peak``: the most it holds until prefill ends: the whole prompt, or, when the
+    engines evict during chunked prefill, one chunk plus its budget if fewer. ``steady``:
+    the most it holds afterwards: prompt + max_tokens, or with a per-request eviction budget that
     budget plus one block (the step's new tokens before the policy evicts), whichever is
     smaller. ``peak`` is what admission reserves first."""
 
@@ -35,6 +36,7 @@ def kv_bounds(
     floor_tokens: int | None = None,
     protected_tokens: int = 0,
     protected_fraction: float = 0.0,
+    prefill_chunk_tokens: int | None = None,
 ) -> KVBounds:
     """The request's :class:`KVBounds`; ``ValueError`` on negative sizes, an empty request
     or ``n < 1``.
@@ -52,7 +54,16 @@ def kv_bounds(
     ``floor_tokens`` (a tenant that squeezes to floors) lowers the steady bound to that
     floor plus one block. Plain numbers (the control plane imports nothing of the engine's):
     their one source is the policy's ``protection()`` (``vtoken.policy.Protection``), which
-    ``workers.config.VTokenConfig.admission_*`` turn into these."""
+    ``workers.config.VTokenConfig.admission_*`` turn into these.
+
+    ``prefill_chunk_tokens`` (the engines' ``max_num_batched_tokens``, given only when
+    their policies evict during prefill; ``None``: no chunking known) lowers the prefill
+    peak of a single sequence with a budget to ``min(prompt blocks, chunk blocks + kept
+    blocks)``: after each chunk the engine evicts to its budget at the tokens computed so
+    far (at most the cap, or ``ceil(keep_ratio * prompt_tokens)``), keeping what the policy
+    protects past it, then the next chunk opens at most ``ceil(chunk / block_size)`` blocks.
+    The engine holds it there through ``hold_to_blocks`` (its steady bound) when the
+    request counts below its worst case; otherwise its peak is at least the prompt."""
     if prompt_tokens < 0 or max_tokens < 0 or prompt_tokens + max_tokens == 0:
         raise ValueError(
             f"need prompt_tokens >= 0, max_tokens >= 0, not both 0 "
@@ -60,17 +71,30 @@ def kv_bounds(
         )
     if n < 1:
         raise ValueError(f"need n >= 1 sequences (got {n})")
+    if prefill_chunk_tokens is not None and prefill_chunk_tokens < 1:
+        raise ValueError(f"need prefill_chunk_tokens >= 1 (got {prefill_chunk_tokens})")
     if n > 1:  # the choices share the prompt's blocks, which none evicts while others read
         worst = math.ceil((prompt_tokens + max_tokens) / block_size)
         return KVBounds(prefill_peak=n * math.ceil(prompt_tokens / block_size), steady=n * worst)
     longest = prompt_tokens + max_tokens
     steady = math.ceil(longest / block_size)
+    prefill_peak = math.ceil(prompt_tokens / block_size)
+
+    def kept_blocks(budget: int) -> int:  # what the policy keeps at ``budget``, in blocks
+        kept = max(budget, protected_tokens + math.ceil(protected_fraction * budget))
+        return math.ceil(kept / block_size)
+
     budget = eviction_budget_tokens
     if budget is None and keep_ratio is not None:
         budget = math.ceil(keep_ratio * longest)
     if budget is not None:
-        kept = max(budget, protected_tokens + math.ceil(protected_fraction * budget))
-        steady = min(steady, math.ceil(kept / block_size) + 1)
+        steady = min(steady, kept_blocks(budget) + 1)
     if floor_tokens is not None:
         steady = min(steady, math.ceil(floor_tokens / block_size) + 1)
-    return KVBounds(prefill_peak=n * math.ceil(prompt_tokens / block_size), steady=n * steady)
+    prefill_budget = eviction_budget_tokens
+    if prefill_budget is None and keep_ratio is not None:
+        prefill_budget = math.ceil(keep_ratio * prompt_tokens)
+    if prefill_chunk_tokens is not None and prefill_budget is not None:
+        chunk_blocks = math.ceil(prefill_chunk_tokens / block_size)
+        prefill_peak = min(prefill_peak, chunk_blocks + kept_blocks(prefill_budget))
+    return KVBounds(prefill_peak=prefill_peak, steady=steady)

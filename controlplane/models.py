@@ -69,9 +69,10 @@ class TenantLimits(_Frozen):
 
     `kv_budget_blocks` bounds the tenant's active KV across the whole cluster (the larger
     of the blocks replicas report and the reservations of admitted requests: each request's
-    whole prompt until its prefill ends, then its steady bound).
+    prefill peak until its prefill ends, then its steady bound).
     `eviction_budget_tokens`, when set, is the per-request keep budget the eviction policy
-    enforces; it bounds a request's KV after prefill (never the prompt itself).
+    enforces; it bounds a request's KV after prefill and, when the engines' prefill chunk
+    is known, after each chunk of it (``controlplane.kv_bounds``).
     """
 
     # Upper bounds: a 310-digit budget once passed and overflowed the controller's float

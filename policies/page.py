@@ -38,6 +38,10 @@ class PAGE(Gate):
     enabled: bool | None = field(default=None, init=False)  # decided at the end of prefill
     drop: float | None = field(default=None, init=False)  # the agreement drop it was decided on
 
+    @property
+    def evicts_during_prefill(self) -> bool:
+        return False  # it decides at the end of prefill
+
     def score_needs(self) -> ScoreNeeds:
         # It decides once, at the end of prefill: nothing to compute after that.
         return ScoreNeeds() if self.enabled is not None else super().score_needs()

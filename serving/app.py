@@ -192,15 +192,18 @@ def admission_config(
 ) -> AdmissionConfig:
     """How the ingresses admit requests to ``engine`` replicas: in ``active_kv`` mode, what
     the engines' policy evicts to and keeps (``VTokenConfig.admission_keep_ratio`` and
-    ``admission_floor_tokens``); in either mode, what it protects past any budget
+    ``admission_floor_tokens``) and their prefill chunk when it evicts during prefill
+    (``admission_prefill_chunk_tokens``); in either mode, what it protects past any budget
     (``VTokenConfig.admission_protection``), since a tenant's cap bounds its requests in both."""
     vtoken = engine.vtoken
     active_kv = admission == "active_kv"
     protection = vtoken.admission_protection()
+    chunk = vtoken.admission_prefill_chunk_tokens(engine.max_num_batched_tokens)
     return AdmissionConfig(
         block_size=engine.block_size,
         keep_ratio=vtoken.admission_keep_ratio() if active_kv else None,
         floor_tokens=vtoken.admission_floor_tokens() if active_kv else None,
         protected_tokens=protection.tokens,
         protected_fraction=protection.fraction,
+        prefill_chunk_tokens=chunk if active_kv else None,
     )

@@ -85,6 +85,8 @@ class EngineHost:
             os.environ.setdefault(*ENGINE_TRACES_PROTOCOL)
         # vLLM's request spans read each request's stats: tracing needs them kept.
         tracing = common["otlp_traces_endpoint"] is not None
+        if settings.max_num_batched_tokens is not None:  # else vLLM's default
+            common["max_num_batched_tokens"] = settings.max_num_batched_tokens
         args = AsyncEngineArgs(
             **common, served_model_name=settings.name, disable_log_stats=not tracing
         )

@@ -27,7 +27,8 @@ def published_blocks(settings: ReplicaSettings, extra_args: dict[str, Any] | Non
     until it first evicts, then keeps those below its first eviction and never fewer than
     its pinned prefix (``prefix_pin_tokens``). So: all of them under a policy that never
     evicts or when evicting on demand (it evicts only when memory runs short), the pinned
-    prefix when evicting eagerly (from its first decoding step); none with caching off."""
+    prefix when evicting eagerly (from its first decoding step, or its first prefill chunk
+    under a policy that evicts during prefill); none with caching off."""
     if not settings.enable_prefix_caching:
         return 0
     engine = settings.vtoken

@@ -27,6 +27,11 @@ class ReplicaSettings(BaseModel):
     max_model_len: int = Field(default=2048, gt=0)
     max_num_seqs: int = Field(default=16, gt=0)
     num_blocks: int | None = Field(default=None, gt=0)
+    max_num_batched_tokens: int | None = Field(default=None, gt=0)
+    """vLLM's token budget of one step, so its prefill chunk (``None``: vLLM's default).
+    Set, it also reaches admission: a request whose policy evicts during prefill counts
+    one chunk plus its budget until its prefill ends, when that is below its prompt
+    (``VTokenConfig.admission_prefill_chunk_tokens``); unset, a prompt counts whole."""
     dtype: str = "auto"
     kv_cache_space_gib: int = Field(default=1, gt=0)
     gpu_memory_utilization: float = Field(default=0.3, gt=0, le=1)

@@ -10,7 +10,8 @@ Contract of :meth:`EvictionPolicy.select`: given a :class:`PolicyView` and a bud
 tokens, return the logical ids to evict (int64, unique, all live, none protected).
 
 Callers outside ``policies/`` never test a policy's name; they read its traits:
-``holds_budget_every_step`` (class) and ``needs_budget`` (instance), below, and what it
+``holds_budget_every_step`` (class), ``needs_budget`` and ``evicts_during_prefill``
+(instance), below, and what it
 protects past any budget: :meth:`EvictionPolicy.protection`, the one source of a request's
 KV bound for the engine, the serving layer and admission. A policy that only decides
 *whether* another one evicts is a :class:`Gate` overriding ``gate``.
@@ -122,7 +123,8 @@ class PolicyView:
     logical_ids: np.ndarray  # [n_live] int64; also the RoPE positions
     num_logical: int  # tokens in the sequence so far (live or not)
     prompt_len: int
-    step: int  # forward steps completed for this request (1 after the first prefill step)
+    step: int  # steps that ran ``select`` for this request, this one included (1 at the
+    # first; a prefill chunk only observed, see ``evicts_during_prefill``, is not counted)
     stats: dict[str, np.ndarray] = field(default_factory=dict)
     attention: StepAttention = field(default_factory=StepAttention)
     num_pinned: int = 0  # leading logical ids the engine pins: protected like sinks
@@ -169,6 +171,11 @@ class EvictionPolicy:
       reads them only at a step where it evicts, and an engine that evicts on demand
       skips them at the others (:meth:`needs_at_step`): eviction costs nothing while
       memory is free.
+    - ``evicts_during_prefill``: this instance may evict after a prefill chunk that does not
+      complete its prompt (the engine then runs ``select`` after every chunk, a step each,
+      so a long prompt peaks at about one chunk plus its budget); ``False`` for a policy
+      that decides at the end of prefill (SnapKV, PAGE) or never evicts: it only
+      ``observe``s those chunks. Default: ``holds_budget_every_step``.
     """
 
     name: ClassVar[str] = "base"
@@ -191,6 +198,10 @@ class EvictionPolicy:
     @property
     def needs_budget(self) -> bool:
         return True
+
+    @property
+    def evicts_during_prefill(self) -> bool:
+        return self.holds_budget_every_step
 
     def score_needs(self) -> ScoreNeeds:
         return self.needs
@@ -267,6 +278,10 @@ class Gate(EvictionPolicy):
                 f"{self.name} wraps a policy without per-token stats; "
                 f"{self.inner.name} keeps {list(self.inner.stat_names)}"
             )
+
+    @property
+    def evicts_during_prefill(self) -> bool:
+        return self.inner.evicts_during_prefill  # a gate that decides once overrides this
 
     def score_needs(self) -> ScoreNeeds:
         return self.inner.score_needs().merge(self.needs)

@@ -21,7 +21,9 @@ CONFIG_KEY = "vtoken"
 REQUEST_KEY = "vtoken_policy"
 HOLD_TO_BLOCKS_KEY = "vtoken_hold_to_blocks"
 """``extra_args``: the most blocks the request may hold once its prefill ended (what
-admission counts it at); above it, it evicts at that step whatever the eviction mode."""
+admission counts it at); above it, it evicts at that step whatever the eviction mode. A
+policy that evicts during prefill is held to it after every prefill chunk too (with the
+next chunk's blocks: admission's prefill peak counts one chunk above its budget)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +97,17 @@ class VTokenConfig(PolicySpec):
       running requests to their budgets (those whose eviction gives the next step the most
       blocks first) so that the next
       step and the head of the waiting queue fit, instead of vLLM preempting one. Policies
-      that decide at one step only (``holds_budget_every_step`` false) keep their timing;
+      that decide at one step only (``holds_budget_every_step`` false) keep their timing.
+      Chunked prefill (``max_num_batched_tokens`` below the prompt): after each chunk that
+      does not complete its prompt, a request whose policy evicts during prefill
+      (``evicts_during_prefill``: H2O, StreamingLLM, TOVA, Random, Scissorhands; not
+      SnapKV or PAGE, which decide when the prompt is complete) is treated as a decoding
+      request, its budget the one at the tokens computed so far (``keep_ratio x
+      computed`` or ``budget_tokens``, never above ``hold_to_blocks``): ``eager`` evicts it
+      to that budget after every chunk; ``on_demand`` when a hard bound applies
+      (``hold_to_blocks`` it would outgrow with its next chunk, a tenant's cap, pressure)
+      or memory is needed, never below that budget. So a long prompt peaks at about one
+      chunk plus its budget instead of the whole prompt;
     - ``squeeze_below_budget`` (``on_demand`` only): when the running requests' next step
       still does not fit with every decoding request at its budget, squeeze them further,
       a block at a time from the one keeping the largest share of its budget (tenants
@@ -182,6 +194,24 @@ class VTokenConfig(PolicySpec):
         # The cap policy keeps the pinned prefix (<= tokens) and its own recent share.
         fraction = max(protection.fraction, CAP_POLICY().protection().fraction)
         return ProtectionBound(tokens=protection.tokens, fraction=min(1.0, fraction))
+
+    def admission_prefill_chunk_tokens(self, max_num_batched_tokens: int | None) -> int | None:
+        """The prefill chunk admission counts a request's prefill peak with (``kv_bounds``:
+        one chunk plus its budget, if below its prompt): the engine's
+        ``max_num_batched_tokens`` when every request admission counts with a budget
+        evicts during prefill: under the engine's policy where it holds a keep ratio, and
+        under whichever policy a tenant's cap runs (this one, or ``policies.CAP_POLICY``:
+        ``serving.engine_translators.request_spec``). ``None`` (a prompt counts whole)
+        when the chunk is unknown, in naive mode, or when one of them does not."""
+        from policies import CAP_POLICY
+
+        if max_num_batched_tokens is None or self.mode != "vtoken":
+            return None
+        policy = self.make_policy()
+        holds_budget = policy.holds_budget_every_step and policy.needs_budget
+        if holds_budget and not policy.evicts_during_prefill:
+            return None  # its keep ratio and caps run under it, only once prefill ended
+        return max_num_batched_tokens if CAP_POLICY().evicts_during_prefill else None
 
     def admission_floor_tokens(self) -> int | None:
         """The fewest tokens the policy can be squeezed to, when it evicts to any budget

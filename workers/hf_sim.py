@@ -55,12 +55,28 @@ class HFSimEngine:
         budget: BudgetFn,
         managers: Sequence[VTokenManager],
         request_id: str = "r0",
+        chunk_size: int | None = None,
     ) -> SimResult:
         """Greedy decoding; the first manager's slot order drives the cache, every manager
-        gets the same allocations and evictions (paired comparisons on identical decisions)."""
+        gets the same allocations and evictions (paired comparisons on identical decisions).
+
+        ``chunk_size``: the prompt is prefilled ``chunk_size`` tokens a step, as a paged
+        engine's chunked prefill with that token budget (``None``: in one step). After a
+        chunk that does not complete the prompt, a policy that evicts during prefill
+        evicts to ``budget`` of the tokens computed so far (``evicted`` gets an entry for
+        that step), any other only observes the chunk, as the vLLM plugin does in
+        ``eager`` mode (``workers/scheduler_side.py``)."""
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         session = _Session(self, len(prompt_ids), policy, budget, managers, request_id)
         result = SimResult(token_ids=[])
-        next_ids = list(prompt_ids)
+        prompt = list(prompt_ids)
+        size = chunk_size or len(prompt)
+        for start in range(0, len(prompt) - size, size):  # every chunk but the last
+            session.step(prompt[start : start + size], evict=session.evicts_during_prefill)
+            if session.evicts_during_prefill:
+                result.evicted.append(session.last_evicted)
+        next_ids = prompt[(len(prompt) - 1) // size * size :]
         for _ in range(max_new_tokens):
             logits = session.step(next_ids)
             result.evicted.append(session.last_evicted)
@@ -110,12 +126,14 @@ class _Session:
         for shadow in self.shadows:
             shadow.add_request(request_id, prompt_len)
         self.needs = policy.score_needs() if policy is not None else ScoreNeeds()
+        self.evicts_during_prefill = policy is not None and policy.evicts_during_prefill
         self.cache = DynamicCache()
         self.cache_ids = np.zeros(0, dtype=np.int64)  # logical ids in the cache's order
         self.last_evicted = np.zeros(0, dtype=np.int64)
 
-    def step(self, input_ids: list[int]) -> torch.Tensor:
-        """Forward ``input_ids``, evict and reclaim; returns ``[len(input_ids), vocab]`` logits."""
+    def step(self, input_ids: list[int], evict: bool = True) -> torch.Tensor:
+        """Forward ``input_ids``, then evict and reclaim (``evict``), or only let the policy
+        observe the step (a prefill chunk); returns ``[len(input_ids), vocab]`` logits."""
         table = self.primary.requests[self.request_id].table
         start = table.num_logical
         for manager in (self.primary, *self.shadows):
@@ -131,6 +149,10 @@ class _Session:
         new_ids = np.arange(start, start + len(input_ids))
         self.cache_ids = np.concatenate([self.cache_ids, new_ids])
         attention = self._attention(output.attentions or ())
+        if not evict:
+            self.primary.observe(self.request_id, attention)
+            self.last_evicted = np.zeros(0, dtype=np.int64)
+            return output.logits[0]
         evicted = self.primary.evict(self.request_id, self.budget(table.num_logical), attention)
         self.primary.reclaim([self.request_id])
         for shadow in self.shadows:

@@ -184,7 +184,12 @@ class VTokenScheduler:
     ) -> None:
         """Run the policies of the requests that ran this step, commit repacks, free blocks.
 
-        ``eager``: every request past its prefill evicts to its budget. ``on_demand``: a
+        A prefill chunk that does not complete its prompt counts as a decoding step here
+        when its policy evicts during prefill (:meth:`_prefill_chunks`): its budget is the
+        one at the tokens computed so far (never above ``hold_to_blocks``), so a long
+        prompt holds about one chunk plus its budget; otherwise its policy only observes.
+
+        ``eager``: every such request evicts to its budget. ``on_demand``: a
         request only feeds its policy this step's attention, unless memory is needed:
         ``num_waiting_blocks`` (what the head of vLLM's waiting queue needs to start), the
         blocks running prefills still need, and a block for every decoding request whose
@@ -199,29 +204,47 @@ class VTokenScheduler:
             self.counters.take_repack_totals(scores.repack_bytes_total, scores.repack_seconds_total)
         running = [r for r in num_scheduled_tokens if r in self.requests and r in requests]
         decoding = [r for r in running if requests[r].num_computed_tokens >= requests[r].num_tokens]
-        for request_id in set(running) - set(decoding):
-            # A prefill chunk: the policy sees its attention, nothing can be evicted yet.
-            self.manager.observe(request_id, attention_of.get(request_id, StepAttention()))
+        chunked = self._prefill_chunks([r for r in running if r not in decoding], attention_of)
         for request_id in decoding:
             record = self.requests[request_id]
             if self.tenants.applies_to(record.kv.tenant) and record.pressure_anchor is None:
                 record.pressure_anchor = record.kv.table.num_live  # new under pressure
         self._refresh_shared()
-        for request_id in decoding:  # what room estimates read (sinks) is this step's
+        evicting = [*decoding, *chunked]
+        for request_id in evicting:  # what room estimates read (sinks) is this step's
             self._protect_shared(self.requests[request_id])
         # Eager: every decoding request evicts to budget and nothing else is read.
-        viewed = decoding if self.config.eviction == "eager" else None
-        plan = self.squeeze_planner(requests, viewed).plan(decoding, num_waiting_blocks)
-        for request_id in decoding:
+        viewed = evicting if self.config.eviction == "eager" else None
+        planner = self.squeeze_planner(requests, viewed)
+        plan = planner.plan(decoding, num_waiting_blocks, prefilling=chunked)
+        for request_id in evicting:
             attention = attention_of.get(request_id, StepAttention())
             self._evict(self.requests[request_id], plan, attention)
         if self.config.check_invariants:
             self.check_invariants()
 
+    def _prefill_chunks(
+        self, prefilling: list[str], attention_of: Mapping[str, StepAttention]
+    ) -> list[str]:
+        """This step's prefill chunks that did not complete their prompt: those whose
+        policy evicts during prefill are returned (each evicts like a decoding request,
+        :meth:`_evict`: to its budget at the tokens computed so far when the plan says so,
+        and a step counted either way); the others' policies only observe the chunk's
+        attention (SnapKV and PAGE decide when the prompt is complete)."""
+        chunked = []
+        for request_id in prefilling:
+            policy = self.requests[request_id].kv.policy
+            if policy is not None and policy.evicts_during_prefill:
+                chunked.append(request_id)
+            else:
+                self.manager.observe(request_id, attention_of.get(request_id, StepAttention()))
+        return chunked
+
     def _evict(self, record: ScheduledRequest, plan: SqueezePlan, attention: StepAttention) -> None:
-        """One decoding request's step: its policy runs (to its budget if the plan squeezes
-        it, else with a budget of everything it holds: it observes and counts the step),
-        then it unpublishes what changed and repacks."""
+        """One request's step (decoding, or a prefill chunk under a policy that evicts
+        during prefill): its policy runs (to its budget if the plan squeezes it, else with
+        a budget of everything it holds: it observes and counts the step), then it
+        unpublishes what changed and repacks."""
         request_id = record.kv.request_id
         budget = plan.budgets.get(request_id, record.kv.table.num_live)
         if not record.scored and budget < record.kv.table.num_live:
@@ -396,10 +419,11 @@ class VTokenScheduler:
             repack_bytes_total=counters.repack_bytes_total,
             repack_seconds_total=counters.repack_seconds_total,
             requests=self.manager.reports(
-                {  # a request in prefill has no budget yet: nothing of it can be evicted
+                {  # in prefill, only a policy that evicts during prefill has a budget yet
                     request_id: self.budgets.budget(record)
                     for request_id, record in self.requests.items()
                     if record.kv.table.num_logical >= record.kv.prompt_len
+                    or (record.kv.policy is not None and record.kv.policy.evicts_during_prefill)
                 }
             ),
         )

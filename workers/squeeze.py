@@ -9,14 +9,16 @@ Room is counted for the *next* step: a decoding request that evicts to ``B`` liv
 and repacks holds them with its next token in ``ceil((B + 1) / block_size)`` blocks; one
 squeezed onto a block boundary opens a block again with its next token, so evicting it
 there gives nothing back. In naive mode (Naive-Evict) eviction frees no block: no request
-gives room.
+gives room. A prompt in prefill whose policy evicts during prefill is planned like a
+decoding request after each chunk (its next step opens its next chunk's blocks), but never
+squeezed below its budget.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -233,15 +235,21 @@ class SqueezePlanner:
         return None
 
     # ------------------------------------------------------------------ the plan
-    def plan(self, decoding: list[str], num_waiting_blocks: int) -> SqueezePlan:
-        """Who of this step's ``decoding`` requests evicts now. ``on_demand``: those that
-        always do, then (beyond the free blocks, for what the head of vLLM's waiting queue
-        needs, ``num_waiting_blocks``, and the running requests' next step) those whose
-        eviction to budget gives the most room, tenants over their allowance first, then,
-        if the running requests' own next step still does not fit, :meth:`below_budget`."""
+    def plan(
+        self, decoding: list[str], num_waiting_blocks: int, prefilling: Sequence[str] = ()
+    ) -> SqueezePlan:
+        """Who of this step's ``decoding`` requests, and of its ``prefilling`` ones (a chunk
+        that did not complete the prompt, under a policy that evicts during prefill),
+        evicts now. ``eager``: all of them. ``on_demand``: those that always do, then
+        (beyond the free blocks, for what the head of vLLM's waiting queue needs,
+        ``num_waiting_blocks``, and the running requests' next step) those whose eviction
+        to budget gives the most room, tenants over their allowance first, then, if the
+        running requests' own next step still does not fit, :meth:`below_budget` (decoding
+        requests only: a prompt in prefill is never squeezed under its budget)."""
         if self.eager:
-            return SqueezePlan.of(self.requests, decoding)
-        always = {r for r in decoding if self.requests[r].evicts_every_step}
+            return SqueezePlan.of(self.requests, [*decoding, *prefilling])
+        candidates = [*decoding, *prefilling]
+        always = {r for r in candidates if self.requests[r].evicts_every_step}
         ending = {r for r in decoding if self.requests[r].ending}
         need = (
             num_waiting_blocks
@@ -251,10 +259,11 @@ class SqueezePlanner:
             - sum(self.room(r) for r in always - ending)
         )
         decoding = [r for r in decoding if r not in ending]  # nothing to gain from them
+        candidates = [r for r in candidates if r not in ending]
         excess = self.excess_over_allowance(always, ending)
-        for_room = self.over_allowance([r for r in decoding if r not in always], excess)
+        for_room = self.over_allowance([r for r in candidates if r not in always], excess)
         need -= sum(self.room(r) for r in for_room)
-        rest = [r for r in decoding if r not in always | for_room]
+        rest = [r for r in candidates if r not in always | for_room]
         room = {request_id: self.room(request_id) for request_id in rest}
         for request_id in sorted((r for r in rest if room[r] > 0), key=lambda r: -room[r]):
             if need <= 0:

@@ -203,6 +203,17 @@ def test_traits_say_which_policies_hold_a_budget_every_step_and_which_need_one()
     assert CAP_POLICY.holds_budget_every_step
 
 
+def test_traits_say_which_policies_evict_during_prefill():
+    """Those that hold a budget every step; SnapKV and PAGE decide when the prompt is
+    complete, ``none`` never evicts; a gate as the policy it wraps (PAGE excepted)."""
+    during = {name for name in REGISTRY if make_policy(name).evicts_during_prefill}
+    assert during == {"h2o", "random", "scissorhands", "tova", "streaming_llm"}
+    assert CAP_POLICY().evicts_during_prefill  # a tenant's cap holds from the first chunk
+    assert _Open(inner=_Lowest()).evicts_during_prefill
+    assert not _Open(inner=make_policy("snapkv")).evicts_during_prefill
+    assert not make_policy("page", inner="tova").evicts_during_prefill
+
+
 def test_registry_rejects_unknown_names_and_arguments():
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("lru")

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from serving.app import AppArgs, build_app
+from serving.app import AppArgs, admission_config, build_app
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SECRET_KEYS = re.compile(r"^\s*(admin_token|api_key|password|secret|token)\s*:", re.MULTILINE)
@@ -117,3 +117,17 @@ def test_engine_replicas_use_the_project_router_unless_serve_default_is_asked():
     assert prefix._extract_text_from_request(None, pending) == "12 345 6 "
     with pytest.raises(ValueError, match="router"):
         AppArgs.model_validate({"redis_url": "redis://127.0.0.1:1/0", "router": "random"})
+
+
+def test_admission_learns_the_engines_prefill_chunk_when_their_policy_evicts_during_prefill():
+    """``max_num_batched_tokens`` in the engine settings reaches admission as its prefill
+    chunk (active-KV admission only; unset, a prompt counts whole)."""
+    from serving.settings import ReplicaSettings
+
+    h2o = {"policy": "h2o", "keep_ratio": 0.2}
+    chunked = ReplicaSettings(vtoken=h2o, max_num_batched_tokens=256)
+    assert admission_config(chunked, "active_kv").prefill_chunk_tokens == 256
+    assert admission_config(chunked, "worst_case").prefill_chunk_tokens is None
+    assert admission_config(ReplicaSettings(vtoken=h2o), "active_kv").prefill_chunk_tokens is None
+    bounds = admission_config(chunked, "active_kv")
+    assert bounds.keep_ratio == 0.2 and bounds.block_size == chunked.block_size

@@ -144,6 +144,23 @@ def test_admission_learns_what_the_policy_keeps_past_any_budget(vtoken, expected
     assert protection == ProtectionBound(tokens=tokens, fraction=fraction)
 
 
+def test_admission_knows_the_chunk_only_where_budgeted_requests_evict_during_prefill():
+    """The chunk reaches admission when every request it counts with a budget evicts
+    during prefill: under the engine's policy (its keep ratio), or under the cap policy
+    where the engine's policy does not hold a budget (SnapKV, PAGE: their keep ratio is
+    not counted, a capped request runs under H2O). Not in naive mode (eviction frees no
+    block), nor when the chunk is unknown."""
+    h2o = VTokenConfig(policy="h2o", keep_ratio=0.2)
+    assert h2o.admission_prefill_chunk_tokens(64) == 64
+    assert h2o.admission_prefill_chunk_tokens(None) is None
+    naive = VTokenConfig(policy="h2o", keep_ratio=0.2, mode="naive")
+    assert naive.admission_prefill_chunk_tokens(64) is None
+    for policy in ("snapkv", "page"):
+        config = VTokenConfig(policy=policy, keep_ratio=0.2)
+        assert config.admission_keep_ratio() is None
+        assert config.admission_prefill_chunk_tokens(64) == 64
+
+
 def test_in_naive_mode_a_capped_request_counts_its_whole_length():
     """Naive-Evict frees no block by evicting, so a tenant's cap lowers nothing."""
     config = VTokenConfig(policy="h2o", keep_ratio=0.2, mode=ReclaimMode.NAIVE)

@@ -267,9 +267,11 @@ def test_a_prompt_in_chunks_gets_room_from_requests_above_budget(tiny_llama_path
 
 
 def test_pressure_during_chunked_prefill_applies_to_the_whole_prompt(tiny_llama_path):
-    """A request of a pressured tenant still in prefill gets its target from its whole
-    prompt at its first decoding step (not from the chunk computed so far), and reading
-    the counters meanwhile changes nothing."""
+    """A request of a pressured tenant still in prefill evicts after each chunk to its
+    policy's budget at the tokens computed so far (H2O evicts during prefill; pressure is a
+    hard bound), and gets its pressure target from what it holds when its prompt is
+    complete (not from the chunk computed so far); reading the counters meanwhile changes
+    nothing."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -299,9 +301,10 @@ def test_pressure_during_chunked_prefill_applies_to_the_whole_prompt(tiny_llama_
         reports = engine_counters(llm).requests  # polled mid-prefill, as a replica does
         live += [r.live_tokens for r in reports]
         engine.step()
-    # Prefill chunks of 64, then a quarter of its whole prompt (not of a chunk) from there on.
-    assert live[:3] == [64, 128, 192]
-    assert live[3:] == [200 // 4] * (len(live) - 3), live
+    # Chunks of 64: the first before the pressure came, then half of 128 and of 192 (keep
+    # 0.5); the last 8 complete the prompt with 96 + 8 held: a quarter of that from there on.
+    assert live[:3] == [64, 64, 96]
+    assert live[3:] == [(96 + 8) // 4] * (len(live) - 3), live
 
 
 def test_a_tenant_above_its_allowance_is_evicted_to_budgets_at_the_next_step(tiny_llama_path):

@@ -182,22 +182,28 @@ def test_snapshot_crosses_vllms_utility_call_as_plain_data():
     assert report.tenants[DEFAULT_TENANT].ideal_blocks == 2
 
 
-def test_a_request_in_prefill_reports_nothing_reclaimable():
-    """Nothing of a prompt can be evicted before its prefill ends: its floor is what it
-    holds, whatever its budget (the router and the planner count reclaimable blocks as
-    room)."""
+@pytest.mark.parametrize(("policy", "floor", "floor_after"), [("h2o", 1, 2), ("snapkv", 5, 10)])
+def test_a_request_in_prefill_reports_reclaimable_only_if_its_policy_evicts_then(
+    policy, floor, floor_after
+):
+    """Before its prefill ends a prompt can be evicted only under a policy that evicts
+    during prefill (H2O: to 0.2 x the 20 tokens computed so far, 1 block); under SnapKV,
+    which decides when the prompt is complete, its floor is what it holds, whatever its
+    budget (the router and the planner count reclaimable blocks as room)."""
     pool, manager = FakeBlockPool(64), FakeBlockManager()
-    config = VTokenConfig(policy="h2o", keep_ratio=0.2, eviction="on_demand")
+    config = VTokenConfig(policy=policy, keep_ratio=0.2, eviction="on_demand")
     state = VTokenScheduler(config, pool, manager)
     request = FakeRequest("r", num_prompt_tokens=40)
     assert state.allocate(request, 20) is not None  # the first half of the prompt
     request.num_computed_tokens = 20
     (report,) = state.snapshot().requests
-    assert (report.allocated_blocks, report.floor_blocks, report.reclaimable_blocks) == (5, 5, 0)
+    assert (report.allocated_blocks, report.floor_blocks) == (5, floor)
+    assert report.reclaimable_blocks == 5 - floor
     assert state.allocate(request, 20) is not None  # prefill done: its budget applies
     request.num_computed_tokens = 40
     (report,) = state.snapshot().requests
-    assert (report.allocated_blocks, report.floor_blocks) == (10, 2)  # 0.2 x 40 = 8 tokens
+    # H2O: 0.2 x 40 = 8 tokens; SnapKV decides once, so what it holds is its floor
+    assert (report.allocated_blocks, report.floor_blocks) == (10, floor_after)
 
 
 @pytest.mark.parametrize("mode", list(ReclaimMode))

@@ -11,9 +11,9 @@ tokens, return the logical ids to evict (int64, unique, all live, none protected
 
 Callers outside ``policies/`` never test a policy's name; they read its traits:
 ``holds_budget_every_step`` (class), ``needs_budget`` and ``evicts_during_prefill``
-(instance), below, and what it
-protects past any budget: :meth:`EvictionPolicy.protection`, the one source of a request's
-KV bound for the engine, the serving layer and admission. A policy that only decides
+(instance), below, and what it protects past any budget:
+:meth:`EvictionPolicy.protection`, the one source of a request's KV bound for the engine,
+the serving layer and admission. A policy that only decides
 *whether* another one evicts is a :class:`Gate` overriding ``gate``.
 """
 

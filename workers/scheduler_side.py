@@ -213,7 +213,7 @@ class VTokenScheduler:
         evicting = [*decoding, *chunked]
         for request_id in evicting:  # what room estimates read (sinks) is this step's
             self._protect_shared(self.requests[request_id])
-        # Eager: every decoding request evicts to budget and nothing else is read.
+        # Eager: every decoding request and such chunk evicts to budget, nothing else is read.
         viewed = evicting if self.config.eviction == "eager" else None
         planner = self.squeeze_planner(requests, viewed)
         plan = planner.plan(decoding, num_waiting_blocks, prefilling=chunked)

@@ -7,10 +7,16 @@ same open-loop workload twice, one mode after the other, each on a fresh deploym
 
 - ``worst_case``: every request reserves prompt + max_tokens blocks from admission until
   it finishes (no credit for eviction); engines evict eagerly every step.
-- ``active_kv``: a request counts its prompt until prefill ends, then its policy's bound
-  (keep x its longest length, plus one block); engines evict on demand, and the
+- ``active_kv``: a request counts its prefill peak until prefill ends (the whole prompt,
+  or with ``--chunk-tokens`` one chunk plus its budget: H2O evicts after each chunk),
+  then its policy's bound (keep x its longest length, plus one block); engines evict on
+  demand, and the
   controller's pressure squeezes a tenant's running requests when its measured active KV
   passes its budget.
+
+Both modes run the same engines: prompts prefilled in chunks of ``--chunk-tokens``
+(vLLM's ``max_num_batched_tokens``; 0 leaves vLLM's default and admission counts whole
+prompts).
 
 Workload: per tenant, Poisson arrivals at ``rate_rps`` (times ``--load``) for
 ``--duration-s`` seconds;
@@ -406,6 +412,7 @@ def run(
     num_replicas: int,
     modes: tuple[str, ...],
     load: float = 1.0,
+    chunk_tokens: int = 0,
 ) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
@@ -423,7 +430,7 @@ def run(
         with local_cluster(
             num_replicas,
             vtoken,
-            engine={"max_model_len": max_model_len},
+            engine={"max_model_len": max_model_len, "max_num_batched_tokens": chunk_tokens or None},
             app_args={"admission": admission},
         ) as cluster:
             results[mode] = asyncio.run(drive(cluster, tenants, arrivals, duration_s))
@@ -438,6 +445,7 @@ def run(
             "prompt_tokens": PROMPT_TOKENS,
             "output_tokens": OUTPUT_TOKENS,
             "load": load,
+            "chunk_tokens": chunk_tokens or None,
             "tenants": [asdict(t) for t in tenants],
             "arrivals": len(arrivals),
         },
@@ -486,9 +494,13 @@ def cli(
     load: Annotated[
         float, typer.Option(min=0.1, max=10.0, help="multiply every tenant's arrival rate")
     ] = 1.0,
+    chunk_tokens: Annotated[
+        int,
+        typer.Option(min=0, help="prefill chunk (max_num_batched_tokens); 0: vLLM's default"),
+    ] = 256,
 ) -> None:
     """Active-KV admission + on-demand eviction vs worst-case reservations (real stack)."""
-    summary = run(duration_s, seed, keep, replicas, MODES, load)
+    summary = run(duration_s, seed, keep, replicas, MODES, load, chunk_tokens)
     write_json(json_path, summary, indent=1)
     if plot_path is not None:
         plot(summary, plot_path)

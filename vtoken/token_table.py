@@ -158,7 +158,7 @@ class TokenTable:
         for values in self.stats.values():
             values[new_slots] = values[kept]
         released = [self.block_ids[i] for i in np.flatnonzero(dropped)]
-        self.block_ids = [b for b, gone in zip(self.block_ids, dropped, strict=True) if not gone]
+        self.block_ids[:] = [b for b, gone in zip(self.block_ids, dropped, strict=True) if not gone]
         self.num_slots = num_slots
         assert len(self.block_ids) == cdiv(num_slots, bs), "blocks != slots after a drop"
         return released

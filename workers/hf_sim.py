@@ -57,7 +57,9 @@ class HFSimEngine:
         request_id: str = "r0",
     ) -> SimResult:
         """Greedy decoding; the first manager's slot order drives the cache, every manager
-        gets the same allocations and evictions (paired comparisons on identical decisions)."""
+        gets the same allocations and evictions (paired comparisons on identical decisions).
+        A block-mode manager takes whole blocks only: it decides (the first manager), or
+        follows one of its own block size that does."""
         session = _Session(self, len(prompt_ids), policy, budget, managers, request_id)
         result = SimResult(token_ids=[])
         next_ids = list(prompt_ids)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from controlplane.admission import kv_bounds
-from policies import CAP_POLICY, REGISTRY
 from kernels.intmath import cdiv
+from policies import CAP_POLICY, REGISTRY
 from vtoken.block_eviction import select_blocks
 from vtoken.policy import PolicyView, ScoreNeeds, StepAttention
 from vtoken.repack_planner import ReclaimMode

@@ -6,8 +6,10 @@ tokens) serves ``N`` requests submitted together: natural-text prompts of exactl
 concurrently when all ``N`` run in the same step at some point and none is preempted. The
 largest such ``N`` is found by doubling, then bisection, for each case: no eviction, and
 H2O at keep 0.2 and 0.5 in ``naive`` and ``vtoken`` mode (same decisions; naive keeps
-every block that still holds a live token). One engine per mode; each request carries its
-policy in ``extra_args["vtoken_policy"]``. Tokens/s is measured on the run at that ``N``.
+every block that still holds a live token) and in ``block`` mode (block-granular
+eviction: whole lowest-scored blocks dropped, no repack). One engine per mode; each
+request carries its policy in ``extra_args["vtoken_policy"]``. Tokens/s is measured on
+the run at that ``N``.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ class Case:
     mode: str
 
 
+MODES = ("vtoken", "naive", "block")
 CASES = (Case("none", 1.0, "vtoken"),) + tuple(
-    Case("h2o", keep, mode) for keep in (0.2, 0.5) for mode in ("naive", "vtoken")
+    Case("h2o", keep, mode) for keep in (0.2, 0.5) for mode in ("naive", "block", "vtoken")
 )
 
 
@@ -139,7 +142,7 @@ def run_cases(
     prompt_tokens: int,
     new_tokens: int,
     limit: int,
-    modes: tuple[str, ...] = ("vtoken", "naive"),
+    modes: tuple[str, ...] = MODES,
 ) -> list[CaseResult]:
     path, prompts = model_prompts(model, len(PROMPT_TOPICS), prompt_tokens)
     results = []
@@ -185,18 +188,22 @@ def cli(
     new_tokens: Annotated[int, typer.Option(min=1)] = 64,
     limit: Annotated[int, typer.Option(min=1, help="Largest N tried.")] = 64,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
-    modes: Annotated[str, typer.Option(help="Comma-separated: vtoken, naive.")] = "vtoken,naive",
+    modes: Annotated[str, typer.Option(help="Comma-separated: vtoken, naive, block.")] = ",".join(
+        MODES
+    ),
 ) -> None:
     """Largest number of concurrent requests a fixed KV pool serves without preemption."""
     chosen = tuple(csv_items(modes))
-    if not chosen or set(chosen) - {"vtoken", "naive"}:
-        raise typer.BadParameter(f"modes must be vtoken and/or naive, got {modes!r}")
+    if not chosen or set(chosen) - set(MODES):
+        raise typer.BadParameter(f"modes must be among {', '.join(MODES)}, got {modes!r}")
     cases = run_cases(model, num_blocks, prompt_tokens, new_tokens, limit, chosen)
     by_key = {(c.policy, c.keep, c.mode): c for c in cases}
-    for keep in (0.2, 0.5) if len(chosen) == 2 else ():
-        naive, vtoken = by_key[("h2o", keep, "naive")], by_key[("h2o", keep, "vtoken")]
-        ratio = vtoken.max_concurrency / max(naive.max_concurrency, 1)
-        typer.echo(f"h2o keep={keep}: vtoken/naive = {ratio:.2f}x")
+    for keep in (0.2, 0.5):
+        for baseline in ("naive", "block"):
+            if {"vtoken", baseline} <= set(chosen):
+                vtoken, other = by_key[("h2o", keep, "vtoken")], by_key[("h2o", keep, baseline)]
+                ratio = vtoken.max_concurrency / max(other.max_concurrency, 1)
+                typer.echo(f"h2o keep={keep}: vtoken/{baseline} = {ratio:.2f}x")
     if json_path is not None:
         document = {
             "model": model,

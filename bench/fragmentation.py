@@ -1,16 +1,20 @@
-"""`vtoken bench fragmentation`: blocks a request retains under eviction, naive vs vtoken.
+"""`vtoken bench fragmentation`: blocks a request retains under eviction: naive, block
+and vtoken.
 
 Each run generates greedily on natural-text prompts (CPython's language reference, shipped
 with Python) while a policy evicts down to ``keep * sequence length`` tokens every step.
 One model run drives four managers in lock-step (vtoken and naive, block sizes 16 and 32)
 with identical allocations and evictions, so every pair differs only in reclamation.
-Blocks are the mean per request at the end of generation.
+Block-granular eviction (``block``: whole lowest-scored blocks dropped, no repack) decides
+differently, so it has a model run of its own per block size. Blocks are the mean per
+request at the end of generation.
 """
 
 from __future__ import annotations
 
 import gc
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from functools import partial
@@ -47,7 +51,8 @@ class Row:
     naive_blocks: float
     vtoken_blocks: float
     ideal_blocks: float
-    reduction_pct: float
+    reduction_pct: float  # vtoken vs naive
+    block_blocks: float  # block-granular eviction (its own decisions)
 
 
 def keep_budget(keep: float, num_tokens: int) -> int:
@@ -85,15 +90,19 @@ def run_sim(
                 for mode in ReclaimMode:
                     pool = StandaloneBlockPool(num_blocks)
                     managers[(block_size, mode)] = VTokenManager(pool, block_size, mode)
-            ordered = sorted(managers.items(), key=lambda item: item[0][1] != ReclaimMode.VTOKEN)
-            engine.generate(
-                prompt,
-                new_tokens,
-                make_policy(policy_name),
-                partial(keep_budget, keep),
-                [manager for _, manager in ordered],
-                request_id=f"p{index}",
-            )
+            lock_step = [m for (_, mode), m in managers.items() if mode is not ReclaimMode.BLOCK]
+            lock_step.sort(key=lambda manager: manager.mode is not ReclaimMode.VTOKEN)
+            for primary in [lock_step] + [
+                [m] for (_, mode), m in managers.items() if mode is ReclaimMode.BLOCK
+            ]:
+                engine.generate(
+                    prompt,
+                    new_tokens,
+                    make_policy(policy_name),
+                    partial(keep_budget, keep),
+                    primary,
+                    request_id=f"p{index}",
+                )
             for (block_size, mode), manager in managers.items():
                 report = manager.report(f"p{index}")
                 values = {mode.value: report.allocated_blocks}
@@ -104,18 +113,24 @@ def run_sim(
                     totals[key] = totals.get(key, 0.0) + value / len(prompts)
             bar.update()
     bar.close()
-    rows = []
-    for policy_name, keep in cases:
-        for block_size in block_sizes:
-            naive, vtoken, ideal = (
-                totals[(policy_name, keep, block_size, kind)]
-                for kind in ("naive", "vtoken", "ideal")
-            )
-            reduction = 100.0 * (1.0 - vtoken / naive) if naive else 0.0
-            rows.append(
-                Row(policy_name, keep, block_size, naive, vtoken, ideal, round(reduction, 2))
-            )
-    return rows
+    return [
+        make_row(
+            policy_name, keep, block_size, partial(_total, totals, policy_name, keep, block_size)
+        )
+        for policy_name, keep in cases
+        for block_size in block_sizes
+    ]
+
+
+def _total(totals: dict, *key: object) -> float:
+    return totals[key]
+
+
+def make_row(policy: str, keep: float, block_size: int, total: Callable[[str], float]) -> Row:
+    """One row from the mean blocks of each kind (``total(kind)``)."""
+    naive, vtoken, ideal, block = (total(k) for k in ("naive", "vtoken", "ideal", "block"))
+    reduction = 100.0 * (1.0 - vtoken / naive) if naive else 0.0
+    return Row(policy, keep, block_size, naive, vtoken, ideal, round(reduction, 2), block)
 
 
 def run_vllm(
@@ -128,7 +143,8 @@ def run_vllm(
     block_size: int = 32,
     max_num_seqs: int = 16,
 ) -> list[Row]:
-    """The same cases served by vLLM with the plugin, once per mode (``vtoken``, ``naive``).
+    """The same cases served by vLLM with the plugin, once per mode (``vtoken``, ``naive``,
+    ``block``).
 
     Every request carries its policy in ``extra_args["vtoken_policy"]``, so one engine per
     mode serves all cases; blocks are what each request held from vLLM's block pool when
@@ -144,7 +160,7 @@ def run_vllm(
     path, prompts = model_prompts(model, num_prompts, prompt_tokens)
     cases = [(p, k) for p in policies for k in keeps for _ in prompts]
     totals: dict[tuple[str, float, str], float] = {}
-    for mode in ("vtoken", "naive"):
+    for mode in ("vtoken", "naive", "block"):
         llm = make_llm(
             path,
             {"policy": "none", "mode": mode},
@@ -183,17 +199,11 @@ def run_vllm(
                 totals[key] = totals.get(key, 0.0) + value / len(prompts)
         del llm, state
         gc.collect()  # the next engine may start only after this one shut down
-    rows = []
-    for policy_name in policies:
-        for keep in keeps:
-            naive, vtoken, ideal = (
-                totals[(policy_name, keep, k)] for k in ("naive", "vtoken", "ideal")
-            )
-            reduction = 100.0 * (1.0 - vtoken / naive) if naive else 0.0
-            rows.append(
-                Row(policy_name, keep, block_size, naive, vtoken, ideal, round(reduction, 2))
-            )
-    return rows
+    return [
+        make_row(policy_name, keep, block_size, partial(_total, totals, policy_name, keep))
+        for policy_name in policies
+        for keep in keeps
+    ]
 
 
 def print_table(rows: list[Row], title: str) -> None:
@@ -206,6 +216,7 @@ def print_table(rows: list[Row], title: str) -> None:
         "keep",
         "block",
         "naive blocks",
+        "block blocks",
         "vtoken blocks",
         "ideal",
         "reduction",
@@ -217,6 +228,7 @@ def print_table(rows: list[Row], title: str) -> None:
             f"{row.keep:.1f}",
             str(row.block_size),
             f"{row.naive_blocks:.2f}",
+            f"{row.block_blocks:.2f}",
             f"{row.vtoken_blocks:.2f}",
             f"{row.ideal_blocks:.2f}",
             f"{row.reduction_pct:.1f}%",
@@ -229,8 +241,9 @@ def plot(rows: list[Row], path: Path) -> None:
     labels = [f"{r.policy}\nk={r.keep} b={r.block_size}" for r in rows]
     xs = range(len(rows))
     figure, axis = plt.subplots(figsize=(max(8, len(rows) * 0.6), 4.5))
-    axis.bar([x - 0.2 for x in xs], [r.naive_blocks for r in rows], 0.4, label="naive")
-    axis.bar([x + 0.2 for x in xs], [r.vtoken_blocks for r in rows], 0.4, label="vtoken")
+    axis.bar([x - 0.27 for x in xs], [r.naive_blocks for r in rows], 0.27, label="naive")
+    axis.bar(list(xs), [r.block_blocks for r in rows], 0.27, label="block")
+    axis.bar([x + 0.27 for x in xs], [r.vtoken_blocks for r in rows], 0.27, label="vtoken")
     axis.set_xticks(list(xs), labels, rotation=90, fontsize=7)
     axis.set_ylabel("blocks retained per request")
     axis.legend()
@@ -250,7 +263,8 @@ def cli(
     json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
     plot_path: Annotated[Path | None, typer.Option("--plot", help="Write a PNG here.")] = None,
 ) -> None:
-    """Retained KV blocks per request with and without repack, on identical decisions."""
+    """Retained KV blocks per request: without repack (naive), with repack (vtoken) on
+    identical decisions, and under block-granular eviction (block)."""
     names = policy_names(policies)
     num_prompts = 1 if quick else prompts
     if engine is Engine.VLLM:

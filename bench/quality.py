@@ -12,11 +12,21 @@ On SmolLM2 through real vLLM engines (the CPU build here):
   engine evicting ``eager``ly (decisions and attention equal Naive-Evict's, so answers
   are the same), and ``on_demand`` cells on a pool too small for the batch (the serving
   pool: eviction happens only under pressure, so only some requests are squeezed).
+- **Token vs block selection at equal held blocks** ("why not just drop whole blocks?"):
+  per policy and keep, a ``token`` cell (vToken, eager) and a ``block`` cell (block-granular
+  eviction: the policy's scores summed per block, whole lowest-scored blocks dropped, no
+  repack) give every request the same budget in whole blocks, ``bs * ceil(ceil(keep *
+  prompt) / bs)`` tokens: token-level eviction then holds exactly that many blocks, and
+  block-level eviction (it stops at or under the budget with every kept block full but its
+  last) holds as many, unless what its policy protects pins more (each cell reports its
+  mean held blocks).
 - **Output length**: mean generated tokens per cell against the full cache on the same
   prompts (greedy, EOS on).
 - **Perplexity**: held-out documentation text continued under each policy, teacher-forced
   through the reference engine (``workers/hf_sim.py``: the same vToken manager and policy,
-  the evicted tokens really removed), relative to the full cache.
+  the evicted tokens really removed), relative to the full cache; and, at budgets rounded up
+  to whole blocks, token-level against block-level selection (``selection``), with the
+  blocks each held.
 - **PAGE**: its gate decides at the end of prefill from the drop in head agreement between
   early and late layers. Every PAGE request records its drop. Harm (the PAGE paper's
   definition): eviction turns a correct full-cache answer into a wrong one; harm rate =
@@ -153,14 +163,30 @@ def is_correct(text: str, key: str) -> bool:
     return found is not None and found.group() == key
 
 
+ENGINE_OF_CELL = {"token": "eager"}  # a cell's engine kind, where it differs from its name
+SELECTION_CELLS = ("token", "block")  # token vs block selection at equal held blocks
+
+
+def whole_blocks_budget(keep: float, num_tokens: int) -> int:
+    """``ceil(keep * num_tokens)`` rounded up to whole blocks, in tokens: token-level and
+    block-level eviction both hold ``budget / BLOCK_SIZE`` blocks at it."""
+    return BLOCK_SIZE * math.ceil(math.ceil(keep * num_tokens) / BLOCK_SIZE)
+
+
 class QualityEngine:
-    """One in-process engine; records each finished request's held blocks and PAGE gate."""
+    """One in-process engine; records each finished request's held blocks and PAGE gate.
+    ``kind``: ``vanilla`` (no vToken), ``eager`` or ``on_demand`` (vToken), ``block``
+    (block-granular eviction, eager)."""
 
     def __init__(self, path: str, kind: str, num_blocks: int | None, max_len: int) -> None:
         from workers.engine import engine_state, make_llm
 
         self.kind = kind
-        vtoken = None if kind == "vanilla" else {"policy": "none", "eviction": kind}
+        vtoken: dict[str, Any] | None = {"policy": "none", "eviction": kind}
+        if kind == "vanilla":
+            vtoken = None
+        elif kind == "block":
+            vtoken = {"policy": "none", "eviction": "eager", "mode": "block"}
         self.llm = make_llm(
             path,
             vtoken,
@@ -188,16 +214,26 @@ class QualityEngine:
             state.free = free  # type: ignore[method-assign]
 
     def answer(self, cases: Sequence[Case], spec: dict[str, Any] | None) -> list[Answer]:
+        """Every case under one policy spec (``None``: the engine's)."""
+        return self.answer_each(cases, [spec] * len(cases))
+
+    def answer_each(
+        self, cases: Sequence[Case], specs: Sequence[dict[str, Any] | None]
+    ) -> list[Answer]:
+        """Each case under its own policy spec."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         from kernels.intmath import cdiv
 
-        params = SamplingParams(
-            max_tokens=ANSWER_TOKENS,
-            temperature=0,
-            extra_args={"vtoken_policy": spec} if spec is not None else None,
-        )
+        params = [
+            SamplingParams(
+                max_tokens=ANSWER_TOKENS,
+                temperature=0,
+                extra_args={"vtoken_policy": spec} if spec is not None else None,
+            )
+            for spec in specs
+        ]
         self.finished.clear()
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=list(c.prompt)) for c in cases], params, use_tqdm=False
@@ -233,7 +269,7 @@ class QualityEngine:
 @dataclass(frozen=True, slots=True)
 class Cell:
     task: str
-    engine: str  # vanilla (the full cache), eager, on_demand
+    engine: str  # vanilla (the full cache), eager, on_demand; token, block (SELECTION_CELLS)
     policy: str
     keep: float | None
     threshold: float | None = None  # PAGE's
@@ -244,6 +280,15 @@ class Cell:
             return None
         args = {} if self.threshold is None else {"threshold": self.threshold}
         return {"policy": self.policy, "keep_ratio": self.keep, "policy_args": args}
+
+    def spec_for(self, case: Case) -> dict[str, Any] | None:
+        """The case's spec: a ``token`` or ``block`` cell's budget is whole blocks
+        (:func:`whole_blocks_budget` of its prompt), fixed for the request's life."""
+        spec = self.spec
+        if spec is None or self.keep is None or self.engine not in SELECTION_CELLS:
+            return spec
+        budget = whole_blocks_budget(self.keep, len(case.prompt))
+        return {"policy": self.policy, "budget_tokens": budget, "policy_args": spec["policy_args"]}
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,12 +368,17 @@ def calibrate(drops: Sequence[float], full: Sequence[bool], evicted: Sequence[bo
 @dataclass(frozen=True, slots=True)
 class PerplexityRow:
     """A policy's perplexity at a keep ratio (``none``: the full cache, keep ``None``) and
-    relative to the full cache's."""
+    relative to the full cache's. ``whole_blocks``: the budget rounded up to whole blocks
+    (:func:`whole_blocks_budget`), for token-level against block-level ``selection`` at
+    equal held blocks; ``mean_held_blocks``: what each held at the end."""
 
     policy: str
     keep: float | None
     perplexity: float
     relative: float
+    selection: str = "token"
+    whole_blocks: bool = False
+    mean_held_blocks: float | None = None
 
 
 def perplexities(
@@ -344,35 +394,47 @@ def perplexities(
     """Teacher-forced perplexity of ``target`` tokens after ``context`` tokens of held-out
     documentation, per policy and keep, relative to the full cache (reference engine)."""
     from policies import make_policy
-    from vtoken import StandaloneBlockPool, VTokenManager
+    from vtoken import ReclaimMode, StandaloneBlockPool, VTokenManager
     from workers.hf_sim import HFSimEngine
 
     engine = HFSimEngine(path)
     rng = random.Random(f"ppl-{seed}")
     starts = [rng.randrange(len(corpus) - context - target) for _ in range(docs)]
 
-    def nll(policy: str, keep: float) -> float:
-        total = 0.0
+    def nll(policy: str, keep: float, selection: str, whole_blocks: bool) -> tuple[float, float]:
+        """Mean NLL over the documents and mean blocks held at the end."""
+        total, held = 0.0, 0.0
+        mode = ReclaimMode.BLOCK if selection == "block" else ReclaimMode.VTOKEN
+        budget = whole_blocks_budget if whole_blocks else lambda k, n: math.ceil(k * n)
         for start in starts:
             window = corpus[start : start + context + target]
             pool = StandaloneBlockPool(math.ceil((context + target) / BLOCK_SIZE) + 2)
-            manager = VTokenManager(pool, BLOCK_SIZE)
+            manager = VTokenManager(pool, BLOCK_SIZE, mode)
             total += engine.teacher_forced_nll(
                 window[:context],
                 window[context:],
                 make_policy(policy),
-                partial(lambda k, n: math.ceil(k * n), keep),
+                partial(budget, keep),
                 manager,
             )
-        return total / len(starts)
+            held += manager.requests["nll"].num_held_blocks
+        return total / len(starts), held / len(starts)
 
-    full = math.exp(nll("none", 1.0))
+    full = math.exp(nll("none", 1.0, "token", False)[0])
     rows = [PerplexityRow("none", None, round(full, 3), 1.0)]
     # PAGE here runs at its default threshold (the calibrated one is chosen on passkey)
     for policy in policies:
         for keep in keeps:
-            value = math.exp(nll(policy, keep))
+            value = math.exp(nll(policy, keep, "token", False)[0])
             rows.append(PerplexityRow(policy, keep, round(value, 3), round(value / full, 4)))
+            for selection in SELECTION_CELLS:
+                loss, held = nll(policy, keep, selection, True)
+                value = math.exp(loss)
+                rows.append(
+                    PerplexityRow(
+                        policy, keep, round(value, 3), round(value / full, 4), selection, True, held
+                    )
+                )
     return rows
 
 
@@ -405,17 +467,21 @@ def run(
         grid += [
             Cell(task, "on_demand", p, min(keeps)) for p in ON_DEMAND_POLICIES if p in policies
         ]
+        grid += [
+            Cell(task, kind, p, k) for kind in SELECTION_CELLS for p in policies for k in keeps
+        ]
     with_page = "page" in policies and "snapkv" in policies
     bar = tqdm(
         total=len(grid) + with_page * len(tasks), desc="quality", unit="cell", disable=not progress
     )
     answers: dict[Cell, list[Answer]] = {}
     page = None
-    for kind in ("vanilla", "eager", "on_demand"):
+    for kind in ("vanilla", "eager", "block", "on_demand"):
         blocks = on_demand_blocks if kind == "on_demand" else None
         engine = QualityEngine(path, kind, blocks, max_len)
-        for cell in (c for c in grid if c.engine == kind):
-            answers[cell] = engine.answer(tasks[cell.task], cell.spec)
+        for cell in (c for c in grid if ENGINE_OF_CELL.get(c.engine, c.engine) == kind):
+            cases = tasks[cell.task]
+            answers[cell] = engine.answer_each(cases, [cell.spec_for(c) for c in cases])
             bar.set_postfix_str(f"{cell.task} {cell.engine} {cell.policy} {cell.keep}")
             bar.update()
         if kind == "eager" and with_page:
@@ -610,6 +676,13 @@ def cli(
             f"{row['task']:>6} {row['engine']:>9} {row['policy']:>13} keep={row['keep']}{gate}: "
             f"accuracy {row['accuracy']}, harm {row['harm_rate']}, "
             f"length {row['output_length_change']:+.1%}"
+        )
+    for row in document.get("perplexity", []):
+        budget = " whole blocks" if row["whole_blocks"] else ""
+        held = "" if row["mean_held_blocks"] is None else f", {row['mean_held_blocks']} blocks"
+        typer.echo(
+            f"perplexity {row['policy']:>13} keep={row['keep']} {row['selection']}{budget}: "
+            f"{row['perplexity']} ({row['relative']}x){held}"
         )
     if document["page"] is not None:
         typer.echo("page: " + json.dumps(document["page"]))

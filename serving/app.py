@@ -197,12 +197,12 @@ def admission_config(
     (``VTokenConfig.admission_protection``), since a tenant's cap bounds its requests in both."""
     vtoken = engine.vtoken
     active_kv = admission == "active_kv"
-    protection = vtoken.admission_protection()
+    protection = vtoken.admission_protection(engine.block_size)
     chunk = vtoken.admission_prefill_chunk_tokens(engine.max_num_batched_tokens)
     return AdmissionConfig(
         block_size=engine.block_size,
         keep_ratio=vtoken.admission_keep_ratio() if active_kv else None,
-        floor_tokens=vtoken.admission_floor_tokens() if active_kv else None,
+        floor_tokens=vtoken.admission_floor_tokens(engine.block_size) if active_kv else None,
         protected_tokens=protection.tokens,
         protected_fraction=protection.fraction,
         prefill_chunk_tokens=chunk if active_kv else None,

@@ -6,8 +6,8 @@ step's attention statistics, and ``reclaim`` to repack and give blocks back to t
 The manager changes only tables and the pool: the engine copies the KV of each returned
 plan (``src_slots`` to ``dst_slots``) before its next forward reads or writes them.
 
-Both modes make the same decisions and keep the same physical layout (every reclaim
-repacks). They differ only in what a request holds::
+``vtoken`` and ``naive`` make the same decisions and keep the same physical layout (every
+reclaim repacks). They differ only in what a request holds::
 
     logical ids   0  1  2  3 | 4  5  6  7 | 8  9          block_size 4, . = evicted
     live          x  .  .  . | .  .  x  . | x  x
@@ -17,6 +17,10 @@ repacks). They differ only in what a request holds::
 In ``naive`` mode (Naive-Evict, the paired baseline) a request also holds *ballast*
 blocks from the pool, so that it holds exactly what a block-granular manager must: one
 block per logical block that still holds a live token (``TokenTable.num_naive_blocks``).
+
+In ``block`` mode (block-granular eviction, the baseline paged engines ship) the policy
+drops whole blocks (``vtoken/block_eviction.py``) and a reclaim frees them without copies
+(``plan_block_drop``): its plans never move a token.
 """
 
 from __future__ import annotations
@@ -27,9 +31,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kernels.intmath import cdiv
+from vtoken.block_eviction import num_protected_blocks, select_blocks
 from vtoken.block_pool import BlockPool
 from vtoken.policy import EvictionPolicy, PolicyView, StepAttention
-from vtoken.repack_planner import ReclaimMode, RepackPlan, plan_repack
+from vtoken.repack_planner import ReclaimMode, RepackPlan, plan_block_drop, plan_repack
 from vtoken.reports import DEFAULT_TENANT, RequestReport
 from vtoken.token_table import TokenTable
 
@@ -136,7 +141,8 @@ class VTokenManager:
     def evict(
         self, request_id: str, budget: int, attention: StepAttention | None = None
     ) -> np.ndarray:
-        """Finish a step: run the request's policy for ``budget`` live tokens and evict.
+        """Finish a step: run the request's policy for ``budget`` live tokens and evict
+        (in block mode, whole blocks: :func:`~vtoken.block_eviction.select_blocks`).
 
         Returns the evicted logical ids (empty without a policy).
         """
@@ -145,8 +151,11 @@ class VTokenManager:
         if request.policy is None:
             return np.zeros(0, dtype=np.int64)
         view = self.view(request_id, attention)
-        evicted = request.policy.select(view, budget)
         live_slots = request.table.live_slots()
+        if self.mode is ReclaimMode.BLOCK:
+            evicted = select_blocks(request.policy, view, budget, self.block_size, live_slots)
+        else:
+            evicted = request.policy.select(view, budget)
         for name, values in view.stats.items():
             request.table.stats[name][live_slots] = values
         self.evict_ids(request_id, evicted)
@@ -173,7 +182,8 @@ class VTokenManager:
         self.num_evicted_tokens += count
 
     def plan(self, request_id: str) -> RepackPlan:
-        return plan_repack(self.requests[request_id].table)
+        table = self.requests[request_id].table
+        return plan_block_drop(table) if self.mode is ReclaimMode.BLOCK else plan_repack(table)
 
     def reclaim(self, request_ids: Iterable[str] | None = None) -> list[RepackPlan]:
         """Repack the given requests (default: all), free the blocks that emptied and, in
@@ -181,15 +191,20 @@ class VTokenManager:
         in order; the engine copies their moves before its next forward.
 
         Dead tokens own no slot afterwards, even when no block is freed and nothing moves
-        (dead tail tokens: the slot count just drops).
+        (dead tail tokens: the slot count just drops). In block mode nothing moves: dead
+        blocks leave the table wherever they are (``ValueError`` if a dead token shares a
+        block with live ones, see ``plan_block_drop``).
         """
         ids = list(self.requests) if request_ids is None else list(request_ids)
         plans = []
         for request_id in ids:
             request = self.requests[request_id]
             held_before = request.num_held_blocks
-            plan = plan_repack(request.table)
-            released = request.table.move(plan.src_local, plan.dst_local, plan.num_slots_after)
+            plan = self.plan(request_id)
+            if self.mode is ReclaimMode.BLOCK:
+                released = request.table.drop_blocks(plan.free_block_indices, plan.num_slots_after)
+            else:
+                released = request.table.move(plan.src_local, plan.dst_local, plan.num_slots_after)
             assert released == plan.free_block_ids
             if released:
                 self.pool.free(released)
@@ -238,7 +253,9 @@ class VTokenManager:
         its budget, or the tokens its policy protects if more, would fill. The floor is its
         ideal (a pending repack's blocks are reclaimable) without a budget or under a
         policy that does not evict to its budget whenever asked (``none``; SnapKV and PAGE
-        decide once), and what it holds in naive mode (eviction frees no block there).
+        decide once), and what it holds in naive mode (eviction frees no block there). In
+        block mode what the policy protects counts in whole blocks
+        (:func:`~vtoken.block_eviction.num_protected_blocks`).
 
         Blocks charged to another request (``charged_elsewhere``, default: computed) leave
         its ``allocated``, ``ideal``, ``floor`` and ``naive`` counts alike (they are
@@ -247,15 +264,21 @@ class VTokenManager:
             charged_elsewhere = self.charged_elsewhere().get(request_id, 0)
         request = self.requests[request_id]
         table = request.table
-        vtoken = self.mode is ReclaimMode.VTOKEN
+        frees = self.mode is not ReclaimMode.NAIVE
         # A pending repack's freed blocks count as reclaimable (the ideal, not what it holds).
-        floor = table.num_ideal_blocks if vtoken else request.num_held_blocks
+        floor = table.num_ideal_blocks if frees else request.num_held_blocks
         policy = request.policy
         # Only a policy that evicts to its budget whenever asked can bring it lower.
         evicts = policy is not None and policy.holds_budget_every_step and policy.needs_budget
-        if budget_tokens is not None and evicts and vtoken:
+        if budget_tokens is not None and evicts and frees:
             assert policy is not None
-            keep = max(budget_tokens, policy.num_protected(budget_tokens, request.num_pinned))
+            if self.mode is ReclaimMode.BLOCK:
+                protected = num_protected_blocks(
+                    policy.protection(), budget_tokens, request.num_pinned, self.block_size
+                )
+                keep = max(cdiv(budget_tokens, self.block_size), protected) * self.block_size
+            else:
+                keep = max(budget_tokens, policy.num_protected(budget_tokens, request.num_pinned))
             floor = min(floor, cdiv(min(table.num_live, keep), self.block_size))
         shared = charged_elsewhere
         return RequestReport(
@@ -281,7 +304,7 @@ class VTokenManager:
     def _ballast_size(self, table: TokenTable, num_new_tokens: int = 0) -> int:
         """Ballast Naive-Evict needs once ``num_new_tokens`` more are appended (0 in vtoken
         mode): its logical blocks minus the blocks the packed table will hold."""
-        if self.mode is ReclaimMode.VTOKEN:
+        if self.mode is not ReclaimMode.NAIVE:
             return 0
         num_table_blocks = cdiv(table.num_slots + num_new_tokens, self.block_size)
         return max(0, table.num_naive_blocks(num_new_tokens) - num_table_blocks)

@@ -8,8 +8,14 @@ vtoken mode, for a request with ``n_live`` live tokens::
     after    |x x x x|x x . .|              ceil(6 / 4) = 2 blocks kept, block 2 freed
 
 Holes are paired with sources in ascending order, so runs of consecutive holes receive
-runs of consecutive sources (contiguous copies for the kernels). Both reclaim modes plan
-the same repack; they differ in what the manager holds besides (``vtoken/manager.py``).
+runs of consecutive sources (contiguous copies for the kernels). ``vtoken`` and ``naive``
+plan the same repack; they differ in what the manager holds besides (``vtoken/manager.py``).
+
+block mode (block-granular eviction, ``vtoken/block_eviction.py``) moves nothing: whole
+dead blocks leave the request's block list and later slots shift down by whole blocks::
+
+    before   |x x x x|. . . .|x x . .|      block 1 dead, dead tail slot 10..11
+    after    |x x x x|x x|                  no moves, block 1 freed, 6 slots
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from vtoken.token_table import TokenTable
 class ReclaimMode(StrEnum):
     VTOKEN = "vtoken"  # hold the fewest blocks the repacked live tokens fit in
     NAIVE = "naive"  # Naive-Evict: hold every logical block that still has a live token
+    BLOCK = "block"  # block-granular eviction: whole blocks dropped, nothing moved
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +78,35 @@ def plan_repack(table: TokenTable) -> RepackPlan:
         src_slots=table.global_slots(src_local),
         dst_slots=table.global_slots(dst_local),
         num_slots_after=num_live,
+        free_block_indices=free_indices,
+        free_block_ids=[table.block_ids[int(i)] for i in free_indices],
+    )
+
+
+def plan_block_drop(table: TokenTable) -> RepackPlan:
+    """Plan a reclaim without copies (block mode; pure): free every block that holds no
+    live token, and cut dead slots at the end. ``ValueError`` when a dead token sits in a
+    block that keeps a live one before the last live token (only a repack could free it:
+    block mode evicts whole blocks, ``vtoken.block_eviction.select_blocks``)."""
+    live = table.live_mask
+    live_slots = np.flatnonzero(live)
+    end = int(live_slots[-1]) + 1 if live_slots.size else 0
+    num_blocks = len(table.block_ids)
+    live_per_block = np.bincount(live_slots // table.block_size, minlength=num_blocks)
+    free_indices = np.flatnonzero(live_per_block == 0).astype(np.int64)
+    slots = np.arange(end)
+    kept = slots[live_per_block[slots // table.block_size] > 0]
+    if not live[kept].all():
+        raise ValueError(
+            "block mode drops whole blocks only: a dead token shares a block with live ones"
+        )
+    empty = np.zeros(0, dtype=np.int64)
+    return RepackPlan(
+        src_local=empty,
+        dst_local=empty,
+        src_slots=empty,
+        dst_slots=empty,
+        num_slots_after=int(kept.size),
         free_block_indices=free_indices,
         free_block_ids=[table.block_ids[int(i)] for i in free_indices],
     )

@@ -134,6 +134,35 @@ class TokenTable:
         del self.block_ids[num_kept:]
         return released
 
+    def drop_blocks(self, block_indices: np.ndarray, num_slots: int) -> list[int]:
+        """Commit a reclaim without copies (block mode): the blocks at ``block_indices``
+        (into ``block_ids``) leave the table, and every later slot moves down by the
+        dropped blocks' slots (a relabelling: no KV moves, the blocks keep their bytes).
+        ``num_slots`` is the new slot count; the kept blocks' slots past it must be dead,
+        and so must every slot of a dropped block. Returns the dropped block ids."""
+        bs = self.block_size
+        dropped = np.zeros(len(self.block_ids), dtype=bool)
+        dropped[np.asarray(block_indices, dtype=np.int64)] = True
+        slots = np.arange(self.num_slots)
+        kept = slots[~dropped[slots // bs]]
+        assert not self._live_at_slot[slots[dropped[slots // bs]]].any(), "dropped a live token"
+        assert not self._live_at_slot[kept[num_slots:]].any(), "live token cut off"
+        kept = kept[:num_slots]
+        new_slots = np.arange(num_slots, dtype=np.int64)
+        owners = self._logical_at_slot[kept]
+        live = self._live_at_slot[kept]
+        self._live_at_slot[: self.num_slots] = False
+        self._logical_at_slot[new_slots] = owners
+        self._live_at_slot[new_slots] = live
+        self._slot_of_logical[owners[live]] = new_slots[live]
+        for values in self.stats.values():
+            values[new_slots] = values[kept]
+        released = [self.block_ids[i] for i in np.flatnonzero(dropped)]
+        self.block_ids[:] = [b for b, gone in zip(self.block_ids, dropped, strict=True) if not gone]
+        self.num_slots = num_slots
+        assert len(self.block_ids) == cdiv(num_slots, bs), "blocks != slots after a drop"
+        return released
+
     # ------------------------------------------------------------------ views
     @property
     def live_mask(self) -> np.ndarray:

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from vtoken.block_eviction import admission_protected_tokens
 from vtoken.policy import EvictionPolicy
 from vtoken.repack_planner import ReclaimMode
 
@@ -92,6 +93,8 @@ class VTokenConfig(PolicySpec):
 
     - ``mode``: ``vtoken`` repacks and frees every emptied block; ``naive`` keeps every block
       a block-granular manager would still hold (Naive-Evict, ``vtoken/manager.py``);
+      ``block`` evicts whole blocks (the policy's scores summed per block, protected
+      blocks kept) and frees them without copies (``vtoken/block_eviction.py``);
     - ``eviction``: ``eager`` evicts every request to its budget after every step (the
       paper's benchmarks); ``on_demand`` keeps tokens until memory is needed, then evicts
       running requests to their budgets (those whose eviction gives the next step the most
@@ -163,7 +166,9 @@ class VTokenConfig(PolicySpec):
         """The keep ratio when the policy evicts to it whenever asked (admission bounds a
         request without a tenant cap by it after prefill, counting what the policy protects
         past it: :meth:`admission_protection`); ``None`` otherwise (policy ``none``, an
-        absolute budget, a policy that compresses once, or naive mode).
+        absolute budget, a policy that compresses once, or naive mode). Block mode frees
+        whole blocks: a budget ``B`` holds at most ``ceil(B / bs)`` blocks past what its
+        policy protects, so the ratio bounds it too.
 
         In ``on_demand`` mode a request keeps more than its ratio while memory is free; that
         excess is reclaimable, and the controller's pressure takes it back as soon as the
@@ -172,11 +177,11 @@ class VTokenConfig(PolicySpec):
         policy = self.make_policy()
         if not (policy.holds_budget_every_step and policy.needs_budget):
             return None
-        if self.mode != "vtoken":  # Naive-Evict frees no block by evicting
+        if self.mode is ReclaimMode.NAIVE:  # Naive-Evict frees no block by evicting
             return None
         return self.keep_ratio
 
-    def admission_protection(self) -> ProtectionBound:
+    def admission_protection(self, block_size: int | None = None) -> ProtectionBound:
         """What the engine keeps of a request whatever its budget ``B``, at most ``tokens +
         ceil(fraction * B)``: its policy's :meth:`~vtoken.policy.EvictionPolicy.protection`
         (sinks, or the pinned prefix ``prefix_pin_tokens`` where it is longer, fixed recent
@@ -185,15 +190,27 @@ class VTokenConfig(PolicySpec):
         instead (``serving.engine_translators.request_spec``): its recent share counts too.
         Admission counts a request at no less (``kv_bounds``); forgetting it let a pinned
         system prompt hold twice what admission counted. In naive mode eviction frees no
-        block, so everything counts (:data:`NOTHING_FREED`)."""
+        block, so everything counts (:data:`NOTHING_FREED`). In block mode each protected
+        token pins its whole block: the sinks or pinned prefix count ``ceil(S / bs)``
+        blocks, each recent window ``ceil(r / bs) + 1`` (the last, partial block among
+        them), one more when a window grows with the budget
+        (:func:`~vtoken.block_eviction.admission_protected_tokens`); ``block_size`` (the
+        engine's) is required then, ``ValueError`` without it."""
         from policies import CAP_POLICY
 
-        if self.mode != "vtoken":  # Naive-Evict frees no block by evicting: not even a cap's
+        if self.mode is ReclaimMode.NAIVE:  # Naive-Evict frees no block: not even a cap's
             return NOTHING_FREED
         protection = self.make_policy().protection().pinned(self.prefix_pin_tokens)
         # The cap policy keeps the pinned prefix (<= tokens) and its own recent share.
-        fraction = max(protection.fraction, CAP_POLICY().protection().fraction)
-        return ProtectionBound(tokens=protection.tokens, fraction=min(1.0, fraction))
+        fraction = min(1.0, max(protection.fraction, CAP_POLICY().protection().fraction))
+        if self.mode is ReclaimMode.BLOCK:
+            if block_size is None or block_size <= 0:
+                raise ValueError(
+                    f"mode 'block': admission needs the engine's block_size > 0, got {block_size}"
+                )
+            tokens = admission_protected_tokens(protection, block_size, fraction)
+            return ProtectionBound(tokens=tokens, fraction=fraction)
+        return ProtectionBound(tokens=protection.tokens, fraction=fraction)
 
     def admission_prefill_chunk_tokens(self, max_num_batched_tokens: int | None) -> int | None:
         """The prefill chunk admission counts a request's prefill peak with (``kv_bounds``:
@@ -213,18 +230,20 @@ class VTokenConfig(PolicySpec):
             return None  # its keep ratio and caps run under it, only once prefill ended
         return max_num_batched_tokens if CAP_POLICY().evicts_during_prefill else None
 
-    def admission_floor_tokens(self) -> int | None:
+    def admission_floor_tokens(self, block_size: int | None = None) -> int | None:
         """The fewest tokens the policy can be squeezed to, when it evicts to any budget
         whenever asked; ``None`` otherwise (nothing to squeeze a request toward:
         ``squeeze_to_floor`` tenants are counted at their budgets then).
 
         What the policy protects grows with the budget (:meth:`admission_protection`:
         ``P + f x B``), so the floor is the budget that covers its own protection:
-        ``ceil(P / (1 - f))``."""
+        ``ceil(P / (1 - f))`` (``block_size``: the engine's, required in block mode)."""
         policy = self.make_policy()
-        if self.mode != "vtoken" or not (policy.holds_budget_every_step and policy.needs_budget):
+        if self.mode is ReclaimMode.NAIVE:
             return None
-        bound = self.admission_protection()
+        if not (policy.holds_budget_every_step and policy.needs_budget):
+            return None
+        bound = self.admission_protection(block_size)
         if bound.fraction >= 1:
             return None
         return math.ceil(bound.tokens / (1 - bound.fraction))

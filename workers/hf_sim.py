@@ -59,6 +59,8 @@ class HFSimEngine:
     ) -> SimResult:
         """Greedy decoding; the first manager's slot order drives the cache, every manager
         gets the same allocations and evictions (paired comparisons on identical decisions).
+        A block-mode manager takes whole blocks only: it decides (the first manager), or
+        follows one of its own block size that does.
 
         ``chunk_size``: the prompt is prefilled ``chunk_size`` tokens a step, as a paged
         engine's chunked prefill with that token budget (``None``: in one step). After a

@@ -28,7 +28,9 @@ class StepOps:
        step; the blocks they empty may already be allocated to requests of this step,
        whose forward writes them only after the copies (same stream / synchronous CPU).
     2. ``num_blocks``: truncate these requests' block lists to this length (tail blocks the
-       repack emptied), before this step's ``new_block_ids`` are appended.
+       repack emptied), before this step's ``new_block_ids`` are appended. ``block_rows``
+       (block mode: blocks dropped from the middle, nothing copied): replace these
+       requests' block lists with these block ids (int32), before them too.
     3. ``num_evicted``: per scheduled vToken request, logical minus physical token count.
        Positions stay logical; ``seq_lens`` and the slot mapping subtract this.
     4. ``score_needs``: the statistics each scored request's policy needs this step.
@@ -37,6 +39,7 @@ class StepOps:
     src_slots: np.ndarray
     dst_slots: np.ndarray
     num_blocks: dict[str, int] = field(default_factory=dict)
+    block_rows: dict[str, np.ndarray] = field(default_factory=dict)
     num_evicted: dict[str, int] = field(default_factory=dict)
     score_needs: dict[str, ScoreNeeds] = field(default_factory=dict)
 

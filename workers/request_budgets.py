@@ -6,10 +6,11 @@ nothing. ``workers/scheduler_side.py`` asks it for a :class:`SqueezePlanner` per
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
+from vtoken.block_eviction import num_protected_block_tokens
 from vtoken.repack_planner import ReclaimMode
 from workers.config import VTokenConfig
 from workers.prefix_cache import PrefixCacheRule
@@ -100,7 +101,7 @@ class RequestBudgets:
             num_next_step_blocks=self.next_step_blocks(record, request),
             budget=self.budget(record),
             num_unbudgeted=self.unbudgeted(record),
-            protected_at=partial(policy.num_protected, num_pinned=kv.num_pinned),
+            protected_at=self.protected_at(record),
             sole_blocks=partial(self.sole_blocks, kv.request_id),
             evicts_to_budget=policy.holds_budget_every_step and policy.needs_budget,
             own_timing=not policy.holds_budget_every_step,
@@ -110,6 +111,17 @@ class RequestBudgets:
             running=request is not None,
             ending=request is not None and ends_with_this_step(request),
         )
+
+    def protected_at(self, record: ScheduledRequest) -> Callable[[int], int]:
+        """Tokens the request's policy keeps past a budget; in block mode the whole blocks
+        its protected tokens pin (:func:`~vtoken.block_eviction.num_protected_blocks`)."""
+        policy, pinned = record.kv.policy, record.kv.num_pinned
+        assert policy is not None
+        if self.config.mode is ReclaimMode.BLOCK:
+            return partial(
+                num_protected_block_tokens, policy, num_pinned=pinned, block_size=self.block_size
+            )
+        return partial(policy.num_protected, num_pinned=pinned)
 
     def next_step_blocks(self, record: ScheduledRequest, request: Any | None) -> int:
         """Blocks one running request may open next step (0 if it ends with this one): a

@@ -22,7 +22,8 @@ EMPTY_SLOTS = np.zeros(0, dtype=np.int64)
 class ScheduledRequest:
     """One running request of the engine core: the manager's entry (its pinned prefix is
     ``kv.num_pinned``), its policy spec, what the workers still have to apply (repack
-    moves, the block count after the repack), and every step's evicted logical ids when
+    moves, the block count after the repack or, in block mode, the block list after a
+    drop), and every step's evicted logical ids when
     ``record_evictions`` is on."""
 
     kv: RequestKV
@@ -36,6 +37,7 @@ class ScheduledRequest:
     pending_src: np.ndarray = field(default_factory=lambda: EMPTY_SLOTS)
     pending_dst: np.ndarray = field(default_factory=lambda: EMPTY_SLOTS)
     pending_num_blocks: int | None = None
+    pending_block_row: np.ndarray | None = None  # block mode: its whole new block list
     evictions: list[np.ndarray] = field(default_factory=list)
     scored: bool = True  # its policy gets what it needs to evict after the step scheduled last
 
@@ -108,8 +110,11 @@ def take_ops(
         record.scored = needs == full
         if needs.any:
             score_needs[request_id] = needs
-    src, dst, num_blocks = [EMPTY_SLOTS], [EMPTY_SLOTS], {}
+    src, dst, num_blocks, block_rows = [EMPTY_SLOTS], [EMPTY_SLOTS], {}, {}
     for request_id, record in records.items():
+        if record.pending_block_row is not None:
+            block_rows[request_id] = record.pending_block_row
+            record.pending_block_row = None
         if record.pending_num_blocks is not None:
             src.append(record.pending_src)
             dst.append(record.pending_dst)
@@ -120,6 +125,7 @@ def take_ops(
         src_slots=np.concatenate(src),
         dst_slots=np.concatenate(dst),
         num_blocks=num_blocks,
+        block_rows=block_rows,
         num_evicted=num_evicted,
         score_needs=score_needs,
     )

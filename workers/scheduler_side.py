@@ -35,7 +35,10 @@ are ``workers/tenant_pressure.py``.
 
 ``naive`` mode (Naive-Evict): the same decisions and the same physical compaction (so
 attention is identical); the manager also holds *ballast* blocks from the pool, so a
-request holds what a block-granular manager would (``vtoken/manager.py``).
+request holds what a block-granular manager would (``vtoken/manager.py``). ``block``
+mode (block-granular eviction): the policy drops whole blocks, which leave the middle of
+vLLM's block list; the workers rewrite the request's row (``StepOps.block_rows``), no KV
+moves.
 """
 
 from __future__ import annotations
@@ -301,7 +304,8 @@ class VTokenScheduler:
 
     # ------------------------------------------------------------------ ops outbox
     def _reclaim(self, record: ScheduledRequest) -> None:
-        """Repack now; the workers copy the moves and cut vLLM's block row next step."""
+        """Repack now; the workers copy the moves and cut vLLM's block row next step (in
+        block mode, nothing to copy: they rewrite the row without the dropped blocks)."""
         request_id = record.kv.request_id
         (plan,) = self.manager.reclaim([request_id])  # commits the table, frees blocks
         if not plan.touches_blocks:
@@ -309,9 +313,13 @@ class VTokenScheduler:
         if plan.num_moves:
             record.pending_src = np.concatenate([record.pending_src, plan.src_slots])
             record.pending_dst = np.concatenate([record.pending_dst, plan.dst_slots])
-        num_kept = len(record.kv.table.block_ids)
-        del self.stm.req_to_blocks[request_id][num_kept:]
-        record.pending_num_blocks = num_kept
+        dropped = set(plan.free_block_indices.tolist())
+        blocks = self.stm.req_to_blocks[request_id]
+        blocks[:] = [block for index, block in enumerate(blocks) if index not in dropped]
+        if self.config.mode is ReclaimMode.BLOCK:
+            record.pending_block_row = np.asarray(record.kv.table.block_ids, dtype=np.int32)
+        else:
+            record.pending_num_blocks = len(blocks)
 
     def take_ops(
         self,

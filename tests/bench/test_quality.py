@@ -159,6 +159,11 @@ def test_quick_run_writes_the_documented_json(tmp_path):
         assert rows[(task, "eager", "h2o", True)]["mean_held_blocks"] < full["mean_held_blocks"]
         assert (task, "eager", "page", False) in rows  # PAGE at the calibrated threshold
         assert rows[(task, "on_demand", "h2o", True)]["cases"] == 8
+        for policy in ("h2o", "snapkv", "page"):  # token vs block selection, whole blocks
+            token, block = rows[(task, "token", policy, True)], rows[(task, "block", policy, True)]
+            assert token["cases"] == block["cases"] == 8
+            assert token["mean_held_blocks"] < full["mean_held_blocks"] or policy == "page"
+            assert abs(block["mean_held_blocks"] - token["mean_held_blocks"]) <= 1.0
     page = document["page"]
     assert set(page) >= {
         "harm_rate",
@@ -171,4 +176,9 @@ def test_quick_run_writes_the_documented_json(tmp_path):
     (ppl_full, *ppl_rows) = document["perplexity"]
     assert ppl_full["policy"] == "none" and ppl_full["relative"] == 1.0
     assert {r["policy"] for r in ppl_rows} == {"h2o", "snapkv", "page"}
+    assert {(r["selection"], r["whole_blocks"]) for r in ppl_rows} == {
+        ("token", False),
+        ("token", True),
+        ("block", True),
+    }
     assert all(r["perplexity"] > 1.0 for r in document["perplexity"])

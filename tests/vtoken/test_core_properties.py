@@ -73,7 +73,10 @@ class Harness:
 @given(ops=operations, block_size=st.sampled_from([4, 16, 32]), seed=st.integers(0, 2**16))
 def test_random_sequences_keep_every_invariant(ops, block_size, seed):
     rng = np.random.default_rng(seed)
-    harnesses = {mode: Harness(mode, block_size) for mode in ReclaimMode}
+    # Token-level evictions: block mode (whole blocks only) has its own property test.
+    harnesses = {
+        mode: Harness(mode, block_size) for mode in (ReclaimMode.VTOKEN, ReclaimMode.NAIVE)
+    }
     for op, arg in ops:
         if op == "append":
             fits = [h.append(arg) for h in harnesses.values()]

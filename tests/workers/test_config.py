@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 
 from controlplane.admission import kv_bounds
+from kernels.intmath import cdiv
 from policies import CAP_POLICY, REGISTRY
-from vtoken.policy import ScoreNeeds, StepAttention
+from vtoken.block_eviction import select_blocks
+from vtoken.policy import PolicyView, ScoreNeeds, StepAttention
 from vtoken.repack_planner import ReclaimMode
 from workers.config import (
     NOTHING_FREED,
@@ -232,6 +234,58 @@ def test_admission_counts_at_least_what_the_policy_protects_at_every_budget(
         for protection in kept_by_engine:
             assert counted >= max(budget, protection.num_protected(budget)), (budget, protection)
     assert bound.tokens == kept_by_engine[0].tokens  # the same sinks, pinned prefix, windows
+
+
+@pytest.mark.parametrize("prefix_pin_tokens", [0, 12])
+@pytest.mark.parametrize("name", ["random", "h2o", "streaming_llm"])
+def test_block_mode_admission_counts_every_block_block_eviction_keeps(name, prefix_pin_tokens):
+    """In block mode each protected token pins its whole block: the steady bound counts
+    at least the blocks ``select_blocks`` keeps at every budget and length, under the
+    engine's policy and under the cap policy (H2O) a capped request may run under."""
+    block_size = 16  # a few protected tokens pin far more in whole blocks
+    config = VTokenConfig(
+        policy=name,
+        policy_args={"sinks": 1, "recent": 2, "recent_fraction": 0.1},
+        keep_ratio=0.2,
+        prefix_pin_tokens=prefix_pin_tokens,
+        mode="block",
+    )
+    bound = config.admission_protection(block_size)
+    rng = np.random.default_rng(0)
+    for length in range(1, 400, 7):
+        for budget in range(1, length + 1, 5):
+            for policy in (config.make_policy(), CAP_POLICY()):
+                view = PolicyView(
+                    logical_ids=np.arange(length),
+                    num_logical=length,
+                    prompt_len=length,
+                    step=1,
+                    stats={n: np.zeros(length, np.float32) for n in policy.stat_names},
+                    attention=StepAttention(step_scores=rng.random(length)),
+                    num_pinned=prefix_pin_tokens,
+                )
+                evicted = select_blocks(policy, view, budget, block_size, np.arange(length))
+                kept_blocks = cdiv(length - evicted.size, block_size)
+                steady = kv_bounds(
+                    length,
+                    0,
+                    block_size,
+                    budget,
+                    protected_tokens=bound.tokens,
+                    protected_fraction=bound.fraction,
+                ).steady
+                assert steady - 1 >= kept_blocks or steady == cdiv(length, block_size)
+
+
+def test_block_mode_admission_needs_the_block_size():
+    config = VTokenConfig(policy="h2o", keep_ratio=0.2, mode="block")
+    with pytest.raises(ValueError, match="block_size"):
+        config.admission_protection()
+    assert config.admission_keep_ratio() == 0.2
+    # H2O's recent half of its budget (no sinks, no fixed window): the block its window
+    # straddles and the rounding of a budget-sized window, on top of ceil(0.5 x B).
+    assert config.admission_protection(16) == ProtectionBound(tokens=2 * 16, fraction=0.5)
+    assert config.admission_floor_tokens(16) == 64
 
 
 def test_other_vllm_versions_are_refused():

@@ -218,7 +218,8 @@ def test_blocks_above_budget_count_only_what_eviction_gives_back(mode):
     request = FakeRequest("r", num_prompt_tokens=60)  # 15 blocks of 4
     run_prefill(state, request)
     # keeps 40 sinks + H2O's recent half of its 6-token budget: 43 tokens, 11 blocks
-    expected = {ReclaimMode.VTOKEN: 15 - 11, ReclaimMode.NAIVE: 0}[mode]
+    # block mode counts whole blocks: the sinks' 10 and the 2 a 3-token window can straddle
+    expected = {ReclaimMode.VTOKEN: 15 - 11, ReclaimMode.NAIVE: 0, ReclaimMode.BLOCK: 15 - 12}[mode]
     assert state.blocks_above_budget("r") == expected
     state.manager.evict_ids("r", np.arange(40, 60))  # at its sinks now
     state._reclaim(state.requests["r"])
@@ -806,3 +807,52 @@ def test_hard_bounds_come_before_pinned_hits_and_a_resumed_request_pins_nothing(
     resumed.num_preemptions = 1  # its hit is its own former sequence
     assert state.allocate(resumed, 16, hit_blocks=hit)
     assert state.requests["c"].hit_tokens == 0
+
+
+def _block_state(num_blocks: int = 16):
+    """Block mode, StreamingLLM keeping 1 sink and 2 recent tokens (so whole middle
+    blocks go), on fakes."""
+    pool, manager = FakeBlockPool(num_blocks), FakeBlockManager()
+    config = VTokenConfig(
+        policy="streaming_llm",
+        policy_args={"sinks": 1, "recent": 2},
+        mode=ReclaimMode.BLOCK,
+        check_invariants=True,
+    )
+    return VTokenScheduler(config, pool, manager), pool, manager
+
+
+def test_block_mode_drops_middle_blocks_and_ships_the_new_row_without_moves():
+    state, pool, manager = _block_state()
+    request = FakeRequest("r", num_prompt_tokens=14)  # blocks 0..3, the last holds 2
+    run_prefill(state, request)
+    row = [b.block_id for b in manager.req_to_blocks["r"]]
+    free_before = pool.get_num_free_blocks()
+    state.after_step({"r": 14}, {"r": request}, None)  # keeps the sink's and the tail block
+    table = state.requests["r"].kv.table
+    assert table.live_logical_ids().tolist() == [0, 1, 2, 3, 12, 13]
+    assert [b.block_id for b in manager.req_to_blocks["r"]] == [row[0], row[3]]
+    assert pool.get_num_free_blocks() == free_before + 2
+    ops = state.take_ops({"r": 1}, {"r": request})
+    assert ops.num_moves == 0 and ops.num_blocks == {}
+    assert ops.block_rows["r"].tolist() == [row[0], row[3]]
+    assert ops.num_evicted == {"r": 8}  # 14 logical, 6 physical
+    assert state.take_ops({"r": 1}, {"r": request}).block_rows == {}  # taken once
+    assert state.manager.num_repack_moves == 0
+    # The next token lands after the tail, in the tail block: no new block.
+    assert state.allocate(request, 1) == []
+    state.check_invariants()
+
+
+def test_block_mode_unpublishes_from_the_first_dropped_block():
+    """Published blocks 0-3: the drop of blocks 1-2 takes them and block 3 (whose place
+    in the request's sequence changed) out of the prefix cache."""
+    state, pool, manager = _block_state()
+    request = FakeRequest("r", num_prompt_tokens=16)
+    run_prefill(state, request)
+    manager.num_cached_block["r"] = 4
+    published = [b.block_id for b in manager.req_to_blocks["r"]]
+    state.after_step({"r": 16}, {"r": request}, None)
+    assert pool.unpublished == set(published[1:])
+    assert manager.num_cached_block["r"] == 1 and state.requests["r"].cacheable == 4
+    state.check_invariants()

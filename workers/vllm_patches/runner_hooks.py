@@ -1,7 +1,8 @@
 """Worker-side hooks (every worker process; the V1 ``GPUModelRunner``, which vLLM's CPU
 runner subclasses): each runner builds one ``VTokenWorker`` (``workers/worker_side.py``)
-that repacks and truncates blocks before the forward, makes what attention reads
-physical, and scores the queries its attention layers hand over after it.
+that repacks and truncates (block mode: rewrites) block rows before the forward, makes
+what attention reads physical, and scores the queries its attention layers hand over
+after it.
 
 Per step: ``execute_model`` runs the step's ``StepOps`` before the forward and scores
 after it; ``prepare_inputs`` makes ``seq_lens`` and the slot mapping physical;
@@ -116,6 +117,7 @@ def execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
         if state is None or ops is None:
             return original(self, scheduler_output, *args, **kwargs)
         _truncate_blocks(self, ops.num_blocks)
+        _rewrite_blocks(self, ops.block_rows)
         state.begin_step(ops, self.kv_caches)
         output = original(self, scheduler_output, *args, **kwargs)
         self.vtoken_scores = state.step_scores(_scored_requests(self))
@@ -138,6 +140,26 @@ def _truncate_blocks(runner: Any, num_blocks: dict[str, int]) -> None:
         row = batch.req_id_to_index.get(request_id)
         if row is not None:
             batch.block_table[0].num_blocks_per_row[row] = count
+
+
+def _rewrite_blocks(runner: Any, block_rows: dict[str, np.ndarray]) -> None:
+    """Block mode: replace a request's block list (blocks dropped from its middle, no KV
+    moved) in the cached state and the batch row; vLLM commits the host row to the
+    device with the step's other block-table changes."""
+    batch = runner.input_batch
+    table = batch.block_table[0]
+    for request_id, row in block_rows.items():
+        request = runner.requests.get(request_id)
+        if request is None:
+            continue
+        (block_ids,) = request.block_ids
+        block_ids[:] = row.tolist()
+        index = batch.req_id_to_index.get(request_id)
+        if index is not None:
+            num_before = int(table.num_blocks_per_row[index])
+            table.block_table.np[index, : row.size] = row
+            table.block_table.np[index, row.size : num_before] = 0
+            table.num_blocks_per_row[index] = row.size
 
 
 def _scored_requests(runner: Any) -> list[ScoredRequest]:
@@ -208,7 +230,8 @@ def prepare_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
       only inside the original) and ``num_computed_tokens_cpu`` (``is_prefilling``
       compares it with the prompt length: a phase, not a length).
     - ``block_table.block_table`` (host rows copied to the device at the start): already
-      physical, the rows truncated by ``_truncate_blocks`` before the step.
+      physical, the rows truncated by ``_truncate_blocks`` (rewritten by
+      ``_rewrite_blocks`` in block mode) before the step.
     - ``query_start_loc``, ``req_indices``, ``query_pos``, ``num_scheduled_tokens``:
       query lengths, which eviction does not change.
 

@@ -1,0 +1,32 @@
+"""The worker's block-row ops on vLLM 0.32's own ``MultiGroupBlockTable`` (no engine):
+block mode's rewrite of a row whose middle blocks were dropped."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from workers.vllm_patches.runner_hooks import _rewrite_blocks
+
+
+def test_a_block_row_rewrites_the_cached_ids_and_the_batch_row():
+    from vllm.v1.worker.block_table import MultiGroupBlockTable
+
+    table = MultiGroupBlockTable(4, 32, False, torch.device("cpu"), [4], max_num_blocks=[8])
+    table[0].add_row([5, 2, 7, 9], 1)
+    running = SimpleNamespace(block_ids=([5, 2, 7, 9],))
+    unscheduled = SimpleNamespace(block_ids=([4, 6, 8],))  # cached, out of this batch
+    runner = SimpleNamespace(
+        requests={"a": running, "b": unscheduled},
+        input_batch=SimpleNamespace(block_table=table, req_id_to_index={"a": 1}),
+    )
+    rows = {"a": np.array([5, 9], np.int32), "b": np.array([4], np.int32), "gone": np.zeros(1)}
+    _rewrite_blocks(runner, rows)
+    assert running.block_ids == ([5, 9],) and unscheduled.block_ids == ([4],)
+    assert table[0].num_blocks_per_row[1] == 2
+    assert table[0].block_table.np[1, :4].tolist() == [5, 9, 0, 0]
+    table[0].append_row([3], 1)  # the step's new block goes after the rewritten row
+    table.commit_block_table(2)
+    assert table[0].block_table.gpu[1, :3].tolist() == [5, 9, 3]

@@ -19,16 +19,18 @@ are in ``bench.serve_workloads``; the clock and the per-request outcomes of a tr
 ``bench.serve_trial``.
 
 **The reasoning preset** (``--workloads reasoning``, which runs alone: its pool and
-batched-token limit are its own): prompts of 96-160 tokens, outputs of 256-512, a pool of
-64 blocks, ``max_num_batched_tokens`` 128, 32 requests per trial, rates 0.25, 0.5 and 1 per
-second and one bisection step, policies ``random:0.2`` (no score pass: reclamation alone)
-and ``h2o:0.2``. It is the issue's example (prompts 192-320, outputs 512-1,024, 128
-blocks, 256 batched tokens, 64 requests) halved in every length and in the pool, and the
-requests halved too: on a 2-core CPU a full run of the four engines and two policies then
-takes about 20 minutes instead of well over an hour. Memory still binds as in the example:
-a request ends at 11-21 blocks (the example's 22-42 of a 128-block pool), so vanilla holds
-at most 3-5 requests at their end of 64 blocks while at 0.5 requests per second and 25 s
-or more end to end about a dozen are in flight; at keep 0.2 a request needs 3-5 blocks.
+batched-token limit are its own): prompts of 48-80 tokens, outputs of 128-256, a pool of
+32 blocks, ``max_num_batched_tokens`` 64, 24 requests per trial, rates 0.5, 1 and 2 per
+second and one bisection step, TPOT factor 3, policies ``random:0.2`` (no score pass:
+reclamation alone) and ``h2o:0.2``. It is the issue's example (prompts 192-320, outputs
+512-1,024, 128 blocks, 256 batched tokens, 64 requests) at a quarter of every length and
+of the pool, with 24 requests: a SmolLM2-135M decode step on a 2-core CPU is 25-40 ms, so
+one trial of the example (about 49,000 output tokens) takes 5-8 minutes and a run of the
+four engines and two policies (28 trials) several hours; scaled, a trial is about 4,600
+output tokens (30-40 s) and the run about 20 minutes on an idle machine. Memory binds as in
+the example: a request ends at 6-11 blocks (the example's 22-42 of 128), so the pool holds
+3-5 requests at their end, while at 1 request per second and 6-10 s end to end 6-10 are in
+flight (about twice the pool); at keep 0.2 a request needs 1-3 blocks.
 
 **SLOs and goodput.** At the start of a run the vanilla engine serves
 ``UNLOADED_REQUESTS`` prompts of the workload one at a time (the single-turn workload for
@@ -328,7 +330,12 @@ def run(
         engine.warm_up(probe)
         for case in (c for c in todo if c.engine == kind):
             for workload in workloads:
-                results.append(serve_case(engine, case, workload, slo, rates, bisect_steps, bar))
+                row = serve_case(engine, case, workload, slo, rates, bisect_steps, bar)
+                bar.write(
+                    f"{row.engine} {row.policy}:{row.keep} {row.workload}: goodput "
+                    f"{row.goodput_rps} req/s ({row.goodput_bound}) {row.slo_attainment}"
+                )
+                results.append(row)
         engine.close()
     bar.close()
     return {
@@ -540,7 +547,9 @@ def cli(
     rates: Annotated[
         str | None, typer.Option(help="Sweep of arrival rates, per second (default: preset).")
     ] = None,
-    bisect_steps: Annotated[int, typer.Option(min=0)] = 2,
+    bisect_steps: Annotated[
+        int | None, typer.Option(min=0, help="Bisections after the sweep (default: preset).")
+    ] = None,
     requests: Annotated[
         int | None, typer.Option(min=4, help="Requests (conversations) per trial.")
     ] = None,
@@ -590,6 +599,7 @@ def cli(
         if output_tokens is None
         else token_range(output_tokens, "--output-tokens"),
         requests=chosen.requests if requests is None else requests,
+        bisect_steps=chosen.bisect_steps if bisect_steps is None else bisect_steps,
         tpot_factor=chosen.tpot_factor if tpot_factor is None else tpot_factor,
         max_num_batched_tokens=chosen.max_num_batched_tokens
         if max_num_batched_tokens is None
@@ -618,7 +628,7 @@ def cli(
         chosen_policies,
         blocks,
         sweep,
-        bisect_steps,
+        chosen.bisect_steps,
         max_num_batched_tokens=chosen.max_num_batched_tokens,
         tpot_factor=chosen.tpot_factor,
     )

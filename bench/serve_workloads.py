@@ -182,7 +182,7 @@ class Preset:
     ranges inclusive): single-turn prompts, outputs, chat user messages, turns per
     conversation and the longest conversation; requests (conversations) per trial; the
     pool (``None``: twice the longest request); vLLM's ``max_num_batched_tokens``; the
-    TPOT SLO factor; the rate sweep; the policies."""
+    TPOT SLO factor; the rate sweep and its bisection steps; the policies."""
 
     prompt_tokens: tuple[int, int]
     new_tokens: tuple[int, int]
@@ -194,24 +194,28 @@ class Preset:
     max_num_batched_tokens: int
     tpot_factor: float
     rates: str
+    bisect_steps: int
     policies: str
 
 
 FULL = Preset(
     (128, 2048), (32, 256), (32, 256), (2, 6), 2048 + 256, 40, None, 2048, 3.0,
-    "0.25,0.5,1,2", "h2o:0.2,h2o:0.5,snapkv:0.2",
+    "0.25,0.5,1,2", 2, "h2o:0.2,h2o:0.5,snapkv:0.2",
 )  # fmt: skip
 QUICK = Preset(
     (64, 256), (8, 16), (32, 96), (2, 3), 512, 40, None, 2048, 3.0,
-    "0.25,0.5,1,2", "h2o:0.2,h2o:0.5,snapkv:0.2",
+    "0.25,0.5,1,2", 2, "h2o:0.2,h2o:0.5,snapkv:0.2",
 )  # fmt: skip
+# The issue's reasoning example (prompts 192-320, outputs 512-1,024, 128 blocks, 256
+# batched tokens, 64 requests) at a quarter of every length and of the pool, 24 requests:
+# see ``bench.serve``'s docstring.
 REASONING = Preset(
-    (96, 160), (256, 512), (0, 0), (1, 1), 0, 32, 64, 128, 3.0,
-    "0.25,0.5,1", "random:0.2,h2o:0.2",
+    (48, 80), (128, 256), (0, 0), (1, 1), 0, 24, 32, 64, 3.0,
+    "0.5,1,2", 1, "random:0.2,h2o:0.2",
 )  # fmt: skip
 REASONING_QUICK = Preset(
     (48, 80), (48, 64), (0, 0), (1, 1), 0, 8, 16, 64, 3.0,
-    "0.05,4", "random:0.2,h2o:0.2",
+    "0.05,4", 0, "random:0.2,h2o:0.2",
 )  # fmt: skip
 
 

@@ -243,6 +243,55 @@ def test_quick_run_writes_the_documented_json(tmp_path):
     }
 
 
+@pytest.mark.slow
+def test_quick_reasoning_run_keeps_every_requests_outcome(tmp_path):
+    """The quick reasoning preset: 8 requests of 48-80 prompt and 48-64 output tokens (up
+    to 5 blocks each) on 16 blocks. At 4 per second they all run at once: vanilla must
+    preempt, vToken evicts instead."""
+    from serving.cli import app
+
+    out = tmp_path / "reasoning.json"
+    result = CliRunner().invoke(
+        app,
+        [
+            "bench", "serve", "--quick", "--workloads", "reasoning", "--engines",
+            "vanilla,on_demand", "--policies", "random:0.2", "--bisect-steps", "0",
+            "--json", str(out),
+        ],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "reasoning random:0.2: on_demand" in result.output
+    document = json.loads(out.read_text())
+    assert document["num_blocks"] == 16 and document["max_num_batched_tokens"] == 64
+    assert document["workloads"]["reasoning"]["prompt_tokens"] == [48, 80]
+    rows = {r["engine"]: r for r in document["results"]}
+    assert set(rows) == {"vanilla", "on_demand"} and set(document["rates"]) == {0.05, 4.0}
+    tpot_slo = document["slo"]["tpot_slo_s"]
+    for engine, row in rows.items():
+        for point in row["per_rate"]:
+            outcomes = point["outcomes"]
+            assert len(outcomes) == point["finished"] == point["requests"] == 8
+            assert sorted(o["session"] for o in outcomes) == list(range(8))
+            for o in outcomes:
+                assert o["request"] == f"s{o['session']}t0"
+                assert 48 <= o["prompt_tokens"] <= 80 and 48 <= o["output_tokens"] <= 64
+                assert 0 < o["ttft_s"] <= o["e2e_s"] and o["tpot_s"] > 0
+                assert o["met_slo"] == (o["missed"] == [])
+                assert ("tpot" in o["missed"]) == (o["tpot_s"] > tpot_slo)
+                assert (o["evicted_tokens"] is None) == (engine == "vanilla")
+            met = sum(o["met_slo"] for o in outcomes)
+            assert point["slo_attainment"] == pytest.approx(met / 8, abs=1e-4)
+            assert point["preempted_requests"] == sum(o["preemptions"] > 0 for o in outcomes)
+            assert point["preemptions"] == sum(o["preemptions"] for o in outcomes)
+    idle, busy = rows["vanilla"]["per_rate"]
+    assert idle["preemptions"] == 0 and busy["preemptions"] > 0  # memory binds at 4/s
+    on_demand = rows["on_demand"]["per_rate"]
+    assert sum(o["evicted_tokens"] for o in on_demand[0]["outcomes"]) == 0  # idle: nothing
+    assert sum(o["evicted_tokens"] for o in on_demand[1]["outcomes"]) > 0
+    (row,) = document["summary"]
+    assert row["workload"] == "reasoning" and set(row["over"]) == {"vanilla"}
+
+
 class FakeEngine:
     """A pure-logic stand-in for ``ServeEngine`` (run_trial's bookkeeping only): each step
     prefills every new request (``prefill_s``) or decodes one token for every running one

@@ -428,7 +428,8 @@ def summary_lines(document: dict[str, Any]) -> list[str]:
     lines = []
     for row in document["summary"]:
         ratios_text = ", ".join(
-            f"{value}x {engine}{'' if row['exact'][engine] else ' (bound)'}"
+            f"{'-' if value is None else f'{value}x'} {engine}"
+            f"{'' if row['exact'][engine] else ' (bound)'}"
             for engine, value in row["over"].items()
         )
         lines.append(

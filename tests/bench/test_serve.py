@@ -7,12 +7,20 @@ import json
 import random
 import re
 from collections import Counter
+from dataclasses import asdict
 
 import pytest
 from typer.testing import CliRunner
 
 from bench.common import SLO_ATTAINMENT, Slo
-from bench.serve import CaseResult, ratios, search_goodput, summary, token_range
+from bench.serve import (
+    CaseResult,
+    ratios,
+    search_goodput,
+    summary,
+    summary_lines,
+    token_range,
+)
 from bench.serve_trial import ENGINES, Trial, judge
 from bench.serve_workloads import (
     Session,
@@ -157,6 +165,11 @@ def test_summary_puts_on_demand_over_every_other_engine():
     assert random_row.over == {"vanilla": 2.0, "naive": 2.5, "eager": 1.25}
     assert random_row.exact == {"vanilla": True, "naive": True, "eager": False}
     assert by_policy["h2o"].over == {"vanilla": 0.0}  # no h2o rows of the others
+    document = {"summary": [asdict(s) for s in summary(rows)]}
+    assert summary_lines(document)[0] == (
+        "reasoning random:0.2: on_demand 1.0 req/s (bisected); "
+        "over 2.0x vanilla, 2.5x naive, 1.25x eager (bound)"
+    )
 
 
 def test_judge_names_the_bounds_a_request_missed():

@@ -16,7 +16,7 @@ arrivals on the same pool of KV blocks, one engine at a time (``ENGINE_CONFIGS``
 The policy rides on each request (``extra_args["vtoken_policy"]``), so one engine per kind
 serves every policy. The workloads (``single``, ``chat``, ``reasoning``) and their presets
 are in ``bench.serve_workloads``; the clock and the per-request outcomes of a trial in
-``bench.serve_trial``.
+``bench.serve_trial``; the rows, ratios, summary and figure in ``bench.serve_results``.
 
 **The reasoning preset** (``--workloads reasoning``, which runs alone: its pool and
 batched-token limit are its own): prompts of 48-80 tokens, outputs of 128-256, a pool of
@@ -24,13 +24,15 @@ batched-token limit are its own): prompts of 48-80 tokens, outputs of 128-256, a
 second and one bisection step, TPOT factor 3, policies ``random:0.2`` (no score pass:
 reclamation alone) and ``h2o:0.2``. It is the issue's example (prompts 192-320, outputs
 512-1,024, 128 blocks, 256 batched tokens, 64 requests) at a quarter of every length and
-of the pool, with 24 requests: a SmolLM2-135M decode step on a 2-core CPU is 25-40 ms, so
-one trial of the example (about 49,000 output tokens) takes 5-8 minutes and a run of the
-four engines and two policies (28 trials) several hours; scaled, a trial is about 4,600
-output tokens (30-40 s) and the run about 20 minutes on an idle machine. Memory binds as in
-the example: a request ends at 6-11 blocks (the example's 22-42 of 128), so the pool holds
-3-5 requests at their end, while at 1 request per second and 6-10 s end to end 6-10 are in
-flight (about twice the pool); at keep 0.2 a request needs 1-3 blocks.
+of the pool, with 24 requests. An unloaded SmolLM2-135M decode step on a 2-core CPU is
+16-25 ms (``bench/RESULTS.md``), about 40 ms at the batch of 8 where memory binds, so one
+trial of the example (about 49,000 output tokens) takes about 4 minutes and a run of the
+four engines and two policies (28 trials) about 2 hours; scaled, a trial is about 4,600
+output tokens (25-40 s) and the run about 20 minutes on an otherwise idle machine (an
+estimate from those step times). Memory binds as in the example: a request ends at 6-11
+blocks (the example's 22-42 of 128), so the pool holds 3-5 requests at their end, while at
+1 request per second and 6-10 s end to end 6-10 are in flight (about twice the pool); at
+keep 0.2 a request needs 1-3 blocks.
 
 **SLOs and goodput.** At the start of a run the vanilla engine serves
 ``UNLOADED_REQUESTS`` prompts of the workload one at a time (the single-turn workload for
@@ -68,20 +70,10 @@ from bench.common import (
     csv_floats,
     csv_items,
     doc_tokens,
-    pyplot,
-    ratio,
-    save_figure,
     write_json,
 )
-from bench.serve_trial import (
-    BLOCK_SIZE,
-    ENGINES,
-    MAX_NUM_SEQS,
-    ServeEngine,
-    Trial,
-    TrialSummary,
-    run_trial,
-)
+from bench.serve_results import CaseResult, plot, ratios, summary, summary_lines
+from bench.serve_trial import BLOCK_SIZE, ENGINES, MAX_NUM_SEQS, ServeEngine, Trial, run_trial
 from bench.serve_workloads import (
     WORKLOADS,
     Preset,
@@ -217,40 +209,6 @@ def cases(engines: Sequence[str], policies: Sequence[tuple[str, float]]) -> Iter
                 yield Case(engine, name, keep)
 
 
-@dataclass(frozen=True, slots=True)
-class CaseResult:
-    """One row of the results: a case on one workload, its goodput (``goodput_bound``: see
-    ``search_goodput``), its attainment curve over the sweep (keyed by rate) and every
-    trial's figures, by rate."""
-
-    engine: str
-    policy: str
-    keep: float | None
-    workload: str
-    goodput_rps: float
-    goodput_bound: str
-    slo_attainment: dict[str, float]
-    preemptions: int
-    preempted_requests: int
-    peak_blocks: int
-    per_rate: list[TrialSummary]
-
-
-@dataclass(frozen=True, slots=True)
-class GoodputRatio:
-    """A vToken engine's goodput over Naive-Evict's (same policy) and vanilla's; ``exact``:
-    both goodputs were bisected (otherwise the ratio is only a bound)."""
-
-    engine: str
-    policy: str
-    keep: float | None
-    workload: str
-    vtoken_over_naive: float | None
-    vtoken_over_naive_exact: bool
-    vtoken_over_vanilla: float | None
-    vtoken_over_vanilla_exact: bool
-
-
 def serve_case(
     engine: ServeEngine,
     case: Case,
@@ -352,119 +310,6 @@ def run(
         "ratios": [asdict(r) for r in ratios(results)],
         "summary": [asdict(s) for s in summary(results)],
     }
-
-
-def _ratio(row: CaseResult, other: CaseResult | None) -> tuple[float | None, bool]:
-    """``row``'s goodput over ``other``'s, and whether both were bisected (otherwise the
-    ratio is only a bound)."""
-    if other is None or other.goodput_rps == 0:
-        return None, False
-    exact = row.goodput_bound == other.goodput_bound == "bisected"
-    return ratio(row.goodput_rps, other.goodput_rps, 3), exact
-
-
-def ratios(results: Sequence[CaseResult]) -> list[GoodputRatio]:
-    """Goodput of each vToken engine over Naive-Evict (same policy) and over vanilla."""
-    by_key = {(r.engine, r.policy, r.keep, r.workload): r for r in results}
-    rows = []
-    for r in results:
-        if r.engine not in ("eager", "on_demand"):
-            continue
-        over_naive, naive_exact = _ratio(r, by_key.get(("naive", r.policy, r.keep, r.workload)))
-        over_vanilla, vanilla_exact = _ratio(r, by_key.get(("vanilla", "none", None, r.workload)))
-        rows.append(
-            GoodputRatio(
-                r.engine,
-                r.policy,
-                r.keep,
-                r.workload,
-                over_naive,
-                naive_exact,
-                over_vanilla,
-                vanilla_exact,
-            )
-        )
-    return rows
-
-
-@dataclass(frozen=True, slots=True)
-class GoodputSummary:
-    """What a reader compares, per workload and policy: on_demand's goodput, and its
-    ratio over each other engine's (vanilla's has no policy; ``None``: that engine did
-    not run or had no goodput); ``exact`` per engine: both goodputs were bisected."""
-
-    workload: str
-    policy: str
-    keep: float
-    on_demand_rps: float
-    on_demand_bound: str
-    over: dict[str, float | None]
-    exact: dict[str, bool]
-
-
-def summary(results: Sequence[CaseResult]) -> list[GoodputSummary]:
-    """One ``GoodputSummary`` per on_demand row, over every other engine of ``ENGINES``."""
-    by_key = {(r.engine, r.policy, r.keep, r.workload): r for r in results}
-    rows = []
-    for r in results:
-        if r.engine != "on_demand" or r.keep is None:
-            continue
-        over, exact = {}, {}
-        for engine in (e for e in ENGINES if e != "on_demand"):
-            key = ("vanilla", "none", None) if engine == "vanilla" else (engine, r.policy, r.keep)
-            other = by_key.get((*key, r.workload))
-            if other is not None:
-                over[engine], exact[engine] = _ratio(r, other)
-        rows.append(
-            GoodputSummary(
-                r.workload, r.policy, r.keep, r.goodput_rps, r.goodput_bound, over, exact
-            )
-        )
-    return rows
-
-
-def summary_lines(document: dict[str, Any]) -> list[str]:
-    """The summary as the CLI prints it: one line per workload and policy."""
-    lines = []
-    for row in document["summary"]:
-        ratios_text = ", ".join(
-            f"{'-' if value is None else f'{value}x'} {engine}"
-            f"{'' if row['exact'][engine] else ' (bound)'}"
-            for engine, value in row["over"].items()
-        )
-        lines.append(
-            f"{row['workload']} {row['policy']}:{row['keep']}: on_demand "
-            f"{row['on_demand_rps']} req/s ({row['on_demand_bound']}); over {ratios_text}"
-        )
-    return lines
-
-
-def plot(document: dict[str, Any], path: Path) -> None:
-    """SLO attainment against rate, one panel per policy and workload, a line per engine."""
-    plt = pyplot()
-    results = document["results"]
-    panels = sorted({(r["policy"], r["keep"], r["workload"]) for r in results if r["keep"]})
-    figure, axes = plt.subplots(
-        1, len(panels), figsize=(5 * len(panels), 4), sharey=True, squeeze=False
-    )
-    for axis, (policy, keep, workload) in zip(axes[0], panels, strict=True):
-        for r in results:
-            if r["workload"] == workload and (
-                r["keep"] is None or (r["policy"], r["keep"]) == (policy, keep)
-            ):
-                points = [
-                    (p["rate"], p["slo_attainment"])
-                    for p in r["per_rate"]
-                    if p["slo_attainment"] is not None  # a stopped trial: only "below"
-                ]
-                axis.plot(*zip(*points, strict=True), marker="o", label=r["engine"])
-        axis.axhline(SLO_ATTAINMENT, color="grey", linestyle=":", linewidth=1)
-        axis.set_xscale("log")
-        axis.set_title(f"{policy} keep {keep}, {workload}")
-        axis.set_xlabel("arrival rate (per s)")
-    axes[0][0].set_ylabel("SLO attainment")
-    axes[0][0].legend()
-    save_figure(figure, path)
 
 
 def parse_policies(value: str) -> list[tuple[str, float]]:

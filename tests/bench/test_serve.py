@@ -13,14 +13,8 @@ import pytest
 from typer.testing import CliRunner
 
 from bench.common import SLO_ATTAINMENT, Slo
-from bench.serve import (
-    CaseResult,
-    ratios,
-    search_goodput,
-    summary,
-    summary_lines,
-    token_range,
-)
+from bench.serve import search_goodput, token_range
+from bench.serve_results import CaseResult, ratios, summary, summary_lines
 from bench.serve_trial import ENGINES, Trial, judge
 from bench.serve_workloads import (
     Session,

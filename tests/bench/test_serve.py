@@ -254,7 +254,7 @@ def test_quick_run_writes_the_documented_json(tmp_path):
 def test_quick_reasoning_run_keeps_every_requests_outcome(tmp_path):
     """The quick reasoning preset: 8 requests of 48-80 prompt and 48-64 output tokens (up
     to 5 blocks each) on 16 blocks. At 4 per second they all run at once: vanilla must
-    preempt, vToken evicts instead."""
+    preempt, vToken evicts."""
     from serving.cli import app
 
     out = tmp_path / "reasoning.json"
@@ -293,7 +293,9 @@ def test_quick_reasoning_run_keeps_every_requests_outcome(tmp_path):
     idle, busy = rows["vanilla"]["per_rate"]
     assert idle["preemptions"] == 0 and busy["preemptions"] > 0  # memory binds at 4/s
     on_demand = rows["on_demand"]["per_rate"]
-    assert sum(o["evicted_tokens"] for o in on_demand[0]["outcomes"]) == 0  # idle: nothing
+    for point in on_demand:
+        for o in point["outcomes"]:  # an evicted token was a prompt or an output token
+            assert 0 <= o["evicted_tokens"] < o["prompt_tokens"] + o["output_tokens"]
     assert sum(o["evicted_tokens"] for o in on_demand[1]["outcomes"]) > 0
     (row,) = document["summary"]
     assert row["workload"] == "reasoning" and set(row["over"]) == {"vanilla"}

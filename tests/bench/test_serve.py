@@ -5,20 +5,22 @@ from __future__ import annotations
 
 import json
 import random
+import re
+from collections import Counter
+from dataclasses import asdict
 
 import pytest
 from typer.testing import CliRunner
 
 from bench.common import SLO_ATTAINMENT, Slo
-from bench.serve import (
-    ENGINES,
-    CaseResult,
+from bench.serve import search_goodput, token_range
+from bench.serve_results import CaseResult, ratios, summary, summary_lines
+from bench.serve_trial import ENGINES, Trial, judge
+from bench.serve_workloads import (
     Session,
-    Trial,
     Turn,
     chat_workload,
-    ratios,
-    search_goodput,
+    reasoning_workload,
     single_workload,
     truncated_pareto,
 )
@@ -52,6 +54,26 @@ def test_workloads_are_seeded_and_respect_their_bounds():
     assert session.context_len(1) == (
         len(session.turns[0].user) + session.turns[0].max_tokens + len(session.turns[1].user)
     )
+
+
+def test_the_reasoning_workload_is_seeded_short_prompts_and_long_outputs():
+    first = reasoning_workload(CORPUS, 200, (192, 320), (512, 1024), seed=5)
+    assert first == reasoning_workload(CORPUS, 200, (192, 320), (512, 1024), seed=5)
+    assert first != reasoning_workload(CORPUS, 200, (192, 320), (512, 1024), seed=6)
+    assert first.name == "reasoning" and first.num_requests == 200
+    starts = [s.start for s in first.sessions]
+    assert starts == sorted(starts) and 150 < starts[-1] < 250  # Poisson, one per second
+    prompts = [len(s.turns[0].user) for s in first.sessions]
+    outputs = [s.turns[0].max_tokens for s in first.sessions]
+    assert min(prompts) >= 192 and max(prompts) <= 320 and len(set(prompts)) > 50
+    assert min(outputs) >= 512 and max(outputs) <= 1024 and len(set(outputs)) > 100
+    assert all(len(s.turns) == 1 for s in first.sessions)
+    assert first.max_len <= 320 + 1024
+    assert first.params["prompt_tokens"] == [192, 320] and first.params["seed"] == 5
+    # each prompt is a contiguous slice of the corpus
+    turn = first.sessions[0].turns[0]
+    offset = turn.user[0] - CORPUS[0]
+    assert list(turn.user) == CORPUS[offset : offset + len(turn.user)]
 
 
 def test_context_len_of_a_first_turn_is_its_prompt():
@@ -123,6 +145,69 @@ def test_ratios_pair_each_vtoken_row_with_naive_and_vanilla():
     assert by_engine[("on_demand", "chat")].vtoken_over_naive is None  # no chat rows
 
 
+def test_summary_puts_on_demand_over_every_other_engine():
+    rows = [
+        _row("vanilla", "none", None, "reasoning", 0.5),
+        _row("naive", "random", 0.2, "reasoning", 0.4),
+        _row("eager", "random", 0.2, "reasoning", 0.8, "at_least"),
+        _row("on_demand", "random", 0.2, "reasoning", 1.0),
+        _row("on_demand", "h2o", 0.2, "reasoning", 0.0, "below_lowest"),
+    ]
+    by_policy = {s.policy: s for s in summary(rows)}
+    random_row = by_policy["random"]
+    assert random_row.on_demand_rps == 1.0
+    assert random_row.over == {"vanilla": 2.0, "naive": 2.5, "eager": 1.25}
+    assert random_row.exact == {"vanilla": True, "naive": True, "eager": False}
+    assert by_policy["h2o"].over == {"vanilla": 0.0}  # no h2o rows of the others
+    document = {"summary": [asdict(s) for s in summary(rows)]}
+    assert summary_lines(document)[0] == (
+        "reasoning random:0.2: on_demand 1.0 req/s (bisected); "
+        "over 2.0x vanilla, 2.5x naive, 1.25x eager (bound)"
+    )
+
+
+def test_judge_names_the_bounds_a_request_missed():
+    slo = Slo(1.0, 0.01, 0.05)  # TTFT 1 s + 10 ms per prompt token, TPOT 50 ms
+    assert judge(slo, 1.9, 0.04, 100) == []
+    assert judge(slo, 2.1, 0.04, 100) == ["ttft"]
+    assert judge(slo, 1.0, 0.06, 100) == ["tpot"]
+    assert judge(slo, 3.0, 0.06, 100) == ["ttft", "tpot"]
+    assert judge(slo, 1.0, None, 100) == []  # one output token: no TPOT
+    assert judge(None, 99.0, 9.0, 1) == []
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [("320,192", "1 <= MIN <= MAX"), ("0,10", "1 <= MIN <= MAX"), ("192", "two integers"),
+     ("a,b", "two integers"), ("1,2,3", "two integers")],
+)  # fmt: skip
+def test_token_ranges_must_be_two_ordered_positive_integers(value, message):
+    import typer
+
+    assert token_range(" 192, 320 ", "--prompt-tokens") == (192, 320)
+    with pytest.raises(typer.BadParameter, match=f"--output-tokens.*{message}"):
+        token_range(value, "--output-tokens")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--prompt-tokens", "320,192"], "--prompt-tokens must have 1 <= MIN <= MAX"),
+        (["--output-tokens", "64"], "--output-tokens must be MIN,MAX"),
+        (["--workloads", "reasoning,single"], "reasoning runs alone"),
+        (["--workloads", "reasoning", "--engines", "vanilla,paged"], "engines must be among"),
+        (["--max-num-batched-tokens", "32"], "max-num-batched-tokens"),
+        (["--tpot-factor", "0.5"], "tpot-factor"),
+    ],
+)
+def test_the_cli_refuses_bad_options_before_building_anything(args, message):
+    from serving.cli import app
+
+    result = CliRunner().invoke(app, ["bench", "serve", "--quick", *args], env={"COLUMNS": "300"})
+    assert result.exit_code == 2
+    assert message in re.sub(r"[\s│]+", " ", result.output)
+
+
 @pytest.mark.slow
 def test_quick_run_writes_the_documented_json(tmp_path):
     from serving.cli import app
@@ -165,6 +250,57 @@ def test_quick_run_writes_the_documented_json(tmp_path):
     }
 
 
+@pytest.mark.slow
+def test_quick_reasoning_run_keeps_every_requests_outcome(tmp_path):
+    """The quick reasoning preset: 8 requests of 48-80 prompt and 48-64 output tokens (up
+    to 5 blocks each) on 16 blocks. At 4 per second they all run at once: vanilla must
+    preempt, vToken evicts."""
+    from serving.cli import app
+
+    out = tmp_path / "reasoning.json"
+    result = CliRunner().invoke(
+        app,
+        [
+            "bench", "serve", "--quick", "--workloads", "reasoning", "--engines",
+            "vanilla,on_demand", "--policies", "random:0.2", "--bisect-steps", "0",
+            "--json", str(out),
+        ],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "reasoning random:0.2: on_demand" in result.output
+    document = json.loads(out.read_text())
+    assert document["num_blocks"] == 16 and document["max_num_batched_tokens"] == 64
+    assert document["workloads"]["reasoning"]["prompt_tokens"] == [48, 80]
+    rows = {r["engine"]: r for r in document["results"]}
+    assert set(rows) == {"vanilla", "on_demand"} and set(document["rates"]) == {0.05, 4.0}
+    tpot_slo = document["slo"]["tpot_slo_s"]
+    for engine, row in rows.items():
+        for point in row["per_rate"]:
+            outcomes = point["outcomes"]
+            assert len(outcomes) == point["finished"] == point["requests"] == 8
+            assert sorted(o["session"] for o in outcomes) == list(range(8))
+            for o in outcomes:
+                assert o["request"] == f"s{o['session']}t0"
+                assert 48 <= o["prompt_tokens"] <= 80 and 48 <= o["output_tokens"] <= 64
+                assert 0 < o["ttft_s"] <= o["e2e_s"] and o["tpot_s"] > 0
+                assert o["met_slo"] == (o["missed"] == [])
+                assert ("tpot" in o["missed"]) == (o["tpot_s"] > tpot_slo)
+                assert (o["evicted_tokens"] is None) == (engine == "vanilla")
+            met = sum(o["met_slo"] for o in outcomes)
+            assert point["slo_attainment"] == pytest.approx(met / 8, abs=1e-4)
+            assert point["preempted_requests"] == sum(o["preemptions"] > 0 for o in outcomes)
+            assert point["preemptions"] == sum(o["preemptions"] for o in outcomes)
+    idle, busy = rows["vanilla"]["per_rate"]
+    assert idle["preemptions"] == 0 and busy["preemptions"] > 0  # memory binds at 4/s
+    on_demand = rows["on_demand"]["per_rate"]
+    for point in on_demand:
+        for o in point["outcomes"]:  # an evicted token was a prompt or an output token
+            assert 0 <= o["evicted_tokens"] < o["prompt_tokens"] + o["output_tokens"]
+    assert sum(o["evicted_tokens"] for o in on_demand[1]["outcomes"]) > 0
+    (row,) = document["summary"]
+    assert row["workload"] == "reasoning" and set(row["over"]) == {"vanilla"}
+
+
 class FakeEngine:
     """A pure-logic stand-in for ``ServeEngine`` (run_trial's bookkeeping only): each step
     prefills every new request (``prefill_s``) or decodes one token for every running one
@@ -175,7 +311,7 @@ class FakeEngine:
     def __init__(self, clock, prefill_s: float, decode_s: float) -> None:
         self.clock, self.prefill_s, self.decode_s = clock, prefill_s, decode_s
         self.engine = self
-        self.num_preemptions, self.preempted, self.peak_blocks = 0, set(), 0
+        self.num_preemptions, self.preemptions, self.peak_blocks = 0, Counter(), 0
         self.running: dict[str, dict] = {}
         self.prompts: dict[str, list[int]] = {}
         self.aborted: list[str] = []
@@ -184,6 +320,9 @@ class FakeEngine:
         self.prompts[request_id] = list(prompt["prompt_token_ids"])
         self.running[request_id] = {"max": params.max_tokens, "tokens": [], "new": True}
         return f"{request_id}-internal"
+
+    def evicted_tokens(self, internal_id):
+        return 3 if internal_id.endswith("-internal") else None
 
     def has_unfinished_requests(self):
         return bool(self.running)
@@ -218,15 +357,15 @@ class FakeEngine:
 def fake_clock(monkeypatch):
     from types import SimpleNamespace
 
-    import bench.serve
+    import bench.serve_trial
 
     clock = SimpleNamespace(now=0.0)
-    monkeypatch.setattr(bench.serve, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    monkeypatch.setattr(bench.serve_trial, "time", SimpleNamespace(perf_counter=lambda: clock.now))
     return clock
 
 
 def test_an_idle_engine_gives_each_request_its_own_step_times(fake_clock):
-    from bench.serve import Workload, run_trial
+    from bench.serve_trial import Workload, run_trial
 
     engine = FakeEngine(fake_clock, prefill_s=0.2, decode_s=0.01)
     sessions = tuple(Session(10.0 * i, (Turn((1, 2, 3), 5),)) for i in range(1, 4))
@@ -236,11 +375,12 @@ def test_an_idle_engine_gives_each_request_its_own_step_times(fake_clock):
         assert outcome.ttft_s == pytest.approx(0.2)
         assert outcome.tpot_s == pytest.approx(0.01)
         assert outcome.e2e_s == pytest.approx(0.2 + 4 * 0.01)
-        assert outcome.prompt_len == 3
+        assert outcome.prompt_tokens == 3 and outcome.output_tokens == 5
+        assert outcome.met_slo and outcome.missed == [] and outcome.evicted_tokens == 3
 
 
 def test_a_chat_turn_carries_the_conversation_and_its_answers(fake_clock):
-    from bench.serve import Workload, run_trial
+    from bench.serve_trial import Workload, run_trial
 
     engine = FakeEngine(fake_clock, prefill_s=0.1, decode_s=0.01)
     session = Session(0.0, (Turn((1, 2), 3), Turn((5,), 2)), think_s=0.5)
@@ -250,7 +390,7 @@ def test_a_chat_turn_carries_the_conversation_and_its_answers(fake_clock):
 
 
 def test_an_overloaded_trial_stops_once_it_cannot_pass(fake_clock):
-    from bench.serve import Workload, run_trial
+    from bench.serve_trial import Workload, run_trial
 
     engine = FakeEngine(fake_clock, prefill_s=1.0, decode_s=0.01)
     sessions = tuple(Session(1.5 * i, (Turn((1,) * 8, 4),)) for i in range(20))

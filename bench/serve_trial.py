@@ -35,6 +35,7 @@ MAX_NUM_SEQS = 64
 ENGINE_CONFIGS: dict[str, dict[str, str] | None] = {
     "vanilla": None,
     "naive": {"policy": "none", "mode": "naive", "eviction": "eager"},
+    "block": {"policy": "none", "mode": "block", "eviction": "eager"},
     "eager": {"policy": "none", "eviction": "eager"},
     "on_demand": {"policy": "none", "eviction": "on_demand"},
 }

@@ -59,7 +59,7 @@ from workers.messages import StepOps, StepScores
 from workers.prefix_cache import PrefixCacheRule
 from workers.request_budgets import RequestBudgets
 from workers.scheduled_request import FinishedRequest, ScheduledRequest, hold_blocks_of, take_ops
-from workers.score_timing import StepRequest, may_evict, memory_may_bind
+from workers.score_timing import ScoreTiming
 from workers.squeeze import SqueezePlan, SqueezePlanner
 from workers.step_counters import StepCounters
 from workers.step_times import StepTimes
@@ -94,6 +94,7 @@ class VTokenScheduler:
         self.budgets = RequestBudgets(
             config, self.block_size, self.prefix, self.tenants, self.stm, max_step_tokens
         )
+        self.score_timing = ScoreTiming(config, self.block_size, self.tenants, max_step_tokens)
         self.requests: dict[str, ScheduledRequest] = {}
         self.finished: OrderedDict[str, FinishedRequest] = OrderedDict()
         self.counters = StepCounters()
@@ -330,43 +331,17 @@ class VTokenScheduler:
         """The ops the workers apply before this step's forward (see ``StepOps``), with the
         statistics of the requests that may evict after it (``workers/score_timing.py``;
         ``num_waiting_blocks`` as in :meth:`after_step`)."""
-        scored = self._may_evict(num_scheduled_tokens, requests, num_waiting_blocks)
+        self._refresh_shared()  # a request that paid for shared blocks may have finished
+        scored = self.score_timing.may_evict(
+            self.requests,
+            requests,
+            num_scheduled_tokens,
+            self.pool.num_free_blocks,
+            num_waiting_blocks,
+        )
         ops = take_ops(self.requests, num_scheduled_tokens, requests, scored)
         self.counters.num_scored_request_steps += len(ops.score_needs)
         return ops
-
-    def _may_evict(
-        self, num_scheduled_tokens: dict[str, int], requests: dict[str, Any], num_waiting: int
-    ) -> frozenset[str]:
-        # vLLM's computed count already includes the tokens this step schedules.
-        running = {
-            request_id: StepRequest(
-                num_remaining=max(
-                    0, requests[request_id].num_tokens - requests[request_id].num_computed_tokens
-                ),
-                bounded=self._bounded(record),
-            )
-            for request_id, record in self.requests.items()
-            if request_id in requests
-        }
-        eager = self.config.eviction == "eager"
-        tight = not eager and memory_may_bind(
-            self.pool.num_free_blocks,
-            num_waiting,
-            running.values(),
-            self.block_size,
-            self.max_step_tokens,
-        )
-        return may_evict(num_scheduled_tokens, running, eager=eager, tight=tight)
-
-    def _bounded(self, record: ScheduledRequest) -> bool:
-        """It evicts after this step whatever memory holds: its policy's own timing, a
-        tenant's cap or pressure, or a next block past what admission counts it at."""
-        policy = record.kv.policy
-        own_timing = policy is not None and not policy.holds_budget_every_step
-        at_hold = record.hold_blocks is not None and record.paid_blocks + 1 > record.hold_blocks
-        under_pressure = self.tenants.applies_to(record.kv.tenant)
-        return own_timing or record.capped or at_hold or under_pressure
 
     # ------------------------------------------------------------------ lifecycle
     def free(self, request_id: str, preempted: bool = False) -> None:

@@ -47,10 +47,13 @@ def _prefill_in_chunks(state: VTokenScheduler, request: FakeRequest, seed: int =
         assert state.allocate(request, size) is not None
         request.num_computed_tokens += size
         held.append(state.requests[request.request_id].kv.num_held_blocks)
+        state.take_ops({request.request_id: size}, {request.request_id: request})
         state.after_step(
             {request.request_id: size}, {request.request_id: request}, _scores(state, rng)
         )
         held.append(state.requests[request.request_id].kv.num_held_blocks)
+    # Every step the plan asked to evict was scored when it was scheduled.
+    assert state.counters.num_evictions_unscored == 0
     return held
 
 
@@ -186,10 +189,12 @@ def test_the_engine_never_holds_more_than_admission_counts_in_chunked_prefill(
     request = FakeRequest("r", prompt, sampling_params=SimpleNamespace(extra_args=extra))
     held = _prefill_in_chunks(state, request)
     assert max(held) <= bounds.peak, (bounds, held)
+    assert state.counters.num_evictions_unscored == 0
     rng = np.random.default_rng(1)
     for _ in range(max_tokens - 1):
         assert state.allocate(request, 1) is not None
         held.append(state.requests["r"].kv.num_held_blocks)
         assert held[-1] <= hold, (hold, held)
         request.num_computed_tokens += 1
+        state.take_ops({"r": 1}, {"r": request})
         state.after_step({"r": 1}, {"r": request}, _scores(state, rng))

@@ -135,3 +135,24 @@ def test_naive_mode_times_alike() -> None:
 
 def _extra(extra_args: dict) -> object:
     return SimpleNamespace(extra_args=extra_args)
+
+
+def test_on_demand_scores_a_tenant_above_its_allowance_without_pressure() -> None:
+    state = _state("on_demand", num_blocks=64)
+    requests = {r: _decoding(state, r, 10) for r in ("a", "b")}  # 3 blocks each
+    state.set_pressure({}, {"default": 6})  # 6 held and 2 more next step > 6
+    assert state.take_ops({"a": 1, "b": 1}, requests).score_needs.keys() == {"a", "b"}
+    state.set_pressure({}, {"default": 8})
+    assert state.take_ops({"a": 1, "b": 1}, requests).score_needs == {}
+
+
+def test_snapkv_is_scored_at_the_chunk_that_completes_its_prompt_only() -> None:
+    config = VTokenConfig(policy="snapkv", keep_ratio=0.5, eviction="on_demand")
+    state = VTokenScheduler(config, FakeBlockPool(64), FakeBlockManager(), 8)
+    request = FakeRequest("a", num_prompt_tokens=20)
+    for size, scored in ((8, False), (8, False), (4, True)):
+        assert state.allocate(request, size) is not None
+        request.num_computed_tokens += size  # vLLM counts the scheduled tokens at once
+        assert bool(state.take_ops({"a": size}, {"a": request}).score_needs) is scored
+        if not scored:  # a chunk before the last: SnapKV neither reads nor decides
+            state.after_step({"a": size}, {"a": request}, None)

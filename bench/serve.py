@@ -13,10 +13,12 @@ arrivals on the same pool of KV blocks, one engine at a time (``ENGINE_CONFIGS``
 - ``on_demand``: vToken, tokens kept until memory is needed, then running requests
   evicted to their budget instead of preempted (the serving default).
 
-The policy rides on each request (``extra_args["vtoken_policy"]``), so one engine per kind
-serves every policy. The workloads (``single``, ``chat``, ``reasoning``) and their presets
-are in ``bench.serve_workloads``; the clock and the per-request outcomes of a trial in
-``bench.serve_trial``; the rows, ratios, summary and figure in ``bench.serve_results``.
+The policy is each engine's own (one engine per kind and policy): a request's own policy
+(``extra_args["vtoken_policy"]``) is a tenant's cap to the engine, held at every step
+whatever the eviction mode, so on_demand would evict like eager. The workloads
+(``single``, ``chat``, ``reasoning``) and their presets are in ``bench.serve_workloads``;
+the clock and the per-request outcomes of a trial in ``bench.serve_trial``; the rows,
+ratios, summary and figure in ``bench.serve_results``.
 
 **The reasoning preset** (``--workloads reasoning``, which runs alone: its pool and
 batched-token limit are its own): prompts of 48-80 tokens, outputs of 128-256, a pool of
@@ -139,7 +141,7 @@ def unloaded_slo(
         workload.params,
     )
     engine.warm_up(workload)
-    trial = run_trial(engine, probe, 1e-6, None, None, "unloaded")
+    trial = run_trial(engine, probe, 1e-6, None, "unloaded")
     lengths = np.array([o.prompt_tokens for o in trial.outcomes], dtype=np.float64)
     ttfts = np.array([o.ttft_s for o in trial.outcomes])
     per_token, base = np.polyfit(lengths, ttfts, 1)
@@ -219,11 +221,10 @@ def serve_case(
     bar: Any,
 ) -> CaseResult:
     """One row of the results: ``case`` on ``engine``, its goodput and attainment curve."""
-    policy = None if case.keep is None else {"policy": case.policy, "keep_ratio": case.keep}
 
     def trial_at(rate: float, stop_early: bool) -> Trial:
         tag = f"{case.policy}{case.keep}{workload.name}{rate:.6f}-"
-        trial = run_trial(engine, workload, rate, slo, policy, tag, stop_early)
+        trial = run_trial(engine, workload, rate, slo, tag, stop_early)
         bar.set_postfix_str(
             f"{case.engine} {case.policy} {workload.name} {rate:.3g}/s: "
             f"{'pass' if trial.passed else 'fail'}"
@@ -275,25 +276,30 @@ def run(
         disable=not progress,
     )
 
-    def build(kind: str) -> ServeEngine:
-        return ServeEngine(path, kind, num_blocks, max_len, max_num_batched_tokens, **engine_args)
+    def build(kind: str, policy: dict[str, Any] | None = None) -> ServeEngine:
+        return ServeEngine(
+            path, kind, num_blocks, max_len, max_num_batched_tokens, policy, **engine_args
+        )
 
     vanilla = build("vanilla")
     slo_report, slo = unloaded_slo(vanilla, probe, UNLOADED_REQUESTS, tpot_factor)
     if "vanilla" not in engines:
         vanilla.close()
     results = []
-    for kind in sorted(engines, key=ENGINES.index):  # vanilla first: its engine is built
-        engine = vanilla if kind == "vanilla" else build(kind)
+    # Vanilla first (its engine is built); then one engine per kind and policy.
+    for case in sorted(todo, key=lambda c: ENGINES.index(c.engine)):
+        if case.keep is None:
+            engine = vanilla
+        else:
+            engine = build(case.engine, {"policy": case.policy, "keep_ratio": case.keep})
         engine.warm_up(probe)
-        for case in (c for c in todo if c.engine == kind):
-            for workload in workloads:
-                row = serve_case(engine, case, workload, slo, rates, bisect_steps, bar)
-                bar.write(
-                    f"{row.engine} {row.policy}:{row.keep} {row.workload}: goodput "
-                    f"{row.goodput_rps} req/s ({row.goodput_bound}) {row.slo_attainment}"
-                )
-                results.append(row)
+        for workload in workloads:
+            row = serve_case(engine, case, workload, slo, rates, bisect_steps, bar)
+            bar.write(
+                f"{row.engine} {row.policy}:{row.keep} {row.workload}: goodput "
+                f"{row.goodput_rps} req/s ({row.goodput_bound}) {row.slo_attainment}"
+            )
+            results.append(row)
         engine.close()
     bar.close()
     return {

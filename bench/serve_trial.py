@@ -52,15 +52,19 @@ class ServeEngine:
         num_blocks: int,
         max_len: int,
         max_num_batched_tokens: int,
+        policy: dict[str, Any] | None = None,
         **args: Any,
     ) -> None:
         from workers.engine import block_pool, engine_scheduler, engine_state, make_llm
 
         self.kind = kind
         self.num_blocks = num_blocks
+        config = ENGINE_CONFIGS[kind]
+        # The policy is the engine's own: a request's override would be a tenant's cap
+        # to the engine, which it holds at every step whatever the eviction mode.
         self.llm = make_llm(
             path,
-            ENGINE_CONFIGS[kind],
+            None if config is None else config | (policy or {}),
             block_size=BLOCK_SIZE,
             num_blocks=num_blocks,
             max_model_len=max_len + BLOCK_SIZE,
@@ -238,7 +242,6 @@ def run_trial(
     workload: Workload,
     rate: float,
     slo: Slo | None,
-    policy: dict[str, Any] | None,
     tag: str,
     stop_early: bool = False,
 ) -> Trial:
@@ -248,7 +251,6 @@ def run_trial(
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    extra = {"vtoken_policy": policy} if policy is not None and engine.kind != "vanilla" else None
     trial = Trial(rate=rate, total=workload.num_requests)
     allowed = math.floor((1.0 - SLO_ATTAINMENT) * trial.total + 1e-9)
     preemptions_before = engine.num_preemptions
@@ -267,9 +269,7 @@ def run_trial(
             arrival, index, turn_index, history = heapq.heappop(arrivals)
             turn = workload.sessions[index].turns[turn_index]
             context = history + list(turn.user)
-            params = SamplingParams(
-                max_tokens=turn.max_tokens, temperature=0, ignore_eos=True, extra_args=extra
-            )
+            params = SamplingParams(max_tokens=turn.max_tokens, temperature=0, ignore_eos=True)
             request_id = f"{tag}s{index}t{turn_index}"
             internal = engine.engine.add_request(
                 request_id, TokensPrompt(prompt_token_ids=context), params

@@ -369,7 +369,7 @@ def test_an_idle_engine_gives_each_request_its_own_step_times(fake_clock):
 
     engine = FakeEngine(fake_clock, prefill_s=0.2, decode_s=0.01)
     sessions = tuple(Session(10.0 * i, (Turn((1, 2, 3), 5),)) for i in range(1, 4))
-    trial = run_trial(engine, Workload("single", sessions, {}), 1.0, Slo(1.0, 0.0, 0.05), None, "t")
+    trial = run_trial(engine, Workload("single", sessions, {}), 1.0, Slo(1.0, 0.0, 0.05), "t")
     assert trial.total == trial.met == 3 and not trial.stopped_early
     for outcome in trial.outcomes:
         assert outcome.ttft_s == pytest.approx(0.2)
@@ -384,7 +384,7 @@ def test_a_chat_turn_carries_the_conversation_and_its_answers(fake_clock):
 
     engine = FakeEngine(fake_clock, prefill_s=0.1, decode_s=0.01)
     session = Session(0.0, (Turn((1, 2), 3), Turn((5,), 2)), think_s=0.5)
-    trial = run_trial(engine, Workload("chat", (session,), {}), 1.0, None, None, "c")
+    trial = run_trial(engine, Workload("chat", (session,), {}), 1.0, None, "c")
     assert len(trial.outcomes) == 2
     assert engine.prompts["cs0t1"] == [1, 2, 7000, 7001, 7002, 5]
 
@@ -396,9 +396,9 @@ def test_an_overloaded_trial_stops_once_it_cannot_pass(fake_clock):
     sessions = tuple(Session(1.5 * i, (Turn((1,) * 8, 4),)) for i in range(20))
     workload = Workload("single", sessions, {})
     slo = Slo(0.5, 0.0, 1.0)  # every prefill step alone takes 1 s: all miss TTFT
-    stopped = run_trial(engine, workload, 1.0, slo, None, "o", stop_early=True)
+    stopped = run_trial(engine, workload, 1.0, slo, "o", stop_early=True)
     assert stopped.stopped_early and not stopped.passed
     assert stopped.missed == 3 and len(stopped.outcomes) == 3  # stopped at the 3rd miss of 20
     assert stopped.summary().slo_attainment is None
-    full = run_trial(FakeEngine(fake_clock, 1.0, 0.01), workload, 1.0, slo, None, "f")
+    full = run_trial(FakeEngine(fake_clock, 1.0, 0.01), workload, 1.0, slo, "f")
     assert not full.stopped_early and len(full.outcomes) == 20 and full.attainment == 0.0

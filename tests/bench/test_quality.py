@@ -130,6 +130,7 @@ def test_page_is_calibrated_on_one_half_and_judged_on_the_other():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # three policies, token and block cells, perplexity: the longest
 def test_quick_run_writes_the_documented_json(tmp_path):
     from serving.cli import app
 

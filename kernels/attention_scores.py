@@ -23,14 +23,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from enum import StrEnum
 
 import torch
 
 from kernels import score_spans
+from kernels._decode_batch import DecodeBatch
+from kernels._decode_batch import decode_batches as _decode_batches
 from kernels.intmath import cdiv
-from kernels.layout import KVLayout, indexable
+from kernels.layout import KVLayout, indexable, same_geometry
 from kernels.score_spans import ScoredSpan
 
 
@@ -252,7 +253,7 @@ def batch_attention_scores(
     )
     backend = ScoresBackend(backend) if backend else _default_backend(kv_cache, layout)
     if backend is not ScoresBackend.TRITON:
-        batches: list[_DecodeBatch] = []
+        batches: list[DecodeBatch] = []
         if backend is ScoresBackend.TORCH and layout is not KVLayout.CPU_ATTN_AMX:
             batches = _decode_batches(
                 query_lens, seq_lens, block_tables, query_starts, query.shape[1], kv_cache,
@@ -288,110 +289,6 @@ def _key_offsets(seq_lens: Sequence[int]) -> list[int]:
     return key_offsets
 
 
-def _decode_chunks(
-    requests: Sequence[int], seq_lens: Sequence[int], per_key: int
-) -> list[list[int]]:
-    """Decode requests in groups whose padded buffers (``per_key`` float32 elements per
-    key: the gathered keys or the logits, the larger) stay under ``MAX_LOGITS`` (padding
-    to the group's longest key count: requests of similar lengths go together)."""
-    order = sorted(requests, key=lambda r: int(seq_lens[r]))
-    chunks: list[list[int]] = []
-    for r in order:
-        size = (len(chunks[-1]) + 1) * per_key * int(seq_lens[r]) if chunks else 0
-        if chunks and size <= score_spans.MAX_LOGITS:
-            chunks[-1].append(r)
-        else:
-            chunks.append([r])
-    return chunks
-
-
-@dataclass(frozen=True, slots=True)
-class _DecodeBatch:
-    """Requests with one query row each (a decode step) scored together on CPU: one
-    gather, one batched matmul and one softmax for all of them, padded to the longest,
-    instead of a handful of small torch calls per request (which cost more than the
-    math). Built once per step; :meth:`mass` runs per layer."""
-
-    requests: list[int]  # indices into the step's requests
-    lengths: list[int]
-    blocks: torch.Tensor  # [R * num_blocks] int64, padded rows repeat their first block
-    rows: torch.Tensor  # [R] the requests' query rows
-    hidden: torch.Tensor  # [R, 1, 1, num_blocks * block_size] bool: keys past a length
-
-    @classmethod
-    def build(
-        cls,
-        requests: list[int],
-        block_tables: torch.Tensor,
-        query_starts: Sequence[int],
-        seq_lens: Sequence[int],
-        block_size: int,
-    ) -> _DecodeBatch:
-        lengths = [int(seq_lens[r]) for r in requests]
-        num_blocks = cdiv(max(lengths), block_size)
-        device = block_tables.device
-        blocks = block_tables[torch.tensor(requests, device=device), :num_blocks].long()
-        # Rows shorter than the longest end in blocks that are not theirs: read their first
-        # block again there (those logits are masked).
-        used = torch.tensor([cdiv(n, block_size) for n in lengths], device=device)
-        beyond = torch.arange(num_blocks, device=device).view(1, -1) >= used.view(-1, 1)
-        blocks = torch.where(beyond, blocks[:, :1], blocks)
-        keys = torch.arange(num_blocks * block_size, device=device)
-        hidden = keys.view(1, -1) >= torch.tensor(lengths, device=device).view(-1, 1)
-        rows = torch.tensor([int(query_starts[r]) for r in requests], device=device)
-        return cls(requests, lengths, blocks.view(-1), rows, hidden.view(len(requests), 1, 1, -1))
-
-    def mass(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, layout: KVLayout, scale: float
-    ) -> torch.Tensor:
-        """``[R, num_kv_heads, num_blocks * block_size]`` float32 (0 past a length)."""
-        num_requests, block_size = len(self.requests), layout.block_size(kv_cache)
-        # Whole blocks as [head, dim, token]: cpu_attn's own order, one run per block and head.
-        keys = layout.keys_values(indexable(kv_cache))[0].permute(0, 2, 3, 1)
-        keys = keys.index_select(0, self.blocks).view(kv_cache.dtype).float()
-        num_kv_heads, head_dim = keys.shape[1], keys.shape[2]
-        keys = keys.view(num_requests, -1, num_kv_heads, head_dim, block_size)
-        group = query.shape[1] // num_kv_heads
-        queries = query[self.rows].float().view(num_requests, 1, num_kv_heads, group, head_dim)
-        logits = torch.matmul(queries * scale, keys)  # [R, blocks, kv_heads, group, block_size]
-        logits = logits.permute(0, 2, 3, 1, 4).reshape(num_requests, num_kv_heads, group, -1)
-        logits.masked_fill_(self.hidden, float("-inf"))
-        return logits.softmax(dim=-1).sum(dim=2)
-
-    def write_mass(
-        self,
-        out: torch.Tensor,
-        key_offsets: Sequence[int],
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        layout: KVLayout,
-        scale: float,
-    ) -> None:
-        """:meth:`mass` into each request's columns of ``out`` (``[num_kv_heads,
-        sum(seq_lens)]``, request ``r``'s keys at ``key_offsets[r]``)."""
-        mass = self.mass(query, kv_cache, layout, scale)
-        for row, r in enumerate(self.requests):
-            out[:, key_offsets[r] : key_offsets[r + 1]] = mass[row, :, : self.lengths[row]]
-
-
-def _decode_batches(
-    query_lens: Sequence[int],
-    seq_lens: Sequence[int],
-    block_tables: torch.Tensor,
-    query_starts: Sequence[int],
-    num_q_heads: int,
-    kv_cache: torch.Tensor,
-    layout: KVLayout,
-) -> list[_DecodeBatch]:
-    decode = [r for r in range(len(seq_lens)) if query_lens[r] == 1]
-    per_key = max(num_q_heads, layout.num_kv_heads(kv_cache) * layout.head_dim(kv_cache))
-    block_size = layout.block_size(kv_cache)
-    return [
-        _DecodeBatch.build(chunk, block_tables, query_starts, seq_lens, block_size)
-        for chunk in _decode_chunks(decode, seq_lens, per_key)
-    ]
-
-
 def summed_attention_mass(
     layers: Sequence[tuple[torch.Tensor, torch.Tensor, float | None]],
     block_tables: torch.Tensor,
@@ -409,7 +306,8 @@ def summed_attention_mass(
     -0.5``), the step's queries as in ``batch_attention_scores`` (same requests, rows and
     block tables in every layer). On CPU the decode requests' gathers and masks are
     planned once for all layers, in chunks whose gathered keys and logits each stay under
-    ``score_spans.MAX_LOGITS`` float32 elements.
+    ``score_spans.MAX_LOGITS`` float32 elements. With Triton the decode requests of every
+    layer are one launch (``kernels.fused_scores``), the others the batched kernels per layer.
     """
     if not layers:
         raise ValueError("need at least one layer")
@@ -418,6 +316,9 @@ def summed_attention_mass(
     backend = ScoresBackend(backend) if backend else _default_backend(kv_cache, layout)
     key_offsets = _key_offsets(seq_lens)
     total = torch.zeros(key_offsets[-1], dtype=torch.float32, device=kv_cache.device)
+    if backend is ScoresBackend.TRITON:
+        _triton_summed_mass(layers, block_tables, query_starts, query_lens, seq_lens, layout, total)
+        return total
     if backend is not ScoresBackend.TORCH or layout is KVLayout.CPU_ATTN_AMX:
         for query, kv_cache, scale in layers:
             total += batch_attention_scores(
@@ -445,6 +346,50 @@ def summed_attention_mass(
         for row, r in enumerate(batch.requests):
             total[key_offsets[r] : key_offsets[r + 1]] = summed[row, : batch.lengths[row]]
     return total
+
+
+def _triton_summed_mass(
+    layers: Sequence[tuple[torch.Tensor, torch.Tensor, float | None]],
+    block_tables: torch.Tensor,
+    query_starts: Sequence[int],
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    layout: KVLayout,
+    total: torch.Tensor,
+) -> None:
+    """``summed_attention_mass`` with Triton, added into ``total``: the decode requests
+    through the fused kernel when the layers' queries and caches share one geometry (one
+    launch and one request-table upload per step), the rest per layer."""
+    from kernels.fused_scores import DecodeRequests, fused_decode_mass
+
+    key_offsets = _key_offsets(seq_lens)
+    queries, caches = [layer[0] for layer in layers], [layer[1] for layer in layers]
+    fusable = all(same_geometry(q, queries[0]) for q in queries) and all(
+        same_geometry(c, caches[0]) for c in caches
+    )
+    decode = [r for r, q_len in enumerate(query_lens) if q_len == 1] if fusable else []
+    if decode:
+        requests = DecodeRequests.build(
+            block_tables, [query_starts[r] for r in decode], [seq_lens[r] for r in decode],
+            columns=[key_offsets[r] for r in decode], table_rows=decode,
+        )  # fmt: skip
+        scales = [layer[2] for layer in layers]
+        fused_decode_mass(queries, caches, scales, requests, layout, out=total)
+    fused = set(decode)
+    spans = [
+        score_spans.request_spans(queries[0].shape[1], int(query_starts[r]), int(query_lens[r]),
+                                  int(seq_lens[r]), key_offsets[r], r)
+        for r in range(len(seq_lens)) if r not in fused
+    ]  # fmt: skip
+    if not spans:
+        return
+    per_head = torch.zeros(layout.num_kv_heads(caches[0]), total.numel(), device=total.device)
+    for query, kv_cache, scale in layers:
+        _triton_scores(
+            query, kv_cache, block_tables, spans, per_head, layout,
+            _effective_scale(query, scale, 1.0),
+        )  # fmt: skip
+    total += per_head.sum(0)
 
 
 def _effective_scale(query: torch.Tensor, scale: float | None, k_scale: float) -> float:

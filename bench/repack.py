@@ -173,7 +173,9 @@ def measure_interleaved(
     is queued before the start event fires and the events see the device's work alone, as
     on the engine's side stream, where the host launches while the GPU computes.
     ``NAME_launch_hidden`` is 1.0 when every such sample was queued before the spin ended
-    (0.0: the call made the host wait, and ``NAME_device`` includes host time).
+    (0.0: the call made the host wait, and ``NAME_device`` includes host time);
+    ``NAME_launch``: the host's time to issue the call then (the launch cost alone: what
+    the host spends per call whatever the device does).
     """
     import statistics
 
@@ -188,6 +190,7 @@ def measure_interleaved(
     timed_on_device = [name for name in device_only if on_gpu and name in functions]
     for name in timed_on_device:
         times[f"{name}_device"] = []
+        times[f"{name}_launch"] = []
     hidden = dict.fromkeys(timed_on_device, True)
     for name in prime:
         functions[name]()  # first-call costs (library build, page faults) stay out
@@ -213,7 +216,9 @@ def measure_interleaved(
                     torch.cuda.synchronize()
                     torch.cuda._sleep(LAUNCH_COVER_CYCLES)
                     start.record()
+                    issued = time.perf_counter()
                     function()
+                    times[f"{name}_launch"].append((time.perf_counter() - issued) * 1e3)
                     end.record()
                     hidden[name] = hidden[name] and not start.query()  # still spinning
                     end.synchronize()
@@ -339,6 +344,8 @@ def run_case(
             else None
         ),
         "launch_hidden": {name: times.get(f"{name}_launch_hidden") for name in device_ms},
+        # CUDA: the host's time to issue one repack (all layers, one launch)
+        "repack_launch_ms": rounded_ms(times.get("repack_launch")),
         "baseline_ms": round(baseline_ms, 4),
         "speedup": round(baseline_ms / repack_ms, 2),
         "view_index_ms": round(times["view_index"], 4),

@@ -15,6 +15,7 @@ and multiples of 16, so a contiguous run becomes vector loads and stores.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -70,27 +71,120 @@ def _repack_kernel(
     tl.store(cache_ptr + dst_rows[:, None] + columns, values, mask=mask)
 
 
-_OFFSETS: dict[tuple[torch.device, int, tuple[int, ...]], torch.Tensor] = {}
+@dataclass(frozen=True, slots=True)
+class RepackLaunch:
+    """Everything of a launch but the slots, for one set of layer caches: worked out once
+    (an engine's caches never move), so a step's repack costs the host one kernel launch.
+    ``layer_offsets``: each layer's element offset from the first, on the device."""
+
+    first: torch.Tensor
+    layer_offsets: torch.Tensor
+    runs: tuple[PartStrides, ...]
+    width: int
+    block_size: int
+    kv_heads: int
+    block_m: int
+    block_w: int
+    align: int
+
+    @classmethod
+    def plan(
+        cls,
+        kv_caches: Sequence[torch.Tensor],
+        runs: tuple[PartStrides, ...],
+        width: int,
+        block_size: int,
+        kv_heads: int,
+    ) -> RepackLaunch:
+        if not 1 <= len(runs) <= 2 or any(
+            (r.block_stride, r.head_stride) != (runs[0].block_stride, runs[0].head_stride)
+            for r in runs
+        ):
+            raise ValueError("the Triton repack copies one or two runs with one block/head stride")
+        first = kv_caches[0]
+        elem_size = first.element_size()
+        byte_offsets = [cache.data_ptr() - first.data_ptr() for cache in kv_caches]
+        if any(offset % elem_size for offset in byte_offsets):
+            raise ValueError("layer caches are not element-aligned to each other")
+        offsets = torch.tensor([offset // elem_size for offset in byte_offsets], dtype=torch.int64)
+        block_w = triton.next_power_of_2(width)
+        same_dim_stride = all(run.dim_stride == runs[0].dim_stride for run in runs)
+        align = vector_alignment(
+            kv_caches,
+            [runs[0].block_stride, runs[0].head_stride]
+            + [value for run in runs for value in (run.base, run.offset_stride)],
+            runs[0].dim_stride if same_dim_stride else 0,
+        )
+        return cls(
+            first=first,
+            layer_offsets=offsets.to(first.device),
+            runs=runs,
+            width=width,
+            block_size=block_size,
+            kv_heads=kv_heads,
+            # About 16 KB per tile (32 moves of a 2 x 128 bf16 run): loads enough in flight
+            # per SM without many idle lanes for the <= 16-move trickle pattern.
+            block_m=max(16, min(64, 8192 // block_w)),
+            block_w=block_w,
+            align=align,
+        )
+
+    def __call__(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Launch ``_repack_kernel`` once for every layer: contiguous int64 slots on the
+        caches' device (not checked)."""
+        num_moves = src_slots.numel()
+        first_run, last_run = self.runs[0], self.runs[-1]
+        grid = (
+            triton.cdiv(num_moves, self.block_m),
+            self.layer_offsets.numel(),
+            len(self.runs) * self.kv_heads,
+        )
+        _repack_kernel[grid](
+            self.first,
+            self.layer_offsets,
+            src_slots,
+            dst_slots,
+            num_moves,
+            self.block_size,
+            first_run.base,
+            first_run.offset_stride,
+            first_run.dim_stride,
+            last_run.base,
+            last_run.offset_stride,
+            last_run.dim_stride,
+            first_run.block_stride,
+            first_run.head_stride,
+            KV_HEADS=self.kv_heads,
+            WIDTH=self.width,
+            BLOCK_M=self.block_m,
+            BLOCK_W=self.block_w,
+            ALIGN=self.align,
+            num_warps=4,
+        )
 
 
-def _layer_offsets(kv_caches: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Each layer's element offset from the first, on the device; kept per set of layers
-    (an engine's caches never move), so a step uploads nothing but its slots."""
+_PLANS: dict[tuple, RepackLaunch] = {}
+
+
+def repack_launch(
+    kv_caches: Sequence[torch.Tensor],
+    runs: tuple[PartStrides, ...],
+    width: int,
+    block_size: int,
+    kv_heads: int,
+) -> RepackLaunch:
+    """The launch plan of a set of layer caches, kept per set (one geometry, checked by
+    ``repack``): the engine plans once; a benchmark holds a few dozen sets."""
     first = kv_caches[0]
-    key = (first.device, first.element_size(), tuple(c.data_ptr() for c in kv_caches))
-    cached = _OFFSETS.get(key)
-    if cached is not None:
-        return cached
-    elem_size = first.element_size()
-    byte_offsets = [cache.data_ptr() - first.data_ptr() for cache in kv_caches]
-    if any(offset % elem_size for offset in byte_offsets):
-        raise ValueError("layer caches are not element-aligned to each other")
-    offsets = torch.tensor([offset // elem_size for offset in byte_offsets], dtype=torch.int64)
-    offsets = offsets.to(first.device)
-    # Never evicted: a kernel still queued (or a captured graph) may read an entry. An
-    # engine has one cache set; a benchmark a few dozen (8 bytes per layer each).
-    _OFFSETS[key] = offsets
-    return offsets
+    key = (
+        first.device, first.dtype, tuple(first.shape), first.stride(), runs, width,
+        tuple(cache.data_ptr() for cache in kv_caches),
+    )  # fmt: skip
+    launch = _PLANS.get(key)
+    if launch is None:
+        # Never evicted: a kernel still queued (or a captured graph) may read its offsets.
+        launch = _PLANS[key] = RepackLaunch.plan(kv_caches, runs, width, block_size, kv_heads)
+    return launch
 
 
 def triton_repack(
@@ -105,45 +199,4 @@ def triton_repack(
     """Launch ``_repack_kernel`` once. Caches: one geometry, checked by ``repack``; slots:
     contiguous int64 ``[num_moves]`` on the caches' device; ``runs`` (one or two, sharing
     the block and head strides) and ``width`` from ``KVLayout.copy_runs``."""
-    if not 1 <= len(runs) <= 2 or any(
-        (r.block_stride, r.head_stride) != (runs[0].block_stride, runs[0].head_stride) for r in runs
-    ):
-        raise ValueError("the Triton repack copies one or two runs with one block/head stride")
-    first = kv_caches[0]
-    layer_offsets = _layer_offsets(kv_caches)
-    num_moves = src_slots.numel()
-    block_w = triton.next_power_of_2(width)
-    # About 16 KB per tile (32 moves of a 2 x 128 bf16 run): loads enough in flight per SM
-    # without many idle lanes for the <= 16-move trickle pattern.
-    block_m = max(16, min(64, 8192 // block_w))
-    grid = (triton.cdiv(num_moves, block_m), len(kv_caches), len(runs) * kv_heads)
-    first_run, last_run = runs[0], runs[-1]
-    same_dim_stride = all(run.dim_stride == first_run.dim_stride for run in runs)
-    align = vector_alignment(
-        kv_caches,
-        [first_run.block_stride, first_run.head_stride]
-        + [value for run in runs for value in (run.base, run.offset_stride)],
-        first_run.dim_stride if same_dim_stride else 0,
-    )
-    _repack_kernel[grid](
-        first,
-        layer_offsets,
-        src_slots,
-        dst_slots,
-        num_moves,
-        block_size,
-        first_run.base,
-        first_run.offset_stride,
-        first_run.dim_stride,
-        last_run.base,
-        last_run.offset_stride,
-        last_run.dim_stride,
-        first_run.block_stride,
-        first_run.head_stride,
-        KV_HEADS=kv_heads,
-        WIDTH=width,
-        BLOCK_M=block_m,
-        BLOCK_W=block_w,
-        ALIGN=align,
-        num_warps=4,
-    )
+    repack_launch(kv_caches, runs, width, block_size, kv_heads)(src_slots, dst_slots)

@@ -191,3 +191,14 @@ def test_request_table_errors() -> None:
         DecodeRequests.build(tables, [0], [4, 5])
     with pytest.raises(ValueError, match="block_tables"):
         DecodeRequests.build(tables[:1], [0, 1], [4, 5])
+
+
+def test_the_gpu_benchmark_runs_and_checks_its_mass() -> None:
+    """``bench.fused_scores`` (run by the GPU check) on tiny shapes: its fused mass equals
+    the per-layer kernels', and it reports every figure."""
+    from bench.fused_scores import run_case
+
+    case = run_case("smollm2", 2, 40, 2, DEVICE, 1, torch.float32)
+    assert case["max_abs_diff"] < 1e-4
+    assert case["fused_ms"] > 0 and case["attention_ms"] > 0 and case["target_met"] is None
+    assert case["aliased_layers"] is False and case["layers"] == 2

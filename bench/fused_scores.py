@@ -135,9 +135,7 @@ def run_case(
         "device_ratio": device_ratio,
         "fused_launch_ms": rounded_ms(times.get("fused_launch")),
         "launch_hidden": {name: times.get(f"{name}_launch_hidden") for name in device_ms},
-        "target_met": (
-            None if batch < 32 else (device_ratio or fused_ms / attention_ms) <= 1.0
-        ),
+        "target_met": (None if batch < 32 else (device_ratio or fused_ms / attention_ms) <= 1.0),
     }
 
 

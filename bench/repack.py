@@ -427,6 +427,12 @@ def cli(
                     f"  baseline {case['baseline_ms']:8.3f} ms  speedup {case['speedup']:.1f}x"
                     f"  (view indexing {case['view_index_speedup']:.1f}x)"
                     + (f"  floor {case['floor_ratio']:.2f}" if case["floor_ratio"] else "")
+                    + (
+                        f"  device ratio {case['device_ratio']}, launch "
+                        f"{case['repack_launch_ms']} ms"
+                        if case["repack_launch_ms"] is not None
+                        else ""
+                    )
                 )
     name = torch.cuda.get_device_name() if chosen.type == "cuda" else "cpu"
     result = {

@@ -3,9 +3,11 @@ in every scored layer.
 
 A work item is one (layer, KV head, request): its ``GROUP`` query rows (the q heads of the
 KV head; a decode request has one query) against the request's keys. The grid is
-persistent: ``num_programs`` programs take items ``pid, pid + num_programs, ...`` (the
-request varies fastest, so programs running together add into different columns), each
-with its own float32 scratch of ``GROUP`` rows of the longest request's keys.
+persistent: each of ``num_programs`` programs takes the next item from a counter
+(``atomic_add``) until none is left, so a program that starts late (more programs than
+fit on the device at once) takes fewer items; the request varies fastest, so programs
+running together add into different columns. Each program has its own float32 scratch
+of ``GROUP`` rows of the longest request's keys.
 
 Per item, one pass over the keys: a key tile is read once through the block table, its
 logits (``scale * q . k`` on tensor cores in the query's 16-bit dtype, else float32) are
@@ -34,6 +36,7 @@ def _fused_decode_mass_kernel(
     requests_ptr,  # [num_requests, 4] int64: query row, seq_len, output column, table row
     scratch_ptr,  # [num_programs, GROUP, scratch_keys] float32
     out_ptr,  # [total_keys] float32, added into
+    next_item_ptr,  # [1] int32, zero: the items handed out so far
     num_requests,
     num_items,
     scratch_keys,
@@ -62,7 +65,8 @@ def _fused_decode_mass_kernel(
     dim_mask = dims < HEAD_DIM
     scratch = scratch_ptr + pid.to(tl.int64) * GROUP * scratch_keys
     scratch_rows = scratch + rows[:, None].to(tl.int64) * scratch_keys
-    for item in range(pid, num_items, tl.num_programs(0)):
+    item = tl.atomic_add(next_item_ptr, 1)
+    while item < num_items:
         request = item % num_requests
         kv_head = ((item // num_requests) % NUM_KV_HEADS).to(tl.int64)
         layer = item // (num_requests * NUM_KV_HEADS)
@@ -122,6 +126,7 @@ def _fused_decode_mass_kernel(
             mass = tl.sum(tl.where(valid, tl.exp(logits - lse[:, None]), 0.0), axis=0)
             tl.atomic_add(out + keys, mass, mask=key_mask, sem="relaxed")
         tl.debug_barrier()  # before the next item overwrites the scratch
+        item = tl.atomic_add(next_item_ptr, 1)
 
 
 # Under TRITON_INTERPRET=1 (tests without a GPU) kernels are InterpretedFunction objects.

@@ -48,8 +48,9 @@ def _upload(values: np.ndarray, device: torch.device) -> torch.Tensor:
 class DecodeRequests:
     """A step's decode requests as the fused kernel reads them. ``table``: int64
     ``[num_requests, 4]`` on the device, per request its query row, ``seq_len``, first
-    output column and row of ``block_tables`` (``[rows, max_blocks]`` int32/int64). ``max_seq_len`` and ``total_keys`` size the launch and
-    the output (host integers: the scheduler's)."""
+    output column and row of ``block_tables`` (``[rows, max_blocks]`` int32/int64).
+    ``max_seq_len`` and ``total_keys`` size the launch and the output (host integers: the
+    scheduler's)."""
 
     table: torch.Tensor
     block_tables: torch.Tensor
@@ -229,8 +230,9 @@ def fused_decode_mass(
         [keys.base, keys.block_stride, keys.offset_stride, keys.head_stride, *cache_offsets],
         keys.dim_stride,
     )
+    next_item = torch.zeros(1, dtype=torch.int32, device=device)
     args = (
-        query, cache, layers, scale_table, tables, requests.table, scratch, out,
+        query, cache, layers, scale_table, tables, requests.table, scratch, out, next_item,
         requests.num_requests, num_items, scratch_keys, tables.stride(0),
         layout.block_size(cache), query.stride(0), query.stride(1), keys.base,
         keys.block_stride, keys.offset_stride, keys.head_stride, keys.dim_stride,

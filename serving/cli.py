@@ -11,6 +11,7 @@ from bench import concurrency as bench_concurrency
 from bench import controller as bench_controller
 from bench import faults as bench_faults
 from bench import fragmentation as bench_fragmentation
+from bench import fused_scores as bench_fused_scores
 from bench import preemption as bench_preemption
 from bench import prefix as bench_prefix
 from bench import quality as bench_quality
@@ -33,6 +34,7 @@ bench_app.command("fragmentation")(bench_fragmentation.cli)
 bench_app.command("controller")(bench_controller.cli)
 bench_app.command("repack")(bench_repack.cli)
 bench_app.command("scores")(bench_scores.cli)
+bench_app.command("fused-scores")(bench_fused_scores.cli)
 bench_app.command("concurrency")(bench_concurrency.cli)
 bench_app.command("preemption")(bench_preemption.cli)
 bench_app.command("quotas")(bench_quotas.cli)

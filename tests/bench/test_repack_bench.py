@@ -37,6 +37,7 @@ def test_run_case_reports_the_issue_fields() -> None:
     # Device-only times exist on CUDA alone (a CPU call has no launch to hide).
     assert case["device_ratio"] is None
     assert case["launch_hidden"] == {"repack": None, "copy": None}
+    assert case["repack_launch_ms"] is None  # the host's launch cost: CUDA only
     if case["floor_ms"] is not None:  # a C compiler: the memory floor ran beside them
         assert case["floor_ratio"] == pytest.approx(case["floor_ms"] / case["repack_ms"], rel=1e-2)
         assert case["traffic_mb"] > 2 * case["moved_bytes"] / 1e6  # transposed K: whole lines

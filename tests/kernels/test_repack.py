@@ -181,3 +181,33 @@ def test_cpu_backend_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch, librar
     assert torch.equal(cache, expected)
     with pytest.raises(ValueError, match="also a source"):
         repack([cache], src, torch.tensor([4, 5, 40]), layout, backend=RepackBackend.CPU)
+
+
+def test_triton_launch_is_planned_once_per_cache_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps on one set of caches reuse one launch plan (one launch for every layer each),
+    whatever their move counts (1, 16, 37: the counts Triton specialises differently)."""
+    if not triton_usable():
+        pytest.skip("Triton kernels cannot run here")
+    from kernels import _repack_triton
+
+    layout = KVLayout.BHNC
+    caches = [layout.new_cache(12, 16, 2, 32, torch.float32, DEVICE).normal_() for _ in range(3)]
+    planned = []
+    plan = _repack_triton.RepackLaunch.plan
+    monkeypatch.setattr(
+        _repack_triton.RepackLaunch, "plan", lambda *a: planned.append(1) or plan(*a)
+    )
+    monkeypatch.setattr(_repack_triton, "_PLANS", {})
+    launches = []
+    launch = _repack_triton.RepackLaunch.__call__
+    monkeypatch.setattr(
+        _repack_triton.RepackLaunch, "__call__", lambda *a: launches.append(1) or launch(*a)
+    )
+    for seed, num_moves in enumerate((1, 16, 37)):
+        src, dst = _moves(12 * 16, num_moves, seed=seed)
+        expected = [cache.clone() for cache in caches]
+        reference_repack(expected, src, dst, layout)
+        repack(caches, src, dst, layout, backend=RepackBackend.TRITON)
+        for got, want in zip(caches, expected, strict=True):
+            assert torch.equal(got, want)
+    assert planned == [1] and launches == [1, 1, 1]

@@ -127,16 +127,14 @@ def reference_decode_mass(
     """Plain-torch reference of ``fused_decode_mass`` (columns one request after another)."""
     from kernels.attention_scores import reference_attention_scores
 
-    parts = []
+    parts: list[torch.Tensor] = []
     for r, (row, seq_len) in enumerate(zip(query_rows, seq_lens, strict=True)):
-        parts.append(
-            sum(
-                reference_attention_scores(
-                    query[row : row + 1], cache, block_tables[r], int(seq_len), layout, scale=s
-                ).sum(0)
-                for query, cache, s in zip(queries, kv_caches, scales, strict=True)
-            )
-        )
+        mass = torch.zeros(int(seq_len), dtype=torch.float32, device=block_tables.device)
+        for query, cache, s in zip(queries, kv_caches, scales, strict=True):
+            mass += reference_attention_scores(
+                query[row : row + 1], cache, block_tables[r], int(seq_len), layout, scale=s
+            ).sum(0)
+        parts.append(mass)
     return torch.cat(parts)
 
 

@@ -124,16 +124,22 @@ def reference_decode_mass(
     seq_lens: Sequence[int],
     layout: KVLayout,
 ) -> torch.Tensor:
-    """Plain-torch reference of ``fused_decode_mass`` (columns one request after another)."""
-    from kernels.attention_scores import reference_attention_scores
-
+    """Plain-torch reference of ``fused_decode_mass`` (columns one request after another):
+    per layer and request, the keys gathered slot by slot, one softmax per q head over
+    them, summed over the q heads."""
     parts: list[torch.Tensor] = []
     for r, (row, seq_len) in enumerate(zip(query_rows, seq_lens, strict=True)):
+        positions = torch.arange(int(seq_len), device=block_tables.device)
+        block_size = layout.block_size(kv_caches[0])
+        slots = block_tables[r].long()[positions // block_size] * block_size
+        slots += positions % block_size
         mass = torch.zeros(int(seq_len), dtype=torch.float32, device=block_tables.device)
-        for query, cache, s in zip(queries, kv_caches, scales, strict=True):
-            mass += reference_attention_scores(
-                query[row : row + 1], cache, block_tables[r], int(seq_len), layout, scale=s
-            ).sum(0)
+        for query, cache, scale in zip(queries, kv_caches, scales, strict=True):
+            keys = layout.gather(cache, slots)[:, 0].float()  # [seq_len, kv_heads, head_dim]
+            q = query[row].float()  # [q_heads, head_dim]
+            keys = keys.repeat_interleave(q.shape[0] // keys.shape[1], dim=1)
+            logits = torch.einsum("hd,shd->hs", q, keys) * scale
+            mass += logits.softmax(dim=-1).sum(0)
         parts.append(mass)
     return torch.cat(parts)
 

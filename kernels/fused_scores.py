@@ -12,9 +12,10 @@ and rescaled once).
 
 ``DecodeRequests`` is the step's request table on the device, built once per step (one
 pinned, non-blocking upload; or from device tensors the runner already has), whatever the
-number of layers. Layers are addressed as element offsets from the lowest-addressed
-layer's tensors (vLLM's per-layer caches are views of one buffer; the captured queries may
-be one buffer or separate tensors of one shape), so any number of layers is one launch.
+number of layers; the layers' table (offsets, scales) is uploaded once per set of layers.
+Layers are addressed as element offsets from the lowest-addressed layer's tensors (vLLM's
+per-layer caches are views of one buffer; the captured queries may be one buffer or
+separate tensors of one shape), so any number of layers is one launch.
 Output columns add in an order that varies between runs (``atomic_add``): the mass is
 exact to float32 rounding, not bitwise reproducible.
 """
@@ -215,8 +216,7 @@ def fused_decode_mass(
     from kernels._fused_scores_triton import BLOCK_N, INTERPRETED, launch_fused_decode_mass
 
     group = num_q_heads // num_kv_heads
-    layers = _upload(np.asarray([query_offsets, cache_offsets], np.int64).T.copy(), device)
-    scale_table = _upload(np.asarray(layer_scales, dtype=np.float32), device)
+    layers, scale_table = _layer_table(query_offsets, cache_offsets, layer_scales, device)
     num_items = num_layers * num_kv_heads * requests.num_requests
     scratch_keys = -(-requests.max_seq_len // BLOCK_N) * BLOCK_N
     per_program = 4 * group * scratch_keys
@@ -246,6 +246,32 @@ def fused_decode_mass(
         native_dot=native_dot, align=align,
     )  # fmt: skip
     return out
+
+
+_LAYER_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+MAX_LAYER_TABLES = 64
+
+
+def _layer_table(
+    query_offsets: list[int],
+    cache_offsets: list[int],
+    scales: list[float],
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layers' offsets (int64 ``[num_layers, 2]``) and scales on the device, uploaded
+    once per set: an engine's caches and capture buffer do not move, so a step uploads
+    only its request table. A table dropped from the cache is freed in stream order."""
+    key = (device, tuple(query_offsets), tuple(cache_offsets), tuple(scales))
+    cached = _LAYER_TABLES.get(key)
+    if cached is None:
+        if len(_LAYER_TABLES) >= MAX_LAYER_TABLES:
+            _LAYER_TABLES.clear()
+        offsets = np.asarray([query_offsets, cache_offsets], dtype=np.int64).T.copy()
+        cached = _LAYER_TABLES[key] = (
+            _upload(offsets, device),
+            _upload(np.asarray(scales, dtype=np.float32), device),
+        )
+    return cached
 
 
 def _default_programs(device: torch.device, per_program_bytes: int) -> int:

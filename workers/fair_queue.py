@@ -73,7 +73,9 @@ class FairRequestQueue(RequestQueue):
         tenant = self._head_tenant()
         request = self.queues[tenant].pop_request()
         self._taken(tenant)
-        self.fair.admit(request.request_id, tenant, request.num_tokens - request.num_computed_tokens)
+        self.fair.admit(
+            request.request_id, tenant, request.num_tokens - request.num_computed_tokens
+        )
         return request
 
     def peek_request(self) -> Request:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from vtoken.reports import DEFAULT_TENANT
 
@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 TENANT_KEY = "tenant"
 WEIGHT_KEY = "tenant_weight"
 """``extra_args``: the request's tenant weight, a finite number > 0 (default 1)."""
+MAX_TENANTS = 1024
+"""Tenants whose counters an engine keeps before it drops those a new request would lift
+anyway."""
 
 
 def tenant_weight(extra: Mapping[str, Any] | None) -> tuple[str, float]:
@@ -60,10 +63,10 @@ def served(num_computed: int, num_prompt: int, prompt_cost: float, output_cost: 
     return prompt_cost * prompt + output_cost * output
 
 
-@dataclass(frozen=True, slots=True)
-class Scheduled:
+class Scheduled(NamedTuple):
     """What the counters read of one request scheduled in a step, after vLLM scheduled it
-    (``num_computed``: its positions once the step ran)."""
+    (``num_computed``: its positions once the step ran). A tuple: one per running request
+    and step."""
 
     request_id: str
     tenant: str
@@ -159,14 +162,21 @@ class FairShare:
         charged (:func:`served`). O(scheduled requests)."""
         for request_id in list(self.provisional):
             self.refund(request_id)
-        for step in scheduled:
-            before = self.charged.get(step.request_id, 0)
-            if step.num_computed <= before:
+        charged, output_cost = self.charged, self.output_cost
+        totals: dict[str, float] = {}
+        for request_id, tenant, num_prompt, num_computed in scheduled:
+            before = charged.get(request_id, 0)
+            if num_computed <= before:
                 continue
-            self.charged[step.request_id] = step.num_computed
-            costs = (step.num_prompt, self.prompt_cost, self.output_cost)
-            amount = served(step.num_computed, *costs) - served(before, *costs)
-            self._charge(step.tenant, amount)
+            charged[request_id] = num_computed
+            if before >= num_prompt:  # decoding: output tokens only
+                amount = output_cost * (num_computed - before)
+            else:
+                costs = (num_prompt, self.prompt_cost, output_cost)
+                amount = served(num_computed, *costs) - served(before, *costs)
+            totals[tenant] = totals.get(tenant, 0.0) + amount
+        for tenant, amount in totals.items():
+            self._charge(tenant, amount)
 
     def forget(self, request_id: str) -> None:
         """The request ended (finished or aborted)."""
@@ -184,9 +194,11 @@ class FairShare:
             self.weights.pop(tenant, None)
 
     def report(self, running: Iterable[ScheduledRequest]) -> dict[str, float]:
-        """Every tenant's counter worth keeping (:meth:`prune`; ``running``: the engine's
-        running requests), rounded to a thousandth of a token."""
-        self.prune({record.kv.tenant for record in running})
+        """Every tenant's counter, rounded to a thousandth of a token; past
+        :data:`MAX_TENANTS` tenants, those not worth keeping are dropped first
+        (:meth:`prune`; ``running``: the engine's running requests)."""
+        if len(self.counters) > MAX_TENANTS:
+            self.prune({record.kv.tenant for record in running})
         return {tenant: round(counter, 3) for tenant, counter in self.counters.items()}
 
     # ------------------------------------------------------------------ shares
@@ -233,9 +245,9 @@ def victim_order(
     ``by_priority`` (vLLM's ``priority`` policy, which preempts the largest ``(priority,
     arrival_time)``): by priority, then above share, then arrival. With no tenant above
     its share this is the victim vLLM itself would take."""
+    if not by_priority:  # a stable partition, O(running)
+        within = [entry.request_id for entry in running if entry.tenant not in above]
+        return within + [entry.request_id for entry in running if entry.tenant in above]
     indexed = list(enumerate(running))
-    if by_priority:
-        indexed.sort(key=lambda e: (e[1].priority, e[1].tenant in above, e[1].arrival_time, e[0]))
-    elif above:
-        indexed.sort(key=lambda e: (e[1].tenant in above, e[0]))
+    indexed.sort(key=lambda e: (e[1].priority, e[1].tenant in above, e[1].arrival_time, e[0]))
     return [entry.request_id for _, entry in indexed]

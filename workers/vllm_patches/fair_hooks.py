@@ -63,6 +63,8 @@ def tenants_above_share(state: VTokenScheduler) -> set[str]:
 def running_order(scheduler: Any, state: VTokenScheduler, above: set[str]) -> list[str]:
     """vLLM's running requests in the order its scheduler keeps them, the first it would
     preempt last (the squeeze planner's ``victim_order``)."""
+    if not above and not _by_priority(scheduler):
+        return [request.request_id for request in scheduler.running]
     entries = []
     for request in scheduler.running:
         record = state.requests.get(request.request_id)

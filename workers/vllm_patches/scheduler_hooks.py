@@ -17,10 +17,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import workers.vllm_patches.fair_hooks as fair_hooks
 from workers.config import parse_config
 from workers.messages import OPS_ATTRIBUTE, SCORES_ATTRIBUTE
 from workers.scheduler_side import VTokenScheduler
-from workers.vllm_patches import fair_hooks
 from workers.vllm_patches.support import check_engine
 
 logger = logging.getLogger(__name__)
@@ -88,14 +88,14 @@ def update_from_output(original: Callable[..., Any]) -> Callable[..., Any]:
         state = scheduler_state(self)
         if state is not None:
             scores = getattr(model_runner_output, SCORES_ATTRIBUTE, None)
+            on_demand = state.config.eviction == "on_demand"  # the only reader of the victim
+            above = fair_hooks.tenants_above_share(state) if on_demand else set()
             state.after_step(
                 scheduler_output.num_scheduled_tokens,
                 self.requests,
                 scores,
                 num_waiting_blocks=_waiting_head_blocks(self, state),
-                victim_order=fair_hooks.running_order(
-                    self, state, fair_hooks.tenants_above_share(state)
-                ),
+                victim_order=fair_hooks.running_order(self, state, above) if on_demand else (),
             )
         try:
             return original(self, scheduler_output, model_runner_output)

@@ -15,6 +15,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    NonNegativeFloat,
     StrictInt,
     WithJsonSchema,
     model_validator,
@@ -171,6 +172,10 @@ class EngineCounters(_Frozen):
     preemptions: NonNegativeInt = 0
     evictions_under_pressure: NonNegativeInt = 0
     tenants: dict[TenantId, TenantUsage] = Field(default_factory=dict)
+    tenant_counters: dict[TenantId, NonNegativeFloat] = Field(default_factory=dict)
+    """Each tenant's virtual counter in this engine (weighted tokens served: prompt and
+    output tokens at their costs, divided by the tenant's weight); the engine's waiting
+    queue serves the smallest first. Empty when the engine's fairness is off."""
     prefix_keys: tuple[str, ...] = Field(default=(), max_length=MAX_REPORTED_KEYS)
     """Prefix keys (``controlplane/prefix.py``) of the blocks this replica's prefix cache
     was given, most recent first: what the router's prefix affinity matches."""

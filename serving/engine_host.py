@@ -38,6 +38,7 @@ from serving.engine_translators import (
 )
 from serving.settings import ReplicaSettings
 from workers.config import HOLD_TO_BLOCKS_KEY, REQUEST_KEY
+from workers.fair_share import TENANT_KEY, WEIGHT_KEY
 
 COUNTERS_MAX_AGE_PERIODS = 5  # older counters are not published: the replica goes stale
 
@@ -245,8 +246,9 @@ class EngineHost:
         self.pressure, self.allowance = dict(pressure), allowance
 
     def extra_args(self, request: GenerateRequest) -> dict[str, Any]:
-        """The request's tenant, and its own eviction budget: the tenant's cap."""
-        extra: dict[str, Any] = {"tenant": request.tenant_id}
+        """The request's tenant and its weight (the engine's fair order), and its own
+        eviction budget: the tenant's cap."""
+        extra: dict[str, Any] = {TENANT_KEY: request.tenant_id, WEIGHT_KEY: request.tenant_weight}
         if request.hold_to_blocks is not None:
             extra[HOLD_TO_BLOCKS_KEY] = request.hold_to_blocks
         override = request_spec(self.settings.vtoken, request.eviction_budget_tokens)

@@ -68,6 +68,7 @@ def counters_from_snapshot(
         repack_moves=report.repack_moves_total,
         repack_bytes=report.repack_bytes_total,
         repack_seconds=report.repack_seconds_total,
+        tenant_counters=report.tenant_counters,
         tenants={
             tenant: TenantUsage(
                 live_tokens=usage.live_tokens,

@@ -92,6 +92,7 @@ def generate_request(
     return GenerateRequest(
         request_id=request_id,
         tenant_id=quota.tenant_id,
+        tenant_weight=quota.weight,
         prompt_token_ids=ids,
         max_tokens=body.max_tokens,
         temperature=body.temperature,

@@ -119,6 +119,9 @@ class EngineReport(BaseModel):
     the last two seconds."""
     recent_steps: tuple[tuple[float, float], ...] = ()
     """The longest steps of those two seconds: ``(ended at, wall clock; seconds)``."""
+    tenant_counters: dict[str, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
+    """Each tenant's virtual counter (weighted tokens served here, ``workers/fair_share.py``;
+    empty with fairness off): the tenant with the smallest is served first."""
     requests: tuple[RequestReport, ...] = ()
 
     @property

@@ -133,6 +133,13 @@ class VTokenConfig(PolicySpec):
       not under a hard bound (``hold_to_blocks``, a tenant's cap, pressure) nor for a
       resumed request. Off, a hit whose first holder finished is evicted like the
       request's own tokens;
+    - ``fair_share`` (default on): weighted fairness between tenants
+      (``workers/fair_share.py``): the waiting queue serves the tenant with the smallest
+      virtual counter first (tokens served, ``fair_prompt_cost`` per prompt token and
+      ``fair_output_cost`` per output token, divided by the tenant's weight,
+      ``extra_args["tenant_weight"]``), and under memory pressure the squeeze below
+      budget and vLLM's preemption take from tenants above their weighted share of the
+      pool first. With one tenant (or none named) scheduling is vLLM's own;
     - ``record_evictions``: keep every step's evicted logical ids per request (tests);
     - ``check_invariants``: run ``check_invariants()`` after every scheduler step (tests).
     """
@@ -144,6 +151,9 @@ class VTokenConfig(PolicySpec):
     score_layers: Literal["all"] | list[int] = "all"
     prefix_pin_tokens: int = Field(default=0, ge=0)
     pin_cache_hits: bool = False
+    fair_share: bool = True
+    fair_prompt_cost: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
+    fair_output_cost: float = Field(default=2.0, ge=0.0, allow_inf_nan=False)
     record_evictions: bool = False
     check_invariants: bool = False
 

@@ -6,7 +6,7 @@ nothing. ``workers/scheduler_side.py`` asks it for a :class:`SqueezePlanner` per
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -72,10 +72,13 @@ class RequestBudgets:
         records: Mapping[str, ScheduledRequest],
         requests: Mapping[str, Any],
         num_free_blocks: int,
+        fairness: tuple[Mapping[str, float], int] = ({}, 0),
+        victim_order: Sequence[str] = (),
     ) -> SqueezePlanner:
         """The squeeze arithmetic over ``records`` (every running request, in the order
         vLLM added them) as they stand now (``requests``: vLLM's, for what each one's next
-        step needs)."""
+        step needs). ``fairness``: the present tenants' weights and the pool's blocks
+        (none: fairness off); ``victim_order``: see :class:`SqueezePlanner`."""
         return SqueezePlanner(
             {request_id: self.view(record, requests) for request_id, record in records.items()},
             num_free_blocks=num_free_blocks,
@@ -85,6 +88,9 @@ class RequestBudgets:
             frees_blocks=self.config.mode is not ReclaimMode.NAIVE,
             squeeze_below_budget=self.config.squeeze_below_budget,
             squeeze_floor=self.config.squeeze_floor,
+            tenant_weights=fairness[0],
+            pool_blocks=fairness[1],
+            victim_order=victim_order,
         )
 
     def view(self, record: ScheduledRequest, requests: Mapping[str, Any]) -> RequestView:

@@ -55,6 +55,7 @@ from vtoken.policy import StepAttention
 from vtoken.repack_planner import ReclaimMode
 from vtoken.reports import DEFAULT_TENANT, EngineReport, RequestReport
 from workers.config import VTokenConfig, request_policy_spec
+from workers.fair_share import FairShare
 from workers.messages import StepOps, StepScores
 from workers.prefix_cache import PrefixCacheRule
 from workers.request_budgets import RequestBudgets
@@ -99,6 +100,9 @@ class VTokenScheduler:
         self.finished: OrderedDict[str, FinishedRequest] = OrderedDict()
         self.counters = StepCounters()
         self.step_times = StepTimes()
+        # Weighted fairness (``workers/fair_share.py``): queue and preemption order hooked
+        # in by ``workers/vllm_patches/scheduler_hooks.py``; ``None`` when off.
+        self.fair = FairShare.of(config)
 
     # The counters ``bench/`` reads (``fragmentation``, ``concurrency``, ``preemption``).
     @property
@@ -185,6 +189,7 @@ class VTokenScheduler:
         requests: dict[str, Any],
         scores: StepScores | None,
         num_waiting_blocks: int = 0,
+        victim_order: Sequence[str] = (),
     ) -> None:
         """Run the policies of the requests that ran this step, commit repacks, free blocks.
 
@@ -219,7 +224,7 @@ class VTokenScheduler:
             self._protect_shared(self.requests[request_id])
         # Eager: every decoding request and such chunk evicts to budget, nothing else is read.
         viewed = evicting if self.config.eviction == "eager" else None
-        planner = self.squeeze_planner(requests, viewed)
+        planner = self.squeeze_planner(requests, viewed, victim_order)
         plan = planner.plan(decoding, num_waiting_blocks, prefilling=chunked)
         for request_id in evicting:
             attention = attention_of.get(request_id, StepAttention())
@@ -292,12 +297,21 @@ class VTokenScheduler:
         self.prefix.protect_shared(record, self.budgets.pinned_hit(record))
 
     def squeeze_planner(
-        self, requests: Mapping[str, Any] | None = None, viewed: Iterable[str] | None = None
+        self,
+        requests: Mapping[str, Any] | None = None,
+        viewed: Iterable[str] | None = None,
+        victim_order: Sequence[str] = (),
     ) -> SqueezePlanner:
         """The squeeze arithmetic over the running requests (``viewed``, default all) as
-        they stand now (``requests``: vLLM's, for what each one's next step needs)."""
+        they stand now (``requests``: vLLM's, for what each one's next step needs;
+        ``victim_order``: see :class:`SqueezePlanner`)."""
         records = self.requests if viewed is None else {r: self.requests[r] for r in viewed}
-        return self.budgets.planner(records, requests or {}, self.pool.num_free_blocks)
+        tenants = (record.kv.tenant for record in self.requests.values())
+        weights = {} if self.fair is None else self.fair.present_weights(tenants)
+        fairness = (weights, self.pool.num_blocks)
+        return self.budgets.planner(
+            records, requests or {}, self.pool.num_free_blocks, fairness, victim_order
+        )
 
     def blocks_above_budget(self, request_id: str) -> int:
         """See :meth:`SqueezePlanner.blocks_above_budget`."""
@@ -401,6 +415,7 @@ class VTokenScheduler:
             repack_moves_total=self.manager.num_repack_moves,
             repack_bytes_total=counters.repack_bytes_total,
             repack_seconds_total=counters.repack_seconds_total,
+            tenant_counters={} if self.fair is None else self.fair.report(self.requests.values()),
             requests=self.manager.reports(
                 {  # in prefill, only a policy that evicts during prefill has a budget yet
                     request_id: self.budgets.budget(record)

@@ -19,10 +19,11 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 from kernels.intmath import cdiv
+from workers.fair_share import excess_over_share
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,10 +121,15 @@ class SqueezePlan:
 class SqueezePlanner:
     """The room and squeeze arithmetic of one engine step (see the module docstring).
 
-    ``requests``: every running request's view, in the order vLLM added them (its
-    scheduler preempts the last running one). ``allowance``: tenant -> most blocks it may
-    hold here (a tenant left out has no limit). ``squeeze_floor``: the share of its own
-    budget no squeeze below budget takes from a request.
+    ``requests``: every running request's view, in the order vLLM added them.
+    ``victim_order``: the running requests in the order the scheduler keeps them, the
+    first it would preempt last (``workers.fair_share.victim_order``; empty: the order of
+    ``requests``). ``allowance``: tenant -> most blocks it may hold here (a tenant left out
+    has no limit). ``squeeze_floor``: the share of its own budget no squeeze below budget
+    takes from a request. ``tenant_weights``: the weights of the tenants present here
+    (running or waiting) when fairness is on; a tenant holding more than its weighted
+    share of ``pool_blocks`` gives room, and is squeezed below budget, before the others
+    (after tenants above their allowance).
     """
 
     requests: Mapping[str, RequestView]
@@ -134,6 +140,9 @@ class SqueezePlanner:
     frees_blocks: bool = True  # False in naive mode
     squeeze_below_budget: bool = True
     squeeze_floor: float = 0.5
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)
+    pool_blocks: int = 0
+    victim_order: Sequence[str] = ()
 
     # ------------------------------------------------------------------ one request
     def tokens_at(self, request_id: str, budget: int) -> int:
@@ -185,6 +194,13 @@ class SqueezePlanner:
             held[view.tenant] = held.get(view.tenant, 0) + view.num_paid_blocks
         return held
 
+    def excess_over_share(self) -> dict[str, float]:
+        """Blocks each tenant holds here above its weighted share of the pool (tenants
+        above it only; none without ``tenant_weights``)."""
+        if not self.tenant_weights:
+            return {}
+        return excess_over_share(self.held_per_tenant(), self.tenant_weights, self.pool_blocks)
+
     def excess_over_allowance(self, always: set[str], ending: set[str]) -> dict[str, int]:
         """Blocks each tenant with an allowance here holds above it once this step's
         requests that always evict (to budget) and those ending with it gave theirs back."""
@@ -218,13 +234,14 @@ class SqueezePlanner:
     def likely_victim(
         self, ending: set[str], evicting: set[str] | None = None
     ) -> tuple[str, int] | None:
-        """The request vLLM would preempt if the next step does not fit (its scheduler takes
-        the last running one under first-come-first-served scheduling, the one assumed
-        here) and the blocks that gives the step: what only it holds and what its own next
-        step would have opened, less what its eviction this step (``evicting``) already
-        gives."""
-        for request_id in reversed(list(self.requests)):
-            view = self.requests[request_id]
+        """The request the scheduler would preempt if the next step does not fit (the last
+        of ``victim_order``) and the blocks that gives the step: what only it holds and
+        what its own next step would have opened, less what its eviction this step
+        (``evicting``) already gives."""
+        for request_id in reversed(list(self.victim_order or self.requests)):
+            view = self.requests.get(request_id)
+            if view is None:
+                continue
             if request_id in ending or not view.running:
                 continue
             if not view.num_blocks:
@@ -243,7 +260,8 @@ class SqueezePlanner:
         evicts now. ``eager``: all of them. ``on_demand``: those that always do, then
         (beyond the free blocks, for what the head of vLLM's waiting queue needs,
         ``num_waiting_blocks``, and the running requests' next step) those whose eviction
-        to budget gives the most room, tenants over their allowance first, then, if the
+        to budget gives the most room, tenants over their allowance first, then those above
+        their weighted share of the pool (``tenant_weights``), then, if the
         running requests' own next step still does not fit, :meth:`below_budget` (decoding
         requests only: a prompt in prefill is never squeezed under its budget)."""
         if self.eager:
@@ -265,19 +283,30 @@ class SqueezePlanner:
         need -= sum(self.room(r) for r in for_room)
         rest = [r for r in candidates if r not in always | for_room]
         room = {request_id: self.room(request_id) for request_id in rest}
-        for request_id in sorted((r for r in rest if room[r] > 0), key=lambda r: -room[r]):
+        above = self.excess_over_share()
+        for request_id in ending if above else ():
+            tenant = self.requests[request_id].tenant
+            if tenant in above:
+                above[tenant] -= self.requests[request_id].sole_blocks()
+        order = sorted(
+            (r for r in rest if room[r] > 0),
+            key=lambda r: (above.get(self.requests[r].tenant, 0) <= 0, -room[r]),
+        )
+        for request_id in order:
             if need <= 0:
                 break
             for_room.add(request_id)
             need -= room[request_id]
         # Only the running requests' own next step, not the waiting queue, squeezes anyone
         # below budget: that is where vLLM would preempt one.
-        for request_id in for_room:
+        for request_id in for_room | always:
             tenant = self.requests[request_id].tenant
-            if tenant in excess:
+            if tenant in excess and request_id in for_room:
                 excess[tenant] -= self.blocks_above_budget(request_id)
+            if tenant in above:
+                above[tenant] -= self.blocks_above_budget(request_id)
         victim = self.likely_victim(ending, always | for_room)
-        below = self.below_budget(decoding, need - num_waiting_blocks, excess, victim)
+        below = self.below_budget(decoding, need - num_waiting_blocks, excess, victim, above)
         return SqueezePlan.of(self.requests, always, for_room, below)
 
     def below_budget(
@@ -286,12 +315,14 @@ class SqueezePlanner:
         need: int,
         excess: Mapping[str, int] | None = None,
         victim: tuple[str, int] | None = None,
+        above: Mapping[str, float] | None = None,
     ) -> dict[str, int]:
         """Decoding requests squeezed under their budgets so that the next step needs
         ``need`` blocks fewer (``on_demand`` with ``squeeze_below_budget``, once every request
         that could give room at its budget does). Block by block, the request that would
         keep the largest share of its own budget gives one up (requests of tenants still
-        above their allowance here, ``excess`` in blocks, first), so shares stay level and
+        above their allowance here, ``excess`` in blocks, first, then those of tenants
+        still above their weighted share of the pool, ``above``), so shares stay level and
         no more is taken than ``need``; a request keeps whatever its remaining blocks hold
         with its next token. None goes under its *floor*: ``squeeze_floor`` of its own
         budget plus the prefix it does not pay for or pinned (and never under what its
@@ -303,13 +334,13 @@ class SqueezePlanner:
         well would only cost them context)."""
         if need <= 0 or not self.squeeze_below_budget or not self.frees_blocks:
             return {}
-        order, start = self._give_order(decoding, need, dict(excess or {}))
+        order, start = self._give_order(decoding, need, dict(excess or {}), dict(above or {}))
         if len(order) < need:
             if victim is None:
                 return {}
             victim_id, victim_blocks = victim
             others = [r for r in decoding if r != victim_id]
-            order, start = self._give_order(others, need, dict(excess or {}))
+            order, start = self._give_order(others, need, dict(excess or {}), dict(above or {}))
             if len(order) + victim_blocks >= need:
                 order = order[: max(0, need - victim_blocks)]
             # else vLLM preempts more than the victim: each block given spares some of that
@@ -326,13 +357,23 @@ class SqueezePlanner:
         return max(floor, view.protected_at(own), 1)
 
     def _give_order(
-        self, decoding: list[str], need: int, excess: dict[str, int]
+        self,
+        decoding: list[str],
+        need: int,
+        excess: dict[str, int],
+        above: dict[str, float] | None = None,
     ) -> tuple[list[str], dict[str, int]]:
         """Who gives each block, in order, up to ``need`` blocks (see :meth:`below_budget`),
         and each candidate's live tokens before giving (what its next step's blocks at
         budget hold with its next token)."""
         size = self.block_size
-        heap: list[tuple[bool, float, str]] = []  # (tenant within allowance, -share, id)
+        above = {} if above is None else above
+        # (tenant within its allowance, tenant within its weighted share, -share, id)
+        heap: list[tuple[bool, bool, float, str]] = []
+
+        def within(tenant: str) -> tuple[bool, bool]:
+            return excess.get(tenant, 0) <= 0, above.get(tenant, 0) <= 0
+
         candidates = [r for r in decoding if self.requests[r].evicts_to_budget]
         # next step's blocks at budget, then after each block given
         blocks = {r: cdiv(self.tokens_at(r, self.requests[r].budget) + 1, size) for r in candidates}
@@ -347,23 +388,25 @@ class SqueezePlanner:
                 return  # at its floor, or its policy would keep more than the block holds
             own = max(1, view.budget - view.num_unbudgeted)
             share = (goal - view.num_unbudgeted) / own
-            within = excess.get(view.tenant, 0) <= 0
-            heapq.heappush(heap, (within, -share, request_id))
+            heapq.heappush(heap, (*within(view.tenant), -share, request_id))
 
         for request_id in blocks:
             push(request_id)
         order: list[str] = []
         while heap and len(order) < need:
-            within, _, request_id = heapq.heappop(heap)
+            in_allowance, in_share, share, request_id = heapq.heappop(heap)
             tenant = self.requests[request_id].tenant
-            if within != (excess.get(tenant, 0) <= 0):  # its tenant came within since
-                heapq.heappush(heap, (not within, _, request_id))
+            if (in_allowance, in_share) != within(tenant):  # its tenant came within since
+                heapq.heappush(heap, (*within(tenant), share, request_id))
                 continue
             order.append(request_id)
             blocks[request_id] -= 1
-            if tenant in excess:  # in blocks held: the first one given may be a next step's
-                now = cdiv(blocks[request_id] * size - 1, size)
+            # in blocks held: the first one given may be a next step's
+            now = cdiv(blocks[request_id] * size - 1, size)
+            if tenant in excess:
                 excess[tenant] -= held[request_id] - now
-                held[request_id] = now
+            if tenant in above:
+                above[tenant] -= held[request_id] - now
+            held[request_id] = now
             push(request_id)
         return order, start

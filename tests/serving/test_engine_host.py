@@ -40,6 +40,23 @@ def test_a_bad_cap_becomes_the_requests_error_chunk():
     assert "budget_tokens" in chunk.error and chunk.replica_id == "r1"
 
 
+def test_the_engine_gets_the_tenant_and_its_weight():
+    host = EngineHost.__new__(EngineHost)
+    host.settings = ReplicaSettings(vtoken={"policy": "h2o", "keep_ratio": 0.5})
+    request = GenerateRequest(
+        request_id="q1",
+        tenant_id="a",
+        tenant_weight=3.0,
+        prompt_token_ids=[1, 2, 3],
+        max_tokens=4,
+        temperature=0.0,
+        top_p=1.0,
+    )
+    assert host.extra_args(request) == {"tenant": "a", "tenant_weight": 3.0}
+    with pytest.raises(ValueError, match="tenant_weight"):
+        GenerateRequest.model_validate(request.model_dump() | {"tenant_weight": 0.0})
+
+
 def test_cache_salt_separates_tenants_and_is_stable():
     assert cache_salt("a") == cache_salt("a") != cache_salt("b")
 

@@ -126,6 +126,7 @@ def test_counters_map_the_engine_report_into_a_valid_report():
         blocks_reclaimed=7,
         num_preemptions=3,
         num_evictions_under_pressure=5,
+        tenant_counters={"a": 40.5, "idle": 3.0},
         requests=(
             request("r1", "a", 40, 2, 2),
             request("r2", "b", 100, 6, 4).model_copy(update={"floor_blocks": 3}),
@@ -142,6 +143,7 @@ def test_counters_map_the_engine_report_into_a_valid_report():
     assert counters.tenants["b"].blocks == 7 and counters.tenants["a"].requests == 1
     assert (counters.tenants["b"].shared_blocks, counters.tenants["a"].shared_blocks) == (3, 0)
     assert (counters.blocks_reclaimed, counters.naive_equivalent_blocks) == (7, 21)
+    assert counters.tenant_counters == {"a": 40.5, "idle": 3.0}  # idle tenants' too
     with pytest.raises(ValueError):  # tenants holding more than the pool says is used
         counters_from_snapshot(report.model_copy(update={"free_blocks": 99}), running=2)
 

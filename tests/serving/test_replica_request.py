@@ -91,12 +91,15 @@ def test_the_steady_bound_is_held_only_below_the_worst_case(
 
 
 def test_the_generate_request_carries_the_body_the_quota_and_the_bound() -> None:
-    quota = TenantQuota(tenant_id="acme", kv_budget_blocks=64, eviction_budget_tokens=32)
+    quota = TenantQuota(
+        tenant_id="acme", kv_budget_blocks=64, eviction_budget_tokens=32, weight=2.5
+    )
     body = completion("w1", max_tokens=6, n=2, temperature=0.5, seed=3, stop=["w9"])
     ids = [1, 2, 3, 4, 5]
     reservation = Reservation("acme", "cmpl-1", blocks=6, steady=4)
     sent = generate_request(quota, "cmpl-1", ids, body, reservation, BLOCK_SIZE)
     assert (sent.request_id, sent.tenant_id, sent.prompt_token_ids) == ("cmpl-1", "acme", ids)
+    assert sent.tenant_weight == 2.5  # the engine's fair order reads it
     assert (sent.max_tokens, sent.n, sent.temperature, sent.seed) == (6, 2, 0.5, 3)
     assert sent.stop == ["w9"]
     assert sent.eviction_budget_tokens == 32

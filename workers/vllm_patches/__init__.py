@@ -13,6 +13,7 @@ The hooks live beside this file, one concept each:
   ``request_checks.py``   a request's ``extra_args["vtoken_policy"]``, front end and core
   ``scheduler_hooks.py``  scheduler side (engine-core process): ``Scheduler``,
                           ``KVCacheManager``
+  ``fair_hooks.py``       weighted fairness between tenants in the ``Scheduler``
   ``engine_core.py``      utilities added to ``EngineCore`` (``workers/api.py``)
   ``runner_hooks.py``     worker side (every worker process): the V1 runner and the
                           attention impls' query capture
@@ -144,12 +145,14 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
     TouchPoint(
         "vllm.v1.core.sched.scheduler.Scheduler.__init__",
         scheduler_hooks.scheduler_init,
-        "check the engine with its KV cache config, attach a VTokenScheduler",
+        "check the engine with its KV cache config, attach a VTokenScheduler; fair waiting"
+        " queues (fair_share on)",
     ),
     TouchPoint(
         "vllm.v1.core.sched.scheduler.Scheduler.schedule",
         scheduler_hooks.schedule,
-        "attach the step's StepOps to the SchedulerOutput",
+        "attach the step's StepOps to the SchedulerOutput; tenants above their share"
+        " preempted first, their counters charged (fair_share on)",
     ),
     TouchPoint(
         "vllm.v1.core.sched.scheduler.Scheduler.update_from_output",

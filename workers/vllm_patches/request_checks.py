@@ -1,4 +1,5 @@
-"""Request validation: a request's ``extra_args["vtoken_policy"]`` is checked where vLLM
+"""Request validation: a request's ``extra_args["vtoken_policy"]`` and
+``extra_args["tenant_weight"]`` are checked where vLLM
 checks its parameters (the front end) and again as the engine core takes it in, so the
 scheduler never sees a bad one.
 """
@@ -9,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from workers.config import CONFIG_KEY, request_policy_spec
+from workers.fair_share import tenant_weight
 from workers.vllm_patches.scheduler_hooks import scheduler_state
 
 
@@ -23,6 +25,7 @@ def validate_params(original: Callable[..., Any]) -> Callable[..., Any]:
 
             try:
                 request_policy_spec(getattr(params, "extra_args", None))
+                tenant_weight(getattr(params, "extra_args", None))
             except ValueError as error:
                 raise VLLMValidationError(str(error), parameter="extra_args") from None
         return result
@@ -38,6 +41,7 @@ def preprocess_add_request(original: Callable[..., Any]) -> Callable[..., Any]:
     def preprocess_add_request(self: Any, request: Any) -> Any:
         if scheduler_state(self.scheduler) is not None and request.sampling_params is not None:
             request_policy_spec(request.sampling_params.extra_args)
+            tenant_weight(request.sampling_params.extra_args)
         return original(self, request)
 
     return preprocess_add_request

@@ -6,7 +6,8 @@ Per step: ``schedule`` attaches the step's ``StepOps`` to the ``SchedulerOutput`
 workers; ``update_from_output`` lets policies evict and repacks commit, before vLLM's own
 update (which may finish requests); ``allocate_slots`` turns physical counts into blocks,
 adopting prefix-cache hits and publishing cacheable blocks; ``free`` releases a finished,
-aborted or preempted request's table and ballast.
+aborted or preempted request's table and ballast. Weighted fairness between tenants (the
+waiting queues, the preemption order, the counters' charges) is ``fair_hooks.py``'s.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import workers.vllm_patches.fair_hooks as fair_hooks
 from workers.config import parse_config
 from workers.messages import OPS_ATTRIBUTE, SCORES_ATTRIBUTE
 from workers.scheduler_side import VTokenScheduler
@@ -57,6 +59,7 @@ def scheduler_init(original: Callable[..., Any]) -> Callable[..., Any]:
         manager.vtoken = VTokenScheduler(
             config, manager.block_pool, single_type_manager, self.max_num_scheduled_tokens
         )
+        fair_hooks.install_queues(self, manager.vtoken)
         logger.info("vToken active: %s", config.model_dump_json())
 
     return __init__
@@ -65,14 +68,16 @@ def scheduler_init(original: Callable[..., Any]) -> Callable[..., Any]:
 def schedule(original: Callable[..., Any]) -> Callable[..., Any]:
     def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
         state = scheduler_state(self)
-        if state is not None:
-            state.step_times.begin()  # the engine step: scheduling, forward, update
-        output = original(self, *args, **kwargs)
-        if state is not None:
-            on_demand = state.config.eviction == "on_demand"
-            waiting = _waiting_head_blocks(self, state) if on_demand else 0
-            ops = state.take_ops(output.num_scheduled_tokens, self.requests, waiting)
-            setattr(output, OPS_ATTRIBUTE, ops)
+        if state is None:
+            return original(self, *args, **kwargs)
+        state.step_times.begin()  # the engine step: scheduling, forward, update
+        with fair_hooks.before_schedule(self, state):
+            output = original(self, *args, **kwargs)
+        fair_hooks.after_schedule(self, state, output)
+        on_demand = state.config.eviction == "on_demand"
+        waiting = _waiting_head_blocks(self, state) if on_demand else 0
+        ops = state.take_ops(output.num_scheduled_tokens, self.requests, waiting)
+        setattr(output, OPS_ATTRIBUTE, ops)
         return output
 
     return schedule
@@ -83,11 +88,14 @@ def update_from_output(original: Callable[..., Any]) -> Callable[..., Any]:
         state = scheduler_state(self)
         if state is not None:
             scores = getattr(model_runner_output, SCORES_ATTRIBUTE, None)
+            on_demand = state.config.eviction == "on_demand"  # the only reader of the victim
+            above = fair_hooks.tenants_above_share(state) if on_demand else set()
             state.after_step(
                 scheduler_output.num_scheduled_tokens,
                 self.requests,
                 scores,
                 num_waiting_blocks=_waiting_head_blocks(self, state),
+                victim_order=fair_hooks.running_order(self, state, above) if on_demand else (),
             )
         try:
             return original(self, scheduler_output, model_runner_output)
@@ -162,6 +170,8 @@ def allocate_slots(original: Callable[..., Any]) -> Callable[..., Any]:
 def free(original: Callable[..., Any]) -> Callable[..., Any]:
     def free(self: Any, request: Any) -> None:
         state: VTokenScheduler | None = getattr(self, "vtoken", None)
+        if state is not None and state.fair is not None and request.is_finished():
+            state.fair.forget(request.request_id)
         if state is not None and state.manages(request.request_id):
             # vLLM frees a preempted request while it is still RUNNING, a finished one after.
             state.free(request.request_id, preempted=not request.is_finished())

@@ -136,6 +136,10 @@ class VTokenWorker:
         self.num_evicted = dict(ops.num_evicted)
         self.score_needs = dict(ops.score_needs)
         self.capture.recorded.clear()
+        if self._pending is not None and self._pending.done is not None:
+            # Scores never taken (no sampling followed): the forward about to overwrite
+            # the capture buffer waits for the side stream that reads it.
+            torch.cuda.current_stream().wait_event(self._pending.done)
         self._pending, self._launched = None, False
 
     def slot_bytes(self, kv_caches: Sequence[torch.Tensor]) -> int:

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # GPU check for a bare GPU machine: NVIDIA GPU, PyTorch >= 2.11 and Triton >= 3.6, no vLLM,
 # no network, no install (the checkout is put on PYTHONPATH). Usage: bench/gpu_check.sh OUTDIR
-# One command, under 8 minutes: the stage limits add up to 460 s (about 3 minutes on one
+# One command, under 8 minutes: the stage limits add up to 475 s (about 3 minutes on one
 # H200 when every stage passes). Every stage prints "PASS", "FAIL" or "NOT RUN" with its
 # reason; the summary is in OUTDIR/summary.txt and the exit status is 0 only when every
 # stage passed (a stage that could not run, e.g. no CUDA or no pytest, is a failure).
 # Writes OUTDIR/{env.json, tests.txt, repack-gpu.json, repack-gpu-variants.json,
-# scores-gpu.json, cuda-graph.json, summary.txt}.
+# scores-gpu.json, cuda-graph.json, runner-harness.json, summary.txt}.
 # vLLM's engine tests need vLLM 0.32's CUDA build: bench/gpu_engine_check.sh, elsewhere.
 set -uo pipefail
 OUT="${1:?usage: bench/gpu_check.sh OUTDIR}"
@@ -76,7 +76,7 @@ json.dump({"torch": torch.__version__, "triton": triton.__version__, "vllm": vll
            "nvidia_smi": smi}, open(sys.argv[1], "w"), indent=1)
 print(open(sys.argv[1]).read())
 PY
-STAGES="kernel-tests repack repack-variants scores cuda-graph"
+STAGES="kernel-tests repack repack-variants scores cuda-graph runner-harness"
 if ! "$PY" -c "import torch, triton, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   for name in $STAGES; do not_run "$name" "no CUDA device visible to PyTorch (or torch/triton missing)"; done
   finish
@@ -84,7 +84,7 @@ fi
 
 if "$PY" -c "import pytest" 2>/dev/null; then
   # every vLLM KVCacheLayout; bf16, fp16, fp8; side-stream repack
-  stage kernel-tests 150 bash -c "'$PY' -m pytest -q -p no:cacheprovider tests/kernels > '$OUT/tests.txt' 2>&1; rc=\$?; tail -3 '$OUT/tests.txt'; exit \$rc"
+  stage kernel-tests 130 bash -c "'$PY' -m pytest -q -p no:cacheprovider tests/kernels > '$OUT/tests.txt' 2>&1; rc=\$?; tail -3 '$OUT/tests.txt'; exit \$rc"
 else
   echo "pytest missing" > "$OUT/tests.txt"
   not_run kernel-tests "pytest is not installed (carry its wheel)"
@@ -109,7 +109,7 @@ path.unlink()
 Path('$OUT/repack-gpu-variants.json').write_text(json.dumps(runs, indent=1))"
 
 # batched, vs SDPA of the same batch
-stage scores 90 "$PY" -c "
+stage scores 80 "$PY" -c "
 from pathlib import Path; from bench.scores import cli
 cli(json_path=Path('$OUT/scores-gpu.json'), shapes='smollm2,llama8b', batches='1,32,128',
     seq_lens='1024,4096,16384', q_lens='1,32', reps=15, dtype='bfloat16', device='cuda')"
@@ -194,5 +194,9 @@ json.dump({"ok": ok, "rounds": results}, open(sys.argv[1], "w"), indent=1)
 print(json.dumps({"ok": ok, "rounds": results}))
 sys.exit(0 if ok else 1)
 PY
+
+# vLLM's step on a dedicated stream with the repack on the side stream, checked against a
+# host reference every step; the negative control (fence disabled) must fail
+stage runner-harness 45 "$PY" -m bench.runner_harness "$OUT/runner-harness.json"
 
 finish

@@ -64,9 +64,7 @@ class CaptureSize:
     def num_bytes(self) -> int:
         """The module docstring's formula."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return (
-            self.num_layers * self.max_num_tokens * self.num_q_heads * self.head_size * itemsize
-        )
+        return self.num_layers * self.max_num_tokens * self.num_q_heads * self.head_size * itemsize
 
 
 @dataclass(slots=True)

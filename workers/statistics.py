@@ -27,7 +27,10 @@ class ReducedAttention:
     def map(self, function: Callable[[torch.Tensor], torch.Tensor]) -> ReducedAttention:
         """The same statistics, each passed through ``function`` (e.g. a host copy)."""
         return ReducedAttention(
-            *(None if t is None else function(t) for t in (self.step_scores, self.window_rows, self.head_scores))
+            *(
+                None if t is None else function(t)
+                for t in (self.step_scores, self.window_rows, self.head_scores)
+            )
         )
 
     def to_step_attention(self) -> StepAttention:

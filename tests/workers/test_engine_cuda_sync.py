@@ -52,6 +52,6 @@ def test_vtoken_steps_make_the_host_wait_nowhere(tiny_llama_path, engine_variant
     state = engine_state(llm)
     assert state is not None
     assert state.counters.num_scored_request_steps > 0
-    assert any(
-        step.size for record in state.finished.values() for step in record.evictions
-    ), "vacuous: nothing was evicted, so nothing was repacked"
+    assert any(step.size for record in state.finished.values() for step in record.evictions), (
+        "vacuous: nothing was evicted, so nothing was repacked"
+    )

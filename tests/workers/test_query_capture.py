@@ -103,7 +103,10 @@ def test_an_engine_captures_the_scored_rows_of_the_full_copy(tiny_llama_path, mo
     model_runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
     capture = model_runner.model_runner.vtoken_query_capture
     model_config = model_runner.model_runner.vllm_config.model_config
-    config, dtype_bytes = model_config.hf_config, torch.empty((), dtype=model_config.dtype).element_size()
+    config, dtype_bytes = (
+        model_config.hf_config,
+        torch.empty((), dtype=model_config.dtype).element_size(),
+    )
     assert dtype_bytes == (4 if capture.device.type == "cpu" else 2)  # float32 / bf16
     assert capture.queries.nbytes == (
         config.num_hidden_layers
@@ -141,8 +144,8 @@ def test_an_alibi_model_is_refused_at_start(tmp_path):
 
     folder = tmp_path / "tiny-bloom"
     torch.manual_seed(0)
-    BloomForCausalLM(BloomConfig(vocab_size=512, hidden_size=64, n_layer=2, n_head=4)).save_pretrained(
-        folder
-    )
+    BloomForCausalLM(
+        BloomConfig(vocab_size=512, hidden_size=64, n_layer=2, n_head=4)
+    ).save_pretrained(folder)
     with pytest.raises(UnsupportedEngineError, match="ALiBi"):
         make_llm(str(folder), {"policy": "h2o", "keep_ratio": 0.5}, skip_tokenizer_init=True)

@@ -24,8 +24,8 @@ import torch
 from kernels import KVLayout
 from workers.config import VTokenConfig, parse_config
 from workers.messages import OPS_ATTRIBUTE, SCORES_ATTRIBUTE
-from workers.tensor_parallel import RankReduction
 from workers.query_capture import QueryCapture, capture_size, to_device
+from workers.tensor_parallel import RankReduction
 from workers.vllm_patches.cuda import FLASHINFER_IMPL, FP8_CACHE_DTYPES, cuda_key_dtype
 from workers.vllm_patches.fp8_queries import query_conversion
 from workers.vllm_patches.support import (
@@ -388,7 +388,5 @@ def _record_queries(
     if capture.key_dtype is not None:
         kv_cache = kv_cache.view(capture.key_dtype)
         scale *= layer._k_scale_float
-        convert = query_conversion(
-            layer, attn_metadata, query.dtype, capture.flashinfer_fp8_query
-        )
+        convert = query_conversion(layer, attn_metadata, query.dtype, capture.flashinfer_fp8_query)
     capture.state.record(capture.layer_id, query, kv_cache, scale, convert)

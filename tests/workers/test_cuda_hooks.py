@@ -275,7 +275,12 @@ def test_flashinfer_impl_matches_the_capture_by_its_source():
         for n in _class(tree, "FlashInferMetadata").body
         if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
     }
-    assert "num_actual_tokens" in fields
+    assert {"num_actual_tokens", "q_data_type_decode", "q_data_type_prefill"} <= fields
+    assert "num_decode_tokens" in fields  # decode rows first: fp8_queries.query_conversion
+    # Over an fp8 cache it quantizes queries itself and scales logits by q_scale * k_scale:
+    source = ast.unparse(impl)
+    assert "self.maybe_quant_query(" in source
+    assert "self.bmm1_scale *= layer._q_scale_float * layer._k_scale_float" in source
     assigned = {
         target.attr
         for node in ast.walk(impl)

@@ -79,12 +79,13 @@ def test_an_engine_captures_the_scored_rows_of_the_full_copy(tiny_llama_path, mo
     select, record = VTokenWorker.select_scored, QueryCapture.record
 
     def select_scored(self, request_ids, query_starts):
-        steps.append({"ids": list(request_ids), "starts": np.array(query_starts), "layers": {}})
+        if self.capturing:  # a step that scores
+            steps.append({"ids": list(request_ids), "starts": np.array(query_starts), "layers": {}})
         select(self, request_ids, query_starts)
 
     def record_rows(self, layer_id, query, kv_cache, scale, convert=None):
         record(self, layer_id, query, kv_cache, scale, convert)
-        if layer_id in self.recorded:
+        if layer_id in self.recorded and steps:
             steps[-1]["layers"][layer_id] = (query.clone(), self.recorded[layer_id].query.clone())
 
     monkeypatch.setattr(VTokenWorker, "select_scored", select_scored)

@@ -10,6 +10,7 @@ process calls ``EngineCore.vtoken_counters`` as a utility instead (see ``workers
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from workers.scheduler_side import VTokenScheduler
@@ -23,6 +24,60 @@ CPU_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
 }
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSettings:
+    """What an engine of ours (and the tests' tiny model) takes from the device: on CUDA
+    bf16, head_dim 128 and piecewise CUDA graphs (``enforce_eager=False``), so that
+    FlashAttention and FlashInfer can run and graphs are exercised; on CPU float32,
+    head_dim 32 and eager mode (vLLM's CPU build has no graphs)."""
+
+    dtype: str
+    head_dim: int  # of ``workers.models.make_tiny_llama``
+    enforce_eager: bool
+
+
+CPU_SETTINGS = DeviceSettings(dtype="float32", head_dim=32, enforce_eager=True)
+CUDA_SETTINGS = DeviceSettings(dtype="bfloat16", head_dim=128, enforce_eager=False)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineVariant:
+    """An attention backend and KV dtype an engine is built with (``None``: vLLM's
+    choice, the only one on CPU)."""
+
+    name: str
+    attention_backend: str | None = None
+    kv_cache_dtype: str = "auto"
+
+
+CPU_VARIANTS = (EngineVariant("cpu"),)
+CUDA_VARIANTS = (
+    EngineVariant("flash_attn", "FLASH_ATTN"),
+    EngineVariant("flashinfer", "FLASHINFER"),
+    EngineVariant("triton_attn", "TRITON_ATTN"),
+    EngineVariant("flashinfer_fp8", "FLASHINFER", kv_cache_dtype="fp8"),
+)
+
+
+def device_type() -> str:
+    """vLLM's platform here: ``"cuda"`` with vLLM's CUDA build on a GPU, ``"cpu"`` with
+    its CPU build."""
+    from vllm.platforms import current_platform
+
+    return str(current_platform.device_type)
+
+
+def device_settings(device: str | None = None) -> DeviceSettings:
+    """``CUDA_SETTINGS`` on ``"cuda"`` (default: this platform), else ``CPU_SETTINGS``."""
+    return CUDA_SETTINGS if (device or device_type()) == "cuda" else CPU_SETTINGS
+
+
+def engine_variants(device: str | None = None) -> tuple[EngineVariant, ...]:
+    """The variants the engine tests run in: FlashAttention, FlashInfer, Triton attention
+    and FlashInfer over an fp8 KV cache on CUDA; vLLM's CPU attention on CPU."""
+    return CUDA_VARIANTS if (device or device_type()) == "cuda" else CPU_VARIANTS
 
 
 def engine_args(
@@ -40,6 +95,7 @@ def engine_args(
     kv_cache_dtype: str = "auto",
     tensor_parallel_size: int = 1,
     otlp_traces_endpoint: str | None = None,
+    attention_backend: str | None = None,
 ) -> dict[str, Any]:
     """The vLLM engine arguments every engine of ours shares (``vllm.LLM`` and
     ``AsyncEngineArgs`` take them alike): synchronous scheduling, ``num_blocks`` fixing the
@@ -51,6 +107,7 @@ def engine_args(
     A GPU replica sets them from its Serve config (``ReplicaSettings``).
     ``otlp_traces_endpoint``: vLLM's own request spans go there, joined to the caller's
     trace through ``trace_headers`` (``None``: vLLM traces nothing).
+    ``attention_backend``: a vLLM ``AttentionBackendEnum`` name (``None``: vLLM picks).
     Values vLLM refuses (e.g. ``gpu_memory_utilization`` outside (0, 1]) fail when vLLM
     builds its config, with vLLM's message.
     """
@@ -68,6 +125,7 @@ def engine_args(
         "kv_cache_dtype": kv_cache_dtype,
         "tensor_parallel_size": tensor_parallel_size,
         "otlp_traces_endpoint": otlp_traces_endpoint,
+        **({"attention_backend": attention_backend} if attention_backend else {}),
         "additional_config": {"vtoken": vtoken} if vtoken is not None else {},
     }
 
@@ -81,18 +139,24 @@ def make_llm(
     max_model_len: int = 2048,
     max_num_seqs: int = 16,
     max_num_batched_tokens: int = 2048,
-    dtype: Any = "float32",
+    dtype: Any = None,
     enable_prefix_caching: bool = False,
     tensor_parallel_size: int = 1,
+    variant: EngineVariant | None = None,
     **extra_args: Any,
 ) -> Any:
-    """An in-process ``vllm.LLM`` on CPU; ``num_blocks`` fixes the KV pool size. The
-    engine core runs in this process; with ``tensor_parallel_size > 1`` pass
-    ``distributed_executor_backend="mp"`` (one worker process per rank)."""
+    """An in-process ``vllm.LLM``; ``num_blocks`` fixes the KV pool size. The engine core
+    runs in this process; with ``tensor_parallel_size > 1`` pass
+    ``distributed_executor_backend="mp"`` (one worker process per rank). ``dtype``
+    (``None``) and graph mode come from the device (``device_settings``), the attention
+    backend and KV dtype from ``variant`` (``None``: the device's first variant); an
+    explicit ``enforce_eager`` or ``kv_cache_dtype`` in ``extra_args`` wins."""
     for name, value in CPU_ENV.items():
         os.environ.setdefault(name, value)
     from vllm import LLM
 
+    settings = device_settings()
+    variant = variant or engine_variants()[0]
     common = engine_args(
         model,
         vtoken,
@@ -100,9 +164,12 @@ def make_llm(
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         num_blocks=num_blocks,
-        dtype=dtype,
+        dtype=dtype or settings.dtype,
         enable_prefix_caching=enable_prefix_caching,
         tensor_parallel_size=tensor_parallel_size,
+        enforce_eager=extra_args.pop("enforce_eager", settings.enforce_eager),
+        kv_cache_dtype=extra_args.pop("kv_cache_dtype", variant.kv_cache_dtype),
+        attention_backend=variant.attention_backend,
     )
     return LLM(**common, max_num_batched_tokens=max_num_batched_tokens, seed=0, **extra_args)
 

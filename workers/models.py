@@ -115,8 +115,11 @@ def _convert(source: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def make_tiny_llama(folder: Path, tokenizer_source: Path | None = None, seed: int = 0) -> Path:
-    """A tiny random Llama (2 layers, hidden 128, 4 heads, 2 KV heads, head_dim 32) that
+def make_tiny_llama(
+    folder: Path, tokenizer_source: Path | None = None, seed: int = 0, head_dim: int = 32
+) -> Path:
+    """A tiny random Llama (2 layers, hidden 128, 4 heads, 2 KV heads, ``head_dim``: 32 for
+    CPU engines, 128 for CUDA ones, whose FlashAttention and FlashInfer want it) that
     starts in seconds in vLLM; with a tokenizer source it speaks real text. Saved once
     into ``folder``. Without ``tokenizer_source`` the vocabulary
     is 512 ids and there is no tokenizer (engines run with ``skip_tokenizer_init``)."""
@@ -138,7 +141,7 @@ def make_tiny_llama(folder: Path, tokenizer_source: Path | None = None, seed: in
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=32,
+        head_dim=head_dim,
         max_position_embeddings=4096,
         tie_word_embeddings=tokenizer is not None,
         **special,

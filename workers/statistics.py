@@ -8,14 +8,46 @@ paged keys).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 
 from vtoken.policy import ScoreNeeds, StepAttention
 
 
+@dataclass(frozen=True, slots=True)
+class ReducedAttention:
+    """``reduce_attention``'s statistics as float32 tensors on the layers' device."""
+
+    step_scores: torch.Tensor | None
+    window_rows: torch.Tensor | None
+    head_scores: torch.Tensor | None
+
+    def map(self, function: Callable[[torch.Tensor], torch.Tensor]) -> ReducedAttention:
+        """The same statistics, each passed through ``function`` (e.g. a host copy)."""
+        return ReducedAttention(
+            *(
+                None if t is None else function(t)
+                for t in (self.step_scores, self.window_rows, self.head_scores)
+            )
+        )
+
+    def to_step_attention(self) -> StepAttention:
+        """Host tensors as the policy reads them (numpy)."""
+        return StepAttention(
+            step_scores=None if self.step_scores is None else self.step_scores.numpy(),
+            window_rows=None if self.window_rows is None else self.window_rows.numpy(),
+            head_scores=None if self.head_scores is None else self.head_scores.numpy(),
+        )
+
+
 def reduce_attention(layers: Iterable[torch.Tensor], needs: ScoreNeeds) -> StepAttention:
+    """``reduce_attention_tensors`` of host tensors, as the policy reads them."""
+    return reduce_attention_tensors(layers, needs).map(torch.Tensor.cpu).to_step_attention()
+
+
+def reduce_attention_tensors(layers: Iterable[torch.Tensor], needs: ScoreNeeds) -> ReducedAttention:
     """Reduce per-layer attention probabilities to the statistics ``needs`` asks for.
 
     ``layers`` yields one ``[num_q_heads, q_len, n_live]`` tensor per scored layer (each
@@ -45,8 +77,8 @@ def reduce_attention(layers: Iterable[torch.Tensor], needs: ScoreNeeds) -> StepA
         num_layers += 1
     if step is None or window_rows is None:
         raise ValueError("no attention layer to reduce")
-    return StepAttention(
-        step_scores=(step / num_layers).numpy() if needs.step_scores else None,
-        window_rows=(window_rows / num_layers).numpy() if needs.query_window else None,
-        head_scores=torch.stack(heads).numpy() if needs.per_head else None,
+    return ReducedAttention(
+        step_scores=step / num_layers if needs.step_scores else None,
+        window_rows=window_rows / num_layers if needs.query_window else None,
+        head_scores=torch.stack(heads) if needs.per_head else None,
     )

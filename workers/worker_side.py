@@ -9,19 +9,28 @@ It holds no token tables: the scheduler decides, the worker copies. Per step:
    ``kernels.async_repack``);
 2. remember ``num_evicted`` per request: positions stay logical, ``seq_lens`` and slot
    positions subtract it (``physical_offsets``);
-3. while a scored policy runs, attention layers hand their queries to ``record``; after
-   the forward ``step_scores`` turns them into per-request ``StepAttention`` over the
-   request's physical slots ``[0, seq_len)``, reduced by the reference engine's function
-   (``workers/statistics.py``): mean over query heads and scored layers. In a
-   tensor-parallel engine each rank scores its own heads and ``RankReduction`` combines
-   them over the ranks before the driver returns them (``workers/tensor_parallel.py``).
+3. while a scored policy runs, ``select_scored`` (from ``_prepare_inputs``) names the
+   batch rows of the scored requests' queries and each scored attention layer hands its
+   query to ``record``, which gathers those rows into the capture buffer allocated at
+   start (``workers/query_capture.py``); after the forward ``launch_scores`` queues the
+   per-request ``StepAttention`` over the request's physical slots ``[0, seq_len)``,
+   reduced by the reference engine's function (``workers/statistics.py``): mean over
+   query heads and scored layers. In a tensor-parallel engine each rank scores its own
+   heads and ``RankReduction`` combines them over the ranks before the driver returns
+   them (``workers/tensor_parallel.py``).
+4. ``take_scores`` (after sampling) hands the step's ``StepScores`` over. On CUDA the
+   scores run on a side stream after the forward and reach pinned host memory with
+   ``non_blocking`` copies; the host waits for them (one event) only after vLLM's
+   sampling was queued and read back, so sampling never waits for the scores, and the
+   policy still sees the scores of the step it decides on (on CPU everything runs in
+   order; the decisions are the same on both).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -35,17 +44,9 @@ from kernels.repack_cpu import load_library
 from vtoken.policy import ScoreNeeds, StepAttention
 from workers.config import VTokenConfig
 from workers.messages import StepOps, StepScores
-from workers.statistics import reduce_attention
+from workers.query_capture import QueryCapture, QueryConversion, RecordedLayer, to_device
+from workers.statistics import ReducedAttention, reduce_attention_tensors
 from workers.tensor_parallel import RankReduction
-
-
-@dataclass(slots=True)
-class CapturedQuery:
-    """One scored layer's queries of the step: ``[num_tokens, num_q_heads, head_dim]``."""
-
-    query: torch.Tensor
-    kv_cache: torch.Tensor
-    scale: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,29 +54,40 @@ class ScoredRequest:
     """Where one request sits in the step's batch."""
 
     request_id: str
-    query_start: int
+    query_start: int  # its first row in the batch
     query_len: int
     seq_len: int  # physical
     block_ids: np.ndarray  # the request's block table row (at least ceil(seq_len / bs))
 
 
+@dataclass(slots=True)
+class _PendingScores:
+    """Scores queued by ``launch_scores``: host tensors (pinned on CUDA) that are complete
+    once ``done`` has passed (``None``: already complete)."""
+
+    mass_requests: list[ScoredRequest]
+    mass: torch.Tensor | None  # float32 [sum of their seq_lens]
+    rows: dict[str, ReducedAttention]  # requests that need more than the mass
+    done: torch.cuda.Event | None
+
+
 class VTokenWorker:
-    """Per-runner state; see the module docstring."""
+    """Per-runner state; see the module docstring. ``capture`` holds the scored layers'
+    queries (``workers/query_capture.py``; its layers are ``config.layer_ids``)."""
 
     def __init__(
         self,
         config: VTokenConfig,
         layout: KVLayout,
-        num_layers: int,
+        capture: QueryCapture,
         ranks: RankReduction | None = None,
     ) -> None:
         self.config = config
         self.layout = layout
+        self.capture = capture
         self.ranks = ranks or RankReduction()  # one rank unless tensor-parallel
-        self.score_layers = set(config.layer_ids(num_layers))
         self.num_evicted: dict[str, int] = {}
         self.score_needs: dict[str, ScoreNeeds] = {}
-        self.captured: dict[int, CapturedQuery] = {}
         self.num_moves = 0
         # This rank's shard (tensor parallelism: every rank moves its own shard alike, in
         # about the same time; the driver's figures are the ones reported):
@@ -83,10 +95,22 @@ class VTokenWorker:
         self.repack_s = 0.0  # the copies' own time (CPU: wall; CUDA: side-stream events)
         self._slot_bytes: int | None = None  # bytes of one slot over every distinct layer
         self._repacker: SideStreamRepacker | None = None
+        self._score_stream: torch.cuda.Stream | None = None
+        self._pending: _PendingScores | None = None
+        self._launched = False
 
     @property
     def capturing(self) -> bool:
         return bool(self.score_needs)
+
+    @property
+    def score_layers(self) -> set[int]:
+        return set(self.capture.layer_ids)
+
+    @property
+    def captured(self) -> dict[int, RecordedLayer]:
+        """The scored layers that recorded their queries this step."""
+        return self.capture.recorded
 
     def begin_step(self, ops: StepOps, kv_caches: Sequence[torch.Tensor]) -> None:
         """Apply the repack and take the step's offsets (before the forward)."""
@@ -111,7 +135,12 @@ class VTokenWorker:
             self.repack_bytes += ops.num_moves * self.slot_bytes(kv_caches)
         self.num_evicted = dict(ops.num_evicted)
         self.score_needs = dict(ops.score_needs)
-        self.captured.clear()
+        self.capture.recorded.clear()
+        if self._pending is not None and self._pending.done is not None:
+            # Scores never taken (no sampling followed): the forward about to overwrite
+            # the capture buffer waits for the side stream that reads it.
+            torch.cuda.current_stream().wait_event(self._pending.done)
+        self._pending, self._launched = None, False
 
     def slot_bytes(self, kv_caches: Sequence[torch.Tensor]) -> int:
         """Bytes one move copies: a slot's K and V in every distinct layer cache."""
@@ -134,31 +163,96 @@ class VTokenWorker:
         """``[len(request_ids)]`` int32: logical minus physical token count (0 if unmanaged)."""
         return np.array([self.num_evicted.get(r, 0) for r in request_ids], dtype=np.int32)
 
-    def record(self, layer_id: int, query: torch.Tensor, kv_cache: torch.Tensor, scale: float):
-        """Called by each attention layer after it wrote its KV (``query`` is copied)."""
-        if self.capturing and layer_id in self.score_layers:
-            self.captured[layer_id] = CapturedQuery(query.detach().clone(), kv_cache, scale)
-
-    def step_scores(self, requests: Sequence[ScoredRequest]) -> StepScores | None:
-        """Attention statistics of the requests that asked for them (after the forward),
-        with the repack totals; ``None`` while there is neither."""
-        repack_bytes, repack_s = self.repack_totals()
+    def select_scored(self, request_ids: Sequence[str], query_starts: np.ndarray) -> None:
+        """Before the forward: the batch rows to capture, those of the requests scored this
+        step (``query_starts``: ``[len(request_ids) + 1]``, the batch's row offsets)."""
         if not self.capturing:
-            if not repack_bytes:
-                return None
-            return StepScores({}, repack_bytes, repack_s)
+            return
+        self.capture.select(
+            {
+                request_id: (int(query_starts[i]), int(query_starts[i + 1] - query_starts[i]))
+                for i, request_id in enumerate(request_ids)
+                if request_id in self.score_needs
+            }
+        )
+
+    def record(
+        self,
+        layer_id: int,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        scale: float,
+        convert: QueryConversion | None = None,
+    ) -> None:
+        """Called by each attention layer after it wrote its KV: the selected rows of
+        ``query`` are copied into the capture buffer (``QueryCapture.record``)."""
+        if self.capturing:
+            self.capture.record(layer_id, query, kv_cache, scale, convert)
+
+    def launch_scores(self, requests: Sequence[ScoredRequest]) -> None:
+        """After the forward: queue the attention statistics of the requests that asked for
+        them (on CUDA on a side stream, read back into pinned memory without waiting)."""
+        self._launched = True
+        if not self.capturing:
+            return
         layers = [self.captured[i] for i in sorted(self.captured)]
         if not layers:
             raise RuntimeError("vToken: no attention layer reported its queries this step")
-        scored = [r for r in requests if r.request_id in self.score_needs and r.query_len > 0]
-        mass_only = [r for r in scored if not self._needs_rows(r.request_id)]
-        attention = self._attention_mass(layers, mass_only) if mass_only else {}
-        rows = [r for r in scored if r.request_id not in attention]
-        full = {r.request_id: self._full_attention(layers, r) for r in rows}
+        starts = self.capture.starts
+        scored = [
+            replace(r, query_start=starts[r.request_id])
+            for r in requests
+            if r.request_id in starts and r.request_id in self.score_needs
+        ]
         device = layers[0].kv_cache.device
-        attention.update(self.ranks.mean_over_ranks(full, [r.request_id for r in rows], device))
-        self.captured.clear()
+        if device.type != "cuda":
+            self._pending = self._queue_scores(layers, scored, device)
+            return
+        if self._score_stream is None:
+            self._score_stream = torch.cuda.Stream(device)
+        self._score_stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self._score_stream):
+            self._pending = self._queue_scores(layers, scored, device)
+            done = torch.cuda.Event()
+            done.record(self._score_stream)
+            self._pending.done = done
+
+    def take_scores(self) -> StepScores | None:
+        """The step's ``StepScores`` (after sampling: waits for the queued scores), with the
+        repack totals; ``None`` while there is neither, or once taken."""
+        if not self._launched:
+            return None
+        self._launched = False
+        pending, self._pending = self._pending, None
+        repack_bytes, repack_s = self.repack_totals()
+        if pending is None:
+            return StepScores({}, repack_bytes, repack_s) if repack_bytes else None
+        if pending.done is not None:
+            pending.done.synchronize()
+        attention: dict[str, StepAttention] = {}
+        if pending.mass is not None:
+            scores = pending.mass.numpy()
+            bounds = np.cumsum([0, *(r.seq_len for r in pending.mass_requests)])
+            for i, request in enumerate(pending.mass_requests):
+                attention[request.request_id] = StepAttention(
+                    step_scores=scores[bounds[i] : bounds[i + 1]].copy()
+                )
+        full = {request_id: rows.to_step_attention() for request_id, rows in pending.rows.items()}
+        device = self.capture.device
+        attention.update(self.ranks.mean_over_ranks(full, list(pending.rows), device))
         return StepScores(attention, repack_bytes, repack_s)
+
+    def _queue_scores(
+        self, layers: list[RecordedLayer], scored: list[ScoredRequest], device: torch.device
+    ) -> _PendingScores:
+        mass_only = [r for r in scored if not self._needs_rows(r.request_id)]
+        mass = self._attention_mass(layers, mass_only) if mass_only else None
+        rows = {
+            r.request_id: self._full_attention(layers, r)
+            for r in scored
+            if self._needs_rows(r.request_id)
+        }
+        return _PendingScores(mass_only, mass, rows, None)
 
     def _needs_rows(self, request_id: str) -> bool:
         """Whether the request's policy reads more than the per-key mass (query rows of a
@@ -167,48 +261,58 @@ class VTokenWorker:
         return bool(needs.query_window or needs.per_head)
 
     def _attention_mass(
-        self, layers: list[CapturedQuery], requests: list[ScoredRequest]
-    ) -> dict[str, StepAttention]:
-        """Per-key attention mass of the requests whose policies need only that: one score
-        call per layer for all of them (one batched kernel on CUDA, one padded matmul for
-        the decode rows on CPU), summed over layers and heads on the device, one copy to
-        the host (:func:`kernels.attention_scores.summed_attention_mass`)."""
+        self, layers: list[RecordedLayer], requests: list[ScoredRequest]
+    ) -> torch.Tensor:
+        """Per-key attention mass of the requests whose policies need only that, float32
+        ``[sum of their seq_lens]`` on the host: one score call per layer for all of them
+        (one batched kernel on CUDA, one padded matmul for the decode rows on CPU), summed
+        over layers and heads on the device, one copy to the host
+        (:func:`kernels.attention_scores.summed_attention_mass`)."""
         table = np.zeros((len(requests), max(len(r.block_ids) for r in requests)), np.int32)
         for row, request in enumerate(requests):
             table[row, : len(request.block_ids)] = request.block_ids
-        block_tables = torch.from_numpy(table).to(layers[0].kv_cache.device)
-        seq_lens = [r.seq_len for r in requests]
+        device = layers[0].kv_cache.device
         total = summed_attention_mass(
             [(layer.query, layer.kv_cache, layer.scale) for layer in layers],
-            block_tables,
+            to_device(table, device),
             [r.query_start for r in requests],
             [r.query_len for r in requests],
-            seq_lens,
+            [r.seq_len for r in requests],
             self.layout,
         )
         total = self.ranks.sum_mass(total)  # every rank's heads
         num_q_heads = layers[0].query.shape[1] * self.ranks.world_size
-        scores = (total / (num_q_heads * len(layers))).cpu().numpy()
-        bounds = np.cumsum([0, *seq_lens])
-        return {
-            request.request_id: StepAttention(step_scores=scores[bounds[i] : bounds[i + 1]])
-            for i, request in enumerate(requests)
-        }
+        return _to_host(total / (num_q_heads * len(layers)))
 
-    def _full_attention(self, layers: list[CapturedQuery], request: ScoredRequest) -> StepAttention:
-        """Per-query probabilities, for window rows and per-head statistics."""
+    def _full_attention(
+        self, layers: list[RecordedLayer], request: ScoredRequest
+    ) -> ReducedAttention:
+        """Window rows and per-head statistics from per-query probabilities, reduced on the
+        device one layer at a time (``[num_q_heads, q_len, seq_len]`` each: a long prefill
+        scored over every layer would not fit at once), then copied to the host."""
         rows = slice(request.query_start, request.query_start + request.query_len)
-        block_table = torch.from_numpy(request.block_ids.astype(np.int64))
-        probabilities = (  # one layer at a time: [num_q_heads, q_len, seq_len]
+        device = layers[0].kv_cache.device
+        block_table = to_device(request.block_ids.astype(np.int64), device)
+        probabilities = (
             attention_probabilities(
                 layer.query[rows],
                 layer.kv_cache,
-                block_table.to(layer.kv_cache.device),
+                block_table,
                 request.seq_len,
                 self.layout,
                 scale=layer.scale,
-            ).cpu()
+            )
             for layer in layers
         )
-        needs = self.score_needs[request.request_id]
-        return reduce_attention(probabilities, needs)
+        reduced = reduce_attention_tensors(probabilities, self.score_needs[request.request_id])
+        return reduced.map(_to_host)
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` on the host; from CUDA a ``non_blocking`` copy into pinned memory (valid
+    once the stream's later event has passed)."""
+    if tensor.device.type != "cuda":
+        return tensor.cpu()
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from workers.engine import CPU_ENV
+from workers.engine import CPU_ENV, EngineVariant, device_settings, engine_variants
 from workers.models import make_tiny_llama
 from workers.scheduler_side import VTokenScheduler
 
@@ -16,8 +16,17 @@ for _name, _value in CPU_ENV.items():
 
 @pytest.fixture(scope="session")
 def tiny_llama_path(tmp_path_factory) -> str:
-    """A 2-layer random Llama (4 query / 2 KV heads, head_dim 32, vocab 512) on disk."""
-    return str(make_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
+    """A 2-layer random Llama (4 query / 2 KV heads, vocab 512) on disk; head_dim 32 on
+    CPU, 128 on CUDA (``workers.engine.device_settings``)."""
+    head_dim = device_settings().head_dim
+    return str(make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), head_dim=head_dim))
+
+
+@pytest.fixture(scope="session", params=engine_variants(), ids=lambda v: v.name)
+def engine_variant(request) -> EngineVariant:
+    """Each attention backend (and the fp8 KV cache) the engine tests run in: four on
+    CUDA, vLLM's CPU attention alone on CPU (``workers.engine.engine_variants``)."""
+    return request.param
 
 
 def token_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:

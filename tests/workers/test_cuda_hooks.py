@@ -24,6 +24,7 @@ from vtoken.policy import ScoreNeeds
 from workers import vllm_patches
 from workers.config import parse_config
 from workers.messages import StepOps
+from workers.query_capture import CaptureSize, QueryCapture
 from workers.vllm_patches import (
     CUDA_ATTENTION_IMPLS,
     LayerCapture,
@@ -42,6 +43,7 @@ from workers.worker_side import VTokenWorker
 
 VTOKEN = {"policy": "h2o", "keep_ratio": 0.5}
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 4, 2, 32, 16
+CPU = torch.device("cpu")
 
 
 # ---------------------------------------------------------------------- runner selection
@@ -163,12 +165,19 @@ def _backend(backend_name: str) -> type:
     return TritonAttentionBackend
 
 
-def _capturing_worker() -> VTokenWorker:
+def _capture(dtype: torch.dtype = torch.float32) -> QueryCapture:
+    return QueryCapture(CaptureSize(4, 16, NUM_HEADS, HEAD_SIZE, dtype), [0, 1, 2, 3], CPU)
+
+
+def _capturing_worker(query_starts=(0, 1, 4), dtype=torch.float32) -> VTokenWorker:
+    """A worker whose step scores request "r", the second of the batch ("a", "r"):
+    batch rows ``[query_starts[1], query_starts[2])``."""
     config = parse_config({"vtoken": VTOKEN})
     assert config is not None
-    state = VTokenWorker(config, KVLayout.BHNC, num_layers=4)
+    state = VTokenWorker(config, KVLayout.BHNC, _capture(dtype))
     empty = np.zeros(0, dtype=np.int64)
     state.begin_step(StepOps(empty, empty, score_needs={"r": ScoreNeeds(step_scores=True)}), [])
+    state.select_scored(["a", "r"], np.array(query_starts))
     return state
 
 
@@ -187,9 +196,10 @@ def test_capture_records_the_real_rows_heads_and_scale(backend_name):
     layer = _attention_layer(_backend(backend_name), index=3)
     impl = layer.impl
     assert f"{type(impl).__module__}.{type(impl).__qualname__}" in CUDA_ATTENTION_IMPLS
-    state = _capturing_worker()
+    state = _capturing_worker(query_starts=(0, 1, 3))
     layer.vtoken_capture = LayerCapture(state, 3)
-    # Attention.forward hands the impl [padded tokens, heads, head_size]: 3 real, 2 padding.
+    # Attention.forward hands the impl [padded tokens, heads, head_size]: 3 real, 2 padding;
+    # row 0 is request "a" (not scored), rows 1 and 2 request "r".
     query = torch.randn(5, NUM_HEADS, HEAD_SIZE)
     kv_cache = torch.zeros(6, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE, dtype=torch.bfloat16)
     output = torch.zeros(5, NUM_HEADS, HEAD_SIZE)
@@ -199,8 +209,9 @@ def test_capture_records_the_real_rows_heads_and_scale(backend_name):
     result = forward(impl, layer, query, query, query, kv_cache, metadata, output=output)
     assert result is output and len(calls) == 1
     captured = state.captured[3]
-    assert torch.equal(captured.query, query[:3])
-    assert captured.query.shape == (3, impl.num_heads, impl.head_size)
+    assert torch.equal(captured.query, query[1:3])
+    assert captured.query.shape == (2, impl.num_heads, impl.head_size)
+    assert captured.query.data_ptr() == state.capture.queries[3].data_ptr()  # no new buffer
     assert captured.kv_cache is kv_cache and captured.scale == impl.scale == 0.125
 
 
@@ -210,7 +221,7 @@ def test_capture_reads_an_fp8_cache_with_its_scales():
     method leaves in ``_k_scale_float`` / ``_q_scale_float``)."""
     layer = _attention_layer(_backend("triton_attn"), index=1, cache_dtype="fp8")
     layer._k_scale_float, layer._q_scale_float = 0.5, 0.25
-    state = _capturing_worker()
+    state = _capturing_worker(query_starts=(0, 0, 2))
     layer.vtoken_capture = LayerCapture(state, 1, torch.float8_e4m3fn)
     query = torch.randn(4, NUM_HEADS, HEAD_SIZE).to(torch.float8_e4m3fn)
     kv_cache = torch.zeros(6, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE, dtype=torch.uint8)
@@ -264,7 +275,12 @@ def test_flashinfer_impl_matches_the_capture_by_its_source():
         for n in _class(tree, "FlashInferMetadata").body
         if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
     }
-    assert "num_actual_tokens" in fields
+    assert {"num_actual_tokens", "q_data_type_decode", "q_data_type_prefill"} <= fields
+    assert "num_decode_tokens" in fields  # decode rows first: fp8_queries.query_conversion
+    # Over an fp8 cache it quantizes queries itself and scales logits by q_scale * k_scale:
+    source = ast.unparse(impl)
+    assert "self.maybe_quant_query(" in source
+    assert "self.bmm1_scale *= layer._q_scale_float * layer._k_scale_float" in source
     assigned = {
         target.attr
         for node in ast.walk(impl)
@@ -345,6 +361,9 @@ def _cuda_runner(config, backend: type, cache_dtype: str = "auto", layer_views=N
     runner = object.__new__(GPUModelRunner)
     runner.vllm_config, runner.model_config = config, config.model_config
     runner.device, runner.kv_caches, runner.is_mm_prefix_lm = torch.device("cuda"), caches, False
+    runner.vtoken_query_capture = QueryCapture(  # as load_model allocates it, on the host
+        CaptureSize(2, 64, NUM_HEADS, HEAD_SIZE, torch.bfloat16), [0, 1], CPU
+    )
     return runner
 
 

@@ -52,12 +52,12 @@ def prompts(reference):
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
-def engine_run(request, smollm2_path, prompts):
+def engine_run(request, smollm2_path, prompts, engine_variant):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     config = dict(CONFIGS[request.param], record_evictions=True, check_invariants=True)
-    llm = make_llm(str(smollm2_path), config, max_model_len=1024)
+    llm = make_llm(str(smollm2_path), config, max_model_len=1024, variant=engine_variant)
     params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0, ignore_eos=True)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
     state = engine_state(llm)

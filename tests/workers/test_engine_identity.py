@@ -15,14 +15,16 @@ CHUNKED = {"max_num_batched_tokens": 64, "enable_chunked_prefill": True}
 
 
 @pytest.fixture(scope="module")
-def outputs(tiny_llama_path):
+def outputs(tiny_llama_path, engine_variant):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
     results = {}
     for name, vtoken in (("vanilla", None), ("none", {"policy": "none"})):
-        llm = make_llm(tiny_llama_path, vtoken, skip_tokenizer_init=True, **CHUNKED)
+        llm = make_llm(
+            tiny_llama_path, vtoken, skip_tokenizer_init=True, variant=engine_variant, **CHUNKED
+        )
         assert (engine_state(llm) is None) == (vtoken is None)
         results[name] = [
             llm.generate([TokensPrompt(prompt_token_ids=p) for p in token_prompts(b)], params)

@@ -45,9 +45,16 @@ def _evictions(llm, request_ids: list[str]) -> list[list]:
     return [state.finished[internal_request_id(state, r)].evictions for r in request_ids]
 
 
-def test_without_pressure_nothing_is_evicted_and_tokens_equal_vanilla(tiny_llama_path):
+def test_without_pressure_nothing_is_evicted_and_tokens_equal_vanilla(
+    tiny_llama_path, engine_variant
+):
     prompts = token_prompts([120, 90], seed=5)
-    kwargs = {"max_model_len": 512, "skip_tokenizer_init": True, "num_blocks": 64}
+    kwargs = {
+        "max_model_len": 512,
+        "skip_tokenizer_init": True,
+        "num_blocks": 64,
+        "variant": engine_variant,
+    }
     vanilla = make_llm(tiny_llama_path, None, **kwargs)
     expected = _generate(vanilla, prompts, 40)
     del vanilla
@@ -113,7 +120,7 @@ def test_budgets_that_do_not_fit_are_squeezed_below_instead_of_preempted(tiny_ll
     ids=["to_budget", "below_budget"],
 )
 def test_squeezed_tokens_equal_the_reference_engine(
-    smollm2_path, num_prompts, new_tokens, num_blocks
+    smollm2_path, num_prompts, new_tokens, num_blocks, engine_variant
 ):
     """Prompts of 100 tokens at keep 0.5. 3 of them + 40 tokens on 12 blocks: squeezing to
     budgets suffices; 4 + 60 tokens on 11 blocks (budgets of 3 blocks each at the end):
@@ -124,7 +131,7 @@ def test_squeezed_tokens_equal_the_reference_engine(
     from bench.fragmentation import natural_prompts
 
     prompts = natural_prompts(reference.tokenizer, num_prompts, 100)
-    kwargs = {"max_model_len": 256, "num_blocks": num_blocks}
+    kwargs = {"max_model_len": 256, "num_blocks": num_blocks, "variant": engine_variant}
     run = _squeezed_run(str(smollm2_path), H2O_ON_DEMAND, prompts, new_tokens, **kwargs)
     llm, tokens = run
     state = engine_state(llm)

@@ -1,5 +1,6 @@
 """The worker's block-row ops on vLLM 0.32's own ``MultiGroupBlockTable`` (no engine):
-block mode's rewrite of a row whose middle blocks were dropped."""
+block mode's rewrite of a row whose middle blocks were dropped, and the truncation of a
+row whose tail blocks a repack emptied (no stale ids left past the new count)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from workers.vllm_patches.runner_hooks import _rewrite_blocks
+from workers.vllm_patches.runner_hooks import _rewrite_blocks, _truncate_blocks
 
 
 def test_a_block_row_rewrites_the_cached_ids_and_the_batch_row():
@@ -30,3 +31,24 @@ def test_a_block_row_rewrites_the_cached_ids_and_the_batch_row():
     table[0].append_row([3], 1)  # the step's new block goes after the rewritten row
     table.commit_block_table(2)
     assert table[0].block_table.gpu[1, :3].tolist() == [5, 9, 3]
+
+
+def test_a_truncated_row_keeps_no_block_id_past_its_count():
+    from vllm.v1.worker.block_table import MultiGroupBlockTable
+
+    table = MultiGroupBlockTable(4, 32, False, torch.device("cpu"), [4], max_num_blocks=[8])
+    table[0].add_row([5, 2, 7, 9], 0)
+    table[0].add_row([1, 3, 4], 1)
+    first, second = (
+        SimpleNamespace(block_ids=([5, 2, 7, 9],)),
+        SimpleNamespace(block_ids=([1, 3, 4],)),
+    )
+    runner = SimpleNamespace(
+        requests={"a": first, "b": second},
+        input_batch=SimpleNamespace(block_table=table, req_id_to_index={"a": 0, "b": 1}),
+    )
+    _truncate_blocks(runner, {"a": 2, "gone": 1})
+    assert first.block_ids == ([5, 2],) and second.block_ids == ([1, 3, 4],)
+    assert table[0].num_blocks_per_row[0] == 2
+    assert table[0].block_table.np[0, :5].tolist() == [5, 2, 0, 0, 0]
+    assert table[0].block_table.np[1, :4].tolist() == [1, 3, 4, 0]  # untouched

@@ -18,6 +18,7 @@ The hooks live beside this file, one concept each:
   ``runner_hooks.py``     worker side (every worker process): the V1 runner and the
                           attention impls' query capture
   ``cuda.py``             the CUDA runner checks (opt-in, unverified on a GPU)
+  ``fp8_queries.py``      the query values an fp8 cache's logits use, per backend
 
 Prefix caching: vLLM's prefix caching runs beside vToken by the rule of
 ``workers/scheduler_side.py`` (a block is cached or shared only while it holds what its
@@ -184,6 +185,16 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
         f"{_RUNNER}.sample_tokens",
         runner_hooks.sample_tokens,
         "attach the StepScores to the ModelRunnerOutput",
+    ),
+    TouchPoint(
+        f"{_RUNNER}.load_model",
+        runner_hooks.load_model,
+        "refuse ALiBi models; allocate the query capture buffer before memory profiling",
+    ),
+    TouchPoint(
+        "vllm.v1.worker.cpu_model_runner.CPUModelRunner.load_model",
+        runner_hooks.load_model,
+        "the same for the CPU runner (its load_model does not call the V1 runner's)",
     ),
     TouchPoint(
         f"{_RUNNER}.initialize_kv_cache",

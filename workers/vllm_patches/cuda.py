@@ -25,6 +25,8 @@ CUDA_ATTENTION_IMPLS = (
     "vllm.v1.attention.backends.triton_attn.TritonAttentionImpl",
 )
 
+FLASHINFER_IMPL = CUDA_ATTENTION_IMPLS[1]
+
 FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 CUDA_CACHE_DTYPES = ("auto", "bfloat16", "float16", "half", *FP8_CACHE_DTYPES)
 

@@ -24,8 +24,10 @@ import torch
 from kernels import KVLayout
 from workers.config import VTokenConfig, parse_config
 from workers.messages import OPS_ATTRIBUTE, SCORES_ATTRIBUTE
+from workers.query_capture import QueryCapture, capture_size, to_device
 from workers.tensor_parallel import RankReduction
-from workers.vllm_patches.cuda import cuda_key_dtype
+from workers.vllm_patches.cuda import FLASHINFER_IMPL, FP8_CACHE_DTYPES, cuda_key_dtype
+from workers.vllm_patches.fp8_queries import query_conversion
 from workers.vllm_patches.support import (
     SUPPORTED_RUNNERS,
     WHERE_VTOKEN_RUNS,
@@ -36,6 +38,7 @@ from workers.vllm_patches.support import (
 from workers.worker_side import ScoredRequest, VTokenWorker
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
+CAPTURE_ATTRIBUTE = "vtoken_query_capture"  # the runner's QueryCapture, from load_model
 
 
 def worker_state(runner: Any) -> VTokenWorker | None:
@@ -51,11 +54,13 @@ def worker_state(runner: Any) -> VTokenWorker | None:
 class LayerCapture:
     """What an attention layer's wrapped ``forward`` hands its worker: the worker, the
     layer's index, and the float8 dtype an fp8 KV cache (uint8 storage) is read as
-    (``None``: the cache is read in its own dtype)."""
+    (``None``: the cache is read in its own dtype), and whether the layer's impl quantizes
+    queries to fp8 itself before its logits (FlashInfer over an fp8 cache)."""
 
     state: VTokenWorker
     layer_id: int
     key_dtype: torch.dtype | None = None
+    flashinfer_fp8_query: bool = False  # a FlashInfer layer that quantizes its queries
 
 
 def _make_worker(runner: Any, config: VTokenConfig) -> VTokenWorker:
@@ -69,20 +74,80 @@ def _make_worker(runner: Any, config: VTokenConfig) -> VTokenWorker:
             f"vToken cannot run in model runner {qualname(type(runner))} on"
             f" {device!r}. {WHERE_VTOKEN_RUNS}"
         )
-    layers = runner.vllm_config.compilation_config.static_forward_context
-    attention = {name: layer for name, layer in layers.items() if hasattr(layer, "impl")}
+    attention = attention_layers(runner)
+    check_positions(attention)
     if device == "cpu":
         layout, key_dtype = _cpu_layout(attention), None
     else:
         layout, key_dtype = KVLayout.BHNC, cuda_key_dtype(runner, attention)
     ranks = RankReduction.of_vllm_group(vllm_config.parallel_config.tensor_parallel_size)
-    state = VTokenWorker(config, layout, len(attention), ranks)
+    capture = getattr(runner, CAPTURE_ATTRIBUTE, None) or _allocate_capture(runner, config)
+    state = VTokenWorker(config, layout, capture, ranks)
+    flashinfer = _flashinfer_query_scale(runner)
     for name, layer in attention.items():
         match = _LAYER_INDEX.search(name)
         if match is None:
             raise ValueError(f"vToken: cannot read a layer index from {name!r}")
-        layer.vtoken_capture = LayerCapture(state, int(match.group(1)), key_dtype)
+        quantized = flashinfer and qualname(type(layer.impl)) == FLASHINFER_IMPL
+        layer.vtoken_capture = LayerCapture(state, int(match.group(1)), key_dtype, quantized)
     return state
+
+
+def attention_layers(runner: Any) -> dict[str, Any]:
+    """The runner's attention layers by name (those with an ``impl``)."""
+    layers = runner.vllm_config.compilation_config.static_forward_context
+    return {name: layer for name, layer in layers.items() if hasattr(layer, "impl")}
+
+
+def check_positions(attention: dict[str, Any]) -> None:
+    """Refuse ALiBi models: their bias grows with the distance between key and query
+    indices, which a repack makes physical (a kept key moves closer to the query), so the
+    attention would change; RoPE positions stay logical and are unaffected."""
+    alibi = [name for name, layer in attention.items() if _has_alibi(layer.impl)]
+    if alibi:
+        raise UnsupportedEngineError(
+            f"vToken cannot run a model with ALiBi attention ({alibi[0]} and"
+            f" {len(alibi) - 1} more layers): ALiBi biases logits by the distance between"
+            " key and query slots, and a repack moves kept keys closer, changing the"
+            " model's attention. Use a RoPE model, or serve this one without"
+            " additional_config['vtoken']"
+        )
+
+
+def _has_alibi(impl: Any) -> bool:
+    return getattr(impl, "alibi_slopes", None) is not None or bool(getattr(impl, "alibi", False))
+
+
+def _allocate_capture(runner: Any, config: VTokenConfig) -> QueryCapture:
+    """The capture buffer of ``workers/query_capture.py`` on the runner's device."""
+    attention = attention_layers(runner)
+    layer_ids = config.layer_ids(len(attention))
+    size = capture_size(runner.vllm_config, len(layer_ids))
+    return QueryCapture(size, layer_ids, runner.device)
+
+
+def load_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``load_model`` of the V1 runner and the CPU runner: with a vToken config, refuse
+    ALiBi models and allocate the capture buffer right after the model exists, before
+    vLLM's profiling run measures what the KV pool may take (so the pool accounts for
+    it: ``workers/query_capture.py`` has its size)."""
+
+    def load_model(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        config = parse_config(self.vllm_config.additional_config)
+        if config is None:
+            return
+        check_positions(attention_layers(self))
+        if getattr(self, CAPTURE_ATTRIBUTE, None) is None:
+            setattr(self, CAPTURE_ATTRIBUTE, _allocate_capture(self, config))
+
+    return load_model
+
+
+def _flashinfer_query_scale(runner: Any) -> bool:
+    """Whether FlashInfer layers quantize queries to fp8 for their logits (an fp8 cache:
+    FlashInfer then scores ``scale * q_scale * k_scale * fp8(q / q_scale) . k``)."""
+    return runner.vllm_config.cache_config.cache_dtype in FP8_CACHE_DTYPES
 
 
 def _cpu_layout(attention: dict[str, Any]) -> KVLayout:
@@ -120,9 +185,9 @@ def execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
         _rewrite_blocks(self, ops.block_rows)
         state.begin_step(ops, self.kv_caches)
         output = original(self, scheduler_output, *args, **kwargs)
-        self.vtoken_scores = state.step_scores(_scored_requests(self))
-        if _is_runner_output(output):
-            _attach_scores(self, output)
+        state.launch_scores(_scored_requests(self))
+        if _is_runner_output(output):  # no sampling step follows
+            _attach_scores(state, output)
         return output
 
     return execute_model
@@ -139,7 +204,10 @@ def _truncate_blocks(runner: Any, num_blocks: dict[str, int]) -> None:
         del block_ids[count:]
         row = batch.req_id_to_index.get(request_id)
         if row is not None:
-            batch.block_table[0].num_blocks_per_row[row] = count
+            table = batch.block_table[0]
+            num_before = int(table.num_blocks_per_row[row])
+            table.block_table.np[row, count:num_before] = 0  # no stale ids past the count
+            table.num_blocks_per_row[row] = count
 
 
 def _rewrite_blocks(runner: Any, block_rows: dict[str, np.ndarray]) -> None:
@@ -188,18 +256,22 @@ def _is_runner_output(output: Any) -> bool:
     return isinstance(output, ModelRunnerOutput) and output is not EMPTY_MODEL_RUNNER_OUTPUT
 
 
-def _attach_scores(runner: Any, output: Any) -> None:
-    scores = getattr(runner, "vtoken_scores", None)
+def _attach_scores(state: VTokenWorker, output: Any) -> None:
+    scores = state.take_scores()
     if scores is not None:
         setattr(output, SCORES_ATTRIBUTE, scores)
-        runner.vtoken_scores = None
 
 
 def sample_tokens(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``sample_tokens``: the scores queued after the forward are taken once vLLM has
+    queued the sampling and read the sampled tokens back, so the host never waits for
+    the scores before sampling (``VTokenWorker.take_scores``)."""
+
     def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
         output = original(self, *args, **kwargs)
-        if getattr(self, "vtoken", None) is not None and _is_runner_output(output):
-            _attach_scores(self, output)
+        state = getattr(self, "vtoken", None)
+        if state is not None and _is_runner_output(output):
+            _attach_scores(state, output)
         return output
 
     return sample_tokens
@@ -247,17 +319,18 @@ def prepare_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
         if state is None:
             return result
         num_reqs = self.input_batch.num_reqs
-        offsets = state.physical_offsets(self.input_batch.req_ids[:num_reqs])
+        request_ids = self.input_batch.req_ids[:num_reqs]
+        state.select_scored(request_ids, self.query_start_loc.np[: num_reqs + 1])
+        offsets = state.physical_offsets(request_ids)
         if not offsets.any():
             return result
         total = scheduler_output.total_num_scheduled_tokens
-        per_token = torch.from_numpy(np.repeat(offsets, num_scheduled_tokens).astype(np.int64))
-        offsets_tensor = torch.from_numpy(offsets)
-        self.seq_lens[:num_reqs] -= offsets_tensor.to(self.seq_lens.device, self.seq_lens.dtype)
-        self.optimistic_seq_lens_cpu[:num_reqs] -= offsets_tensor.to(
-            self.optimistic_seq_lens_cpu.dtype
-        )
-        physical = self.positions[:total] - per_token.to(self.positions.device)
+        per_token = np.repeat(offsets, num_scheduled_tokens).astype(np.int64)
+        # Uploads from pinned memory, non_blocking: the host never waits for the device
+        # here (e.g. for a fenced repack queued before).
+        self.seq_lens[:num_reqs] -= to_device(offsets.astype(np.int32), self.seq_lens.device)
+        self.optimistic_seq_lens_cpu[:num_reqs] -= torch.from_numpy(offsets)
+        physical = self.positions[:total] - to_device(per_token, self.positions.device)
         self.input_batch.block_table.compute_slot_mapping(
             num_reqs, self.query_start_loc.gpu[: num_reqs + 1], physical
         )
@@ -287,7 +360,7 @@ def attention_forward(original: Callable[..., Any]) -> Callable[..., Any]:
         result = original(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
         capture: LayerCapture | None = getattr(layer, "vtoken_capture", None)
         if capture is not None and attn_metadata is not None and capture.state.capturing:
-            _record_queries(self, layer, capture, query, kv_cache, attn_metadata.num_actual_tokens)
+            _record_queries(self, layer, capture, query, kv_cache, attn_metadata)
         return result
 
     return forward
@@ -299,19 +372,21 @@ def _record_queries(
     capture: LayerCapture,
     query: torch.Tensor,
     kv_cache: torch.Tensor,
-    num_tokens: int,
+    attn_metadata: Any,
 ) -> None:
-    """Record the step's queries: the first ``num_tokens`` rows (``num_actual_tokens`` of
-    every wrapped backend's metadata; rows past it are CUDA-graph padding) as ``[num_tokens,
-    num_heads, head_size]``, with the logits' scale. An fp8 cache is handed over as its
-    float8 view with the layer's per-tensor ``_k_scale_float`` folded into the scale (the
-    scores compute ``scale * k_scale * q . k``, as the backends do); a query the layer
-    quantized to fp8 (``query_quant``) is dequantized by its per-tensor ``_q_scale_float``."""
+    """Record the step's queries: of the first ``num_actual_tokens`` rows (every wrapped
+    backend's metadata has it; rows past it are CUDA-graph padding) as ``[num_tokens,
+    num_heads, head_size]``, the worker keeps those of scored requests, with the logits'
+    scale. An fp8 cache is handed over as its float8 view with the layer's per-tensor
+    ``_k_scale_float`` folded into the scale (the scores compute ``scale * k_scale * q .
+    k``, as the backends do), the query rows as the backend forms them
+    (``fp8_queries.query_conversion``)."""
+    num_tokens = attn_metadata.num_actual_tokens
     query = query[:num_tokens].view(num_tokens, impl.num_heads, impl.head_size)
     scale = impl.scale
+    convert = None
     if capture.key_dtype is not None:
         kv_cache = kv_cache.view(capture.key_dtype)
         scale *= layer._k_scale_float
-        if query.dtype.itemsize == 1:
-            query = query.float() * layer._q_scale_float
-    capture.state.record(capture.layer_id, query, kv_cache, scale)
+        convert = query_conversion(layer, attn_metadata, query.dtype, capture.flashinfer_fp8_query)
+    capture.state.record(capture.layer_id, query, kv_cache, scale, convert)

@@ -234,8 +234,11 @@ class VTokenWorker:
             scores = pending.mass.numpy()
             bounds = np.cumsum([0, *(r.seq_len for r in pending.mass_requests)])
             for i, request in enumerate(pending.mass_requests):
+                mass = scores[bounds[i] : bounds[i + 1]].copy()
+                needs = self.score_needs[request.request_id]
                 attention[request.request_id] = StepAttention(
-                    step_scores=scores[bounds[i] : bounds[i + 1]].copy()
+                    step_scores=mass if needs.step_scores or not needs.query_window else None,
+                    window_rows=mass[None] if needs.query_window else None,
                 )
         full = {request_id: rows.to_step_attention() for request_id, rows in pending.rows.items()}
         device = self.capture.device
@@ -245,20 +248,34 @@ class VTokenWorker:
     def _queue_scores(
         self, layers: list[RecordedLayer], scored: list[ScoredRequest], device: torch.device
     ) -> _PendingScores:
-        mass_only = [r for r in scored if not self._needs_rows(r.request_id)]
+        by_mass = [self._as_mass(r) for r in scored]
+        mass_only = [r for r in by_mass if r is not None]
         mass = self._attention_mass(layers, mass_only) if mass_only else None
         rows = {
             r.request_id: self._full_attention(layers, r)
-            for r in scored
-            if self._needs_rows(r.request_id)
+            for r, m in zip(scored, by_mass, strict=True)
+            if m is None
         }
         return _PendingScores(mass_only, mass, rows, None)
 
-    def _needs_rows(self, request_id: str) -> bool:
-        """Whether the request's policy reads more than the per-key mass (query rows of a
-        window, per-head statistics)."""
-        needs = self.score_needs[request_id]
-        return bool(needs.query_window or needs.per_head)
+    def _as_mass(self, request: ScoredRequest) -> ScoredRequest | None:
+        """The request as the batched mass kernel scores it, or ``None`` where its policy
+        reads more than one query row's mass (per-head statistics, several window rows).
+
+        One window row is the mass of that row alone: a decode step's only query, or a
+        prefill chunk's last query when nothing else is asked for (TOVA). Such requests
+        join the batched mass path (one launch per layer for all of them) instead of
+        materialising every scored layer's probabilities one request at a time.
+        """
+        needs = self.score_needs[request.request_id]
+        if needs.per_head:
+            return None
+        if not needs.query_window or request.query_len == 1:
+            return request
+        if needs.query_window == 1 and not needs.step_scores:
+            last = request.query_start + request.query_len - 1
+            return replace(request, query_start=last, query_len=1)
+        return None
 
     def _attention_mass(
         self, layers: list[RecordedLayer], requests: list[ScoredRequest]

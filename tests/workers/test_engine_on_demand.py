@@ -355,3 +355,28 @@ def test_a_tenant_above_its_allowance_is_evicted_to_budgets_at_the_next_step(tin
     set_pressure({}, {})  # no limit any more: a keeps its new tokens again
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_one_window_row_through_the_batched_mass_path_equals_the_per_request_path(
+    tiny_llama_path, monkeypatch
+):
+    """TOVA's one window row is a decode step's mass (a prefill chunk's last row): the
+    worker scores it with the batched mass kernel. Its decisions and tokens equal those of
+    the per-request path that materialises each layer's probabilities (forced here)."""
+    from workers.worker_side import VTokenWorker
+
+    eager_tova = {"policy": "tova", "keep_ratio": 0.5, "record_evictions": True}
+    prompts = token_prompts([100, 70, 130], seed=11)
+    kwargs = {"max_model_len": 256, "skip_tokenizer_init": True, "num_blocks": 32}
+    fast, fast_tokens = _squeezed_run(tiny_llama_path, eager_tova, prompts, 30, **kwargs)
+    fast_evictions = _evictions(fast, ["0", "1", "2"])
+    del fast
+    with monkeypatch.context() as patch:
+        patch.setattr(VTokenWorker, "_as_mass", lambda self, request: None)
+        slow, slow_tokens = _squeezed_run(tiny_llama_path, eager_tova, prompts, 30, **kwargs)
+        slow_evictions = _evictions(slow, ["0", "1", "2"])
+        del slow
+    assert any(step.size for steps in fast_evictions for step in steps)
+    assert fast_tokens == slow_tokens
+    for fast_steps, slow_steps in zip(fast_evictions, slow_evictions, strict=True):
+        assert [s.tolist() for s in fast_steps] == [s.tolist() for s in slow_steps]

@@ -43,15 +43,18 @@ class StepRequest:
 
     num_remaining: int
     bounded: bool = False
+    num_free_slots: int = 0
 
 
 def next_step_blocks_at_most(
-    num_remaining: int, block_size: int, max_step_tokens: int | None
+    num_remaining: int, block_size: int, max_step_tokens: int | None, num_free_slots: int = 0
 ) -> int:
-    """The most blocks a running request may open in the step after this one: one for a
-    decoding request, its next prompt chunk and a partial block for a prompt in prefill."""
+    """The most blocks a running request may open in the step after this one. Decoding:
+    one token (speculative decoding is refused), so a block only when its blocks are full
+    (``num_free_slots``: slots left in them after this step). In prefill: its next prompt
+    chunk and a partial block."""
     if num_remaining <= 0:
-        return 1
+        return 0 if num_free_slots > 0 else 1
     chunk = num_remaining if max_step_tokens is None else min(num_remaining, max_step_tokens)
     return cdiv(chunk, block_size) + 1
 
@@ -66,7 +69,8 @@ def memory_may_bind(
     """Whether the step after this one may need more blocks than are free now: what the
     head of the waiting queue needs to start plus what every running request may open."""
     need = num_waiting_blocks + sum(
-        next_step_blocks_at_most(r.num_remaining, block_size, max_step_tokens) for r in running
+        next_step_blocks_at_most(r.num_remaining, block_size, max_step_tokens, r.num_free_slots)
+        for r in running
     )
     return need > num_free_blocks
 
@@ -114,14 +118,22 @@ class ScoreTiming:
             for request_id in records
             if request_id in requests
         }
+        free_slots = {
+            request_id: len(records[request_id].kv.table.block_ids) * self.block_size
+            - records[request_id].kv.table.num_slots
+            for request_id in remaining
+        }
         opens = {
-            request_id: next_step_blocks_at_most(left, self.block_size, self.max_step_tokens)
+            request_id: next_step_blocks_at_most(
+                left, self.block_size, self.max_step_tokens, free_slots[request_id]
+            )
             for request_id, left in remaining.items()
         }
         over_allowance = self._over_allowance(records, opens)
         running = {
             request_id: StepRequest(
                 num_remaining=left,
+                num_free_slots=free_slots[request_id],
                 bounded=self._bounded(records[request_id], left, opens[request_id])
                 or records[request_id].kv.tenant in over_allowance,
             )

@@ -21,7 +21,8 @@ from workers.score_timing import StepRequest, may_evict, memory_may_bind, next_s
 
 
 def test_next_step_blocks_count_from_above() -> None:
-    assert next_step_blocks_at_most(0, 16, 256) == 1  # decoding: a block boundary at most
+    assert next_step_blocks_at_most(0, 16, 256) == 1  # decoding, its blocks full: one
+    assert next_step_blocks_at_most(0, 16, 256, num_free_slots=1) == 0  # room for its token
     assert next_step_blocks_at_most(40, 16, None) == 4  # the rest of its prompt, and a block
     assert next_step_blocks_at_most(1000, 16, 64) == 5  # one chunk per step
 
@@ -31,6 +32,8 @@ def test_memory_binds_when_the_next_step_may_not_fit() -> None:
     assert not memory_may_bind(5, 0, running, 16, None)
     assert memory_may_bind(4, 0, running, 16, None)
     assert memory_may_bind(7, 3, running, 16, None)  # the waiting head counts
+    with_room = [StepRequest(0, num_free_slots=3), StepRequest(0), StepRequest(20)]
+    assert not memory_may_bind(4, 0, with_room, 16, None)  # 0 + 1 + 3: the first has room
 
 
 def test_may_evict_takes_the_scheduled_requests_only() -> None:
@@ -80,24 +83,32 @@ def test_on_demand_scores_nothing_while_memory_is_free() -> None:
 
 
 def test_on_demand_scores_every_request_once_memory_may_bind() -> None:
-    state = _state("on_demand", num_blocks=8)  # 7 usable, 6 held: 1 free < 2 next blocks
-    requests = {r: _decoding(state, r, 10) for r in ("a", "b")}
+    state = _state("on_demand", num_blocks=8)  # 7 usable, 6 full: 1 free < 2 next blocks
+    requests = {r: _decoding(state, r, 12) for r in ("a", "b")}
     ops = state.take_ops({"a": 1, "b": 1}, requests)
     assert ops.score_needs.keys() == {"a", "b"}
     assert all(record.scored for record in state.requests.values())
 
 
+def test_on_demand_counts_only_the_blocks_decoding_requests_will_open() -> None:
+    """Same pool, but each request's last block has room for its next token: the next
+    step opens no block, so memory cannot bind and nothing is scored."""
+    state = _state("on_demand", num_blocks=8)  # 7 usable, 6 held, 2 slots free in each
+    requests = {r: _decoding(state, r, 10) for r in ("a", "b")}
+    assert state.take_ops({"a": 1, "b": 1}, requests).score_needs == {}
+
+
 def test_on_demand_scores_a_request_the_waiting_head_may_squeeze() -> None:
     state = _state("on_demand", num_blocks=64)
     requests = {"a": _decoding(state, "a", 10)}
-    assert state.take_ops({"a": 1}, requests, num_waiting_blocks=0).score_needs == {}
-    assert state.take_ops({"a": 1}, requests, num_waiting_blocks=60).score_needs.keys() == {"a"}
+    assert state.take_ops({"a": 1}, requests, num_waiting_blocks=60).score_needs == {}  # fits
+    assert state.take_ops({"a": 1}, requests, num_waiting_blocks=61).score_needs.keys() == {"a"}
 
 
 def test_on_demand_scores_a_request_at_its_admission_bound() -> None:
     state = _state("on_demand", num_blocks=64)
-    request = FakeRequest("a", 10, sampling_params=_extra({"vtoken_hold_to_blocks": 3}))
-    run_prefill(state, request)  # 3 blocks held: its next block would pass the bound
+    request = FakeRequest("a", 12, sampling_params=_extra({"vtoken_hold_to_blocks": 3}))
+    run_prefill(state, request)  # 3 full blocks held: its next block would pass the bound
     assert state.take_ops({"a": 1}, {"a": request}).score_needs.keys() == {"a"}
 
 
@@ -139,11 +150,15 @@ def _extra(extra_args: dict) -> object:
 
 def test_on_demand_scores_a_tenant_above_its_allowance_without_pressure() -> None:
     state = _state("on_demand", num_blocks=64)
-    requests = {r: _decoding(state, r, 10) for r in ("a", "b")}  # 3 blocks each
+    requests = {r: _decoding(state, r, 12) for r in ("a", "b")}  # 3 full blocks each
     state.set_pressure({}, {"default": 6})  # 6 held and 2 more next step > 6
     assert state.take_ops({"a": 1, "b": 1}, requests).score_needs.keys() == {"a", "b"}
     state.set_pressure({}, {"default": 8})
     assert state.take_ops({"a": 1, "b": 1}, requests).score_needs == {}
+    roomy = _state("on_demand", num_blocks=64)
+    requests = {r: _decoding(roomy, r, 10) for r in ("a", "b")}  # room for the next token
+    roomy.set_pressure({}, {"default": 6})  # 6 held, none opened next step: within it
+    assert roomy.take_ops({"a": 1, "b": 1}, requests).score_needs == {}
 
 
 def test_snapkv_is_scored_at_the_chunk_that_completes_its_prompt_only() -> None:

@@ -99,18 +99,20 @@ class PrefixCacheRule:
     def hit_limit(self, spec: PolicySpec, num_prompt_tokens: int) -> int | None:
         """The longest prefix-cache hit (tokens) a new request under ``spec`` may take, so
         that its policy reads at the end of prefill the statistics it reads with caching
-        off (a hit's queries are never computed): none for a policy that accumulates every
-        query's attention (H2O, Scissorhands), up to its window for one that reads the last
-        queries (SnapKV, PAGE); ``None``, no limit, for one that reads only the last query
-        or nothing (TOVA, StreamingLLM, Random, ``none``). ``on_demand`` eviction follows
-        memory, which caching itself changes: no limit there."""
-        if self.config.eviction != "eager":
+        off (a hit's queries are never computed). A policy that accumulates every query's
+        attention (H2O, Scissorhands): its pinned prefix (``prefix_pin_tokens``; causal,
+        those queries read only pinned keys, whose scores no decision reads). One that reads
+        the last queries (SnapKV, PAGE): up to its window. ``None``, no limit, for one that
+        reads only the last query or nothing (TOVA, StreamingLLM, Random, ``none``), with
+        ``pin_cache_hits`` (a hit is pinned outside the policy then), and under
+        ``on_demand`` eviction, which follows memory, which caching itself changes."""
+        if self.config.eviction != "eager" or self.config.pin_cache_hits:
             return None
         policy = spec.make_policy()
         if not policy.evicts:
             return None
         if policy.observes_every_step:
-            return 0
+            return self.config.prefix_pin_tokens
         window = policy.score_needs().query_window
         return max(0, num_prompt_tokens - window) if window > 1 else None
 

@@ -899,3 +899,24 @@ def test_block_mode_unpublishes_from_the_first_dropped_block():
     assert pool.unpublished == set(published[1:])
     assert manager.num_cached_block["r"] == 1 and state.requests["r"].cacheable == 4
     state.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("config", "limit"),
+    [
+        ({"policy": "h2o", "keep_ratio": 0.5}, 0),  # sums every query's attention
+        ({"policy": "h2o", "keep_ratio": 0.5, "prefix_pin_tokens": 8}, 8),  # pinned queries
+        ({"policy": "scissorhands", "keep_ratio": 0.5}, 0),
+        ({"policy": "snapkv", "keep_ratio": 0.5, "policy_args": {"window": 6}}, 34),
+        ({"policy": "tova", "keep_ratio": 0.5}, None),  # the last query: always computed
+        ({"policy": "streaming_llm", "policy_args": {"sinks": 1, "recent": 4}}, None),
+        ({"policy": "none"}, None),
+        ({"policy": "h2o", "keep_ratio": 0.5, "eviction": "on_demand"}, None),
+        ({"policy": "h2o", "keep_ratio": 0.5, "pin_cache_hits": True}, None),
+    ],
+)
+def test_a_cache_hit_stops_where_the_policy_reads_the_prompts_attention(config, limit):
+    """A hit's queries are never computed: under eager eviction the hit leaves the policy
+    every query whose attention it reads (caching never changes what it keeps)."""
+    state = VTokenScheduler(VTokenConfig(**config), FakeBlockPool(8), FakeBlockManager())
+    assert state.hit_limit(FakeRequest("r", num_prompt_tokens=40)) == limit

@@ -412,6 +412,8 @@ class VTokenScheduler:
             num_evictions_under_pressure=counters.num_evictions_under_pressure,
             num_evictions_to_bound=counters.num_evictions_to_bound,
             num_evictions_below_budget=counters.num_evictions_below_budget,
+            shared_copies=counters.num_shared_copies,
+            copies_deferred=counters.num_copies_deferred,
             recent_max_step_s=self.step_times.recent_max_s(),
             recent_steps=self.step_times.recent_longest(),
             evicted_tokens_total=self.manager.num_evicted_tokens,

@@ -738,6 +738,7 @@ def test_an_eviction_from_shared_blocks_copies_what_it_keeps_and_leaves_them_int
     )
     assert record.pending_block_row.tolist() == [new]  # the workers rewrite the row
     assert state.counters.num_shared_copies == 1 and state.counters.num_copies_deferred == 0
+    assert state.snapshot().shared_copies == 1
     assert state.manager.report("a").shared_blocks == 0  # the copy is its own
     ops = state.take_ops({"a": 1}, {"a": FakeRequest("a", 16, 16)})
     assert ops.block_rows["a"].tolist() == [new] and ops.num_moves == 3
@@ -756,7 +757,7 @@ def test_without_a_free_block_for_the_copy_the_shared_blocks_are_kept_that_step(
     assert pool.unpublished == set(own[2:])
     assert manager.num_cached_block["a"] == 2 and record.cacheable == 8
     assert state.num_cacheable_tokens("a", 16) == 8
-    assert state.counters.num_shared_copies == 0
+    assert state.counters.num_shared_copies == 0 and state.snapshot().copies_deferred == 1
     state.check_invariants()
 
 

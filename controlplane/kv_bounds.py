@@ -46,9 +46,10 @@ def kv_bounds(
     longest sequence; a budget counts one block more (the step's new tokens). ``n``
     choices are ``n`` sequences: vLLM runs each as its own request holding its own KV,
     so both bounds are ``n`` times one sequence's, and at its worst case: the choices share
-    the prompt's blocks through the prefix cache, and a block another request reads is
-    never evicted, so the first choice keeps its whole prompt past its budget (the
-    prompt is charged once, so this over-counts it). A budget ``B`` counts at least what the policy
+    the prompt's blocks through the prefix cache; each evicts on its own, copying what it
+    keeps of a shared block into its own (copy on evict), but one that finds no free block
+    for the copy keeps the shared prompt past its budget that step (the prompt is charged
+    once, so this over-counts it). A budget ``B`` counts at least what the policy
     protects whatever its budget, ``protected_tokens + ceil(protected_fraction * B)``
     (sinks, a pinned prefix, recent windows: the engine keeps them past the budget).
     ``floor_tokens`` (a tenant that squeezes to floors) lowers the steady bound to that
@@ -73,7 +74,7 @@ def kv_bounds(
         raise ValueError(f"need n >= 1 sequences (got {n})")
     if prefill_chunk_tokens is not None and prefill_chunk_tokens < 1:
         raise ValueError(f"need prefill_chunk_tokens >= 1 (got {prefill_chunk_tokens})")
-    if n > 1:  # the choices share the prompt's blocks, which none evicts while others read
+    if n > 1:  # the choices share the prompt's blocks: a copy may wait for a free block
         worst = math.ceil((prompt_tokens + max_tokens) / block_size)
         return KVBounds(prefill_peak=n * math.ceil(prompt_tokens / block_size), steady=n * worst)
     longest = prompt_tokens + max_tokens

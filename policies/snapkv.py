@@ -1,9 +1,10 @@
 """SnapKV: at the end of prefill, keep the prefix tokens most attended by an observation
 window of the last queries, pooled so that neighbours of important tokens survive.
 
-Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", 2024. Votes are
-the window's attention summed over its queries, 1-D pooled (``pooling`` "avg" or "max",
-``kernel_size`` 5); the window itself is protected; it compresses once, then the cache grows.
+Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", 2024, as the
+official code: votes are the window's attention summed over its queries, 1-D pooled over
+the tokens *before* the window only (``pooling`` "avg", the default, or "max"; odd
+``kernel_size``, 5); the window itself is kept; it compresses once, then the cache grows.
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ class SnapKV(EvictionPolicy):
     holds_budget_every_step = False  # compresses once, at the end of prefill
     window: int = 32
     kernel_size: int = 5
-    pooling: str = "max"
+    pooling: str = "avg"
     decided: bool = field(default=False, init=False, repr=False)  # it compressed already
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.pooling not in ("avg", "max") or self.window < 1 or self.kernel_size < 1:
-            raise ValueError("snapkv: pooling is 'avg' or 'max'; window, kernel_size >= 1")
+        if self.pooling not in ("avg", "max") or self.window < 1 or self.kernel_size % 2 != 1:
+            raise ValueError("snapkv: pooling is 'avg' or 'max', window >= 1, kernel_size odd")
 
     def score_needs(self) -> ScoreNeeds:
         # It decides once, at the end of prefill: no statistics are needed after that.
@@ -45,8 +46,14 @@ class SnapKV(EvictionPolicy):
         return super().protected(view, budget) | window
 
     def score(self, view: PolicyView) -> np.ndarray:
-        votes = view.require("window_rows").sum(axis=0)
-        pad = self.kernel_size // 2
-        padded = np.pad(votes, pad, constant_values=0.0 if self.pooling == "avg" else -np.inf)
-        windows = sliding_window_view(padded, self.kernel_size)
-        return windows.mean(axis=1) if self.pooling == "avg" else windows.max(axis=1)
+        # Pooled over the live tokens before the window, in logical order: the window's own
+        # votes take no part (it is protected, so its scores do not matter).
+        ids = view.logical_ids
+        before = np.flatnonzero(ids < view.num_logical - self.window)
+        before = before[np.argsort(ids[before], kind="stable")]
+        pad = np.full(self.kernel_size // 2, 0.0 if self.pooling == "avg" else -np.inf)
+        votes = np.concatenate([pad, view.require("window_rows").sum(axis=0)[before], pad])
+        windows = sliding_window_view(votes, self.kernel_size)
+        scores = np.full(view.num_live, np.inf)
+        scores[before] = windows.mean(axis=1) if self.pooling == "avg" else windows.max(axis=1)
+        return scores

@@ -124,6 +124,25 @@ class VTokenManager:
         request.table.append(len(block_ids) * self.block_size, list(block_ids))
         request.num_shared_blocks = len(block_ids)
 
+    def own_from(self, request_id: str, first: int) -> None:
+        """The request's blocks from index ``first`` on are its own from now (an eviction
+        touches them: it copies those another request holds, ``replace_blocks``, and the
+        repack releases the rest it empties): its adopted prefix ends there."""
+        request = self.requests[request_id]
+        request.num_shared_blocks = min(request.num_shared_blocks, first)
+
+    def replace_blocks(
+        self, request_id: str, indices: list[int], block_ids: list[int]
+    ) -> list[int]:
+        """Copy on evict: the request's blocks at ``indices`` become ``block_ids`` (the
+        caller allocated them, copies the tokens and drops the request's reference to the
+        old ones, which it returns). Slots, tokens and stats stay where they are."""
+        table = self.requests[request_id].table
+        old = [table.block_ids[i] for i in indices]
+        for index, block_id in zip(indices, block_ids, strict=True):
+            table.block_ids[index] = block_id
+        return old
+
     def view(self, request_id: str, attention: StepAttention | None = None) -> PolicyView:
         request = self.requests[request_id]
         table = request.table

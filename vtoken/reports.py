@@ -106,6 +106,12 @@ class EngineReport(BaseModel):
     num_evictions_below_budget: Count = 0
     """Request-steps squeezed under their budgets so that vLLM need not preempt (among the
     evictions under pressure)."""
+    shared_copies: Count = 0
+    """Blocks another request also held that a request copied to evict from (copy on
+    evict: the copy is its own block, the shared one stays intact), since start."""
+    copies_deferred: Count = 0
+    """Request-steps that evicted but kept their shared blocks, no free block being left
+    for the copies (protected that step, as if pinned)."""
     blocks_reclaimed: Count = 0
     evicted_tokens_total: Count = 0
     repack_moves_total: Count = 0

@@ -43,21 +43,28 @@ class RequestBudgets:
         """Tokens of its cache hit the request keeps for life (``pin_cache_hits``)."""
         return self.prefix.pinned_hit(record, self.tenants.applies_to(record.kv.tenant))
 
+    def unpaid(self, record: ScheduledRequest) -> int:
+        """Leading tokens in blocks another request pays for that the request keeps this
+        step whatever its budget: none, as it copies what it evicts from (copy on evict),
+        unless it found no free block for the copies (``copy_deferred``)."""
+        return record.shared_elsewhere * self.block_size if record.copy_deferred else 0
+
     def unbudgeted(self, record: ScheduledRequest) -> int:
-        """Leading tokens kept outside its policy's budget: blocks another request pays for
-        and, with ``pin_cache_hits``, its cache hit (both are prefixes of its table)."""
-        return max(record.shared_elsewhere * self.block_size, self.pinned_hit(record))
+        """Leading tokens kept outside its policy's budget: :meth:`unpaid` and, with
+        ``pin_cache_hits``, its cache hit (both are prefixes of its table)."""
+        return max(self.unpaid(record), self.pinned_hit(record))
 
     def budget(self, record: ScheduledRequest) -> int:
         """Live tokens the request may keep after this step.
 
-        Its policy's budget applies to the tokens it pays for and did not pin: blocks
-        another request pays for (shared prefix blocks) and, with ``pin_cache_hits``, its
-        cache hit are kept on top of it. Then the hard bounds, on what it pays for: its
-        ``hold_blocks`` (what admission counts it at, a block for the step) and its
-        tenant's pressure (``fraction x anchor``). The policy still keeps what it protects
+        Its policy's budget applies to every token it keeps, shared with another request or
+        not, as with caching off, except what it pinned: with ``pin_cache_hits`` its cache
+        hit, and shared blocks it could not copy this step (:meth:`unpaid`), are kept on
+        top of it. Then the hard bounds, on what it pays for: its ``hold_blocks`` (what
+        admission counts it at, a block for the step) and its tenant's pressure
+        (``fraction x anchor``). The policy still keeps what it protects
         (:meth:`SqueezePlanner.blocks_above_budget` counts it)."""
-        unpaid = record.shared_elsewhere * self.block_size
+        unpaid = self.unpaid(record)
         kept = self.unbudgeted(record)
         budget = record.spec.budget(max(0, record.kv.table.num_logical - kept)) + kept
         if record.hold_blocks is not None:
@@ -116,7 +123,16 @@ class RequestBudgets:
             hold_blocks=record.hold_blocks,
             running=request is not None,
             ending=request is not None and ends_with_this_step(request),
+            num_shared_blocks=self.copied_on_evict(record),
         )
+
+    def copied_on_evict(self, record: ScheduledRequest) -> int:
+        """Blocks another request also holds that the request copies if it evicts from
+        them (past its pinned prefix; none while it cannot copy, or in block mode)."""
+        if record.copy_deferred or self.config.mode is ReclaimMode.BLOCK:
+            return 0
+        pinned = max(self.config.prefix_pin_tokens, self.pinned_hit(record))
+        return len(self.prefix.shared_indices(record, pinned // self.block_size))
 
     def protected_at(self, record: ScheduledRequest) -> Callable[[int], int]:
         """Tokens the request's policy keeps past a budget; in block mode the whole blocks

@@ -31,6 +31,8 @@ class ScheduledRequest:
     capped: bool = False  # its spec is a per-request override (the tenant's cap)
     cacheable: int | None = None  # tokens it may publish; None: every full block
     shared_elsewhere: int = 0  # blocks it holds that another request pays for (this step)
+    copy_deferred: bool = False  # no free block to copy its shared blocks into this step
+    copied: dict[int, int] = field(default_factory=dict)  # this step's copies: index -> shared
     hit_tokens: int = 0  # tokens it took from a prefix-cache hit
     hold_blocks: int | None = None  # what admission counts it at once its prefill ended
     pressure_anchor: int | None = None  # live tokens when its tenant's pressure reached it

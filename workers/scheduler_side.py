@@ -157,6 +157,13 @@ class VTokenScheduler:
             self.stm.new_block_ids.extend(block_ids)
         return blocks
 
+    def hit_limit(self, request: Any) -> int | None:
+        """See :meth:`PrefixCacheRule.hit_limit` (``request``: vLLM's, not started)."""
+        params = request.sampling_params
+        extra = (params.extra_args if params is not None else None) or {}
+        spec = request_policy_spec(extra) or self.config
+        return self.prefix.hit_limit(spec, request.num_prompt_tokens)
+
     def num_cacheable_tokens(self, request_id: str, num_tokens: int) -> int:
         """See :meth:`PrefixCacheRule.num_cacheable_tokens`."""
         return self.prefix.num_cacheable_tokens(self.requests[request_id], num_tokens)
@@ -220,15 +227,22 @@ class VTokenScheduler:
                 record.pressure_anchor = record.kv.table.num_live  # new under pressure
         self._refresh_shared()
         evicting = [*decoding, *chunked]
-        for request_id in evicting:  # what room estimates read (sinks) is this step's
-            self._protect_shared(self.requests[request_id])
+        records = [self.requests[request_id] for request_id in evicting]
+        self.prefix.reserve_copies(records, self.budgets.pinned_hit)
+        for record in records:  # what room estimates read (sinks) is this step's
+            self._protect_shared(record)
         # Eager: every decoding request and such chunk evicts to budget, nothing else is read.
         viewed = evicting if self.config.eviction == "eager" else None
         planner = self.squeeze_planner(requests, viewed, victim_order)
         plan = planner.plan(decoding, num_waiting_blocks, prefilling=chunked)
-        for request_id in evicting:
-            attention = attention_of.get(request_id, StepAttention())
-            self._evict(self.requests[request_id], plan, attention)
+        for record in records:
+            attention = attention_of.get(record.kv.request_id, StepAttention())
+            self._evict(record, plan, attention)
+        # Copy on evict: every copy's block allocated before any repack frees one.
+        self.prefix.copy_shared(records)
+        for record in records:
+            self.counters.num_shared_copies += len(record.copied)
+            self._reclaim(record)
         if self.config.check_invariants:
             self.check_invariants()
 
@@ -253,7 +267,7 @@ class VTokenScheduler:
         """One request's step (decoding, or a prefill chunk under a policy that evicts
         during prefill): its policy runs (to its budget if the plan squeezes it, else with
         a budget of everything it holds: it observes and counts the step), then it
-        unpublishes what changed and repacks."""
+        unpublishes what changed; it repacks once the step's copies have their blocks."""
         request_id = record.kv.request_id
         budget = plan.budgets.get(request_id, record.kv.table.num_live)
         if not record.scored and budget < record.kv.table.num_live:
@@ -266,9 +280,9 @@ class VTokenScheduler:
         if len(evicted):
             self.prefix.unpublish_changed(record)
             self.counters.count_eviction(plan.causes.get(request_id))
+            self.counters.num_copies_deferred += record.copy_deferred
         if self.config.record_evictions:
             record.evictions.append(evicted)
-        self._reclaim(record)
 
     def set_pressure(
         self, pressure: Mapping[str, float], allowance: Mapping[str, int] | None = None
@@ -323,14 +337,17 @@ class VTokenScheduler:
         block mode, nothing to copy: they rewrite the row without the dropped blocks)."""
         request_id = record.kv.request_id
         (plan,) = self.manager.reclaim([request_id])  # commits the table, frees blocks
-        if not plan.touches_blocks:
+        if not plan.touches_blocks and not record.copied:
             return  # at most dead tail tokens: the physical count dropped, nothing to ship
-        if plan.num_moves:
-            record.pending_src = np.concatenate([record.pending_src, plan.src_slots])
-            record.pending_dst = np.concatenate([record.pending_dst, plan.dst_slots])
+        src, dst = self.prefix.copy_moves(record, plan)  # copied blocks' slots from shared
+        if src.size:
+            record.pending_src = np.concatenate([record.pending_src, src])
+            record.pending_dst = np.concatenate([record.pending_dst, dst])
         dropped = set(plan.free_block_indices.tolist())
         blocks = self.stm.req_to_blocks[request_id]
         blocks[:] = [block for index, block in enumerate(blocks) if index not in dropped]
+        if record.copied:  # blocks replaced in the middle: the workers rewrite the row
+            record.pending_block_row = np.asarray(record.kv.table.block_ids, dtype=np.int32)
         if self.config.mode is ReclaimMode.BLOCK:
             record.pending_block_row = np.asarray(record.kv.table.block_ids, dtype=np.int32)
         else:
@@ -409,6 +426,8 @@ class VTokenScheduler:
             num_evictions_under_pressure=counters.num_evictions_under_pressure,
             num_evictions_to_bound=counters.num_evictions_to_bound,
             num_evictions_below_budget=counters.num_evictions_below_budget,
+            shared_copies=counters.num_shared_copies,
+            copies_deferred=counters.num_copies_deferred,
             recent_max_step_s=self.step_times.recent_max_s(),
             recent_steps=self.step_times.recent_longest(),
             evicted_tokens_total=self.manager.num_evicted_tokens,

@@ -52,6 +52,9 @@ class RequestView:
     hold_blocks: int | None = None  # what admission counts it at (``hold_blocks``)
     running: bool = True  # vLLM runs it (it is in vLLM's requests)
     ending: bool = False  # it reaches its ``max_tokens`` with this step
+    # blocks another request also holds that its eviction copies (copy on evict): an
+    # eviction never gives them back to the pool
+    num_shared_blocks: int = 0
 
     @property
     def outgrows_hold(self) -> bool:
@@ -164,7 +167,7 @@ class SqueezePlanner:
         if not view.evicts_to_budget or not self.frees_blocks:
             return 0
         budget = view.budget if budget is None else budget
-        now = view.num_blocks + view.num_next_token_blocks
+        now = view.num_blocks - view.num_shared_blocks + view.num_next_token_blocks
         after = cdiv(self.tokens_at(request_id, budget) + 1, self.block_size)
         return max(0, now - after)
 
@@ -175,7 +178,8 @@ class SqueezePlanner:
         view = self.requests[request_id]
         if not view.evicts_to_budget or not self.frees_blocks:
             return 0
-        return max(0, view.num_blocks - self.blocks_at(request_id, view.budget))
+        own = view.num_blocks - view.num_shared_blocks
+        return max(0, own - self.blocks_at(request_id, view.budget))
 
     def squeeze_order(self, request_ids: list[str]) -> list[str]:
         """Requests with blocks above their budget, most first (ties keep the given order)."""

@@ -21,6 +21,9 @@ class StepCounters:
     # asked to evict at a step that was not scored (``workers/score_timing.py``): none
     num_evictions_unscored: int = 0
     num_scored_request_steps: int = 0  # request-steps whose attention statistics were asked
+    num_shared_copies: int = 0  # shared blocks a request copied to evict from (copy on evict)
+    # request-steps that kept their shared blocks this step: no free block to copy them into
+    num_copies_deferred: int = 0
     repack_bytes_total: int = 0
     repack_seconds_total: float = 0.0
 

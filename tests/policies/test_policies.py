@@ -7,13 +7,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import policies
 from policies import CAP_POLICY, REGISTRY, make_policy
 from policies.page import head_agreement
-from vtoken.policy import EvictionPolicy, Gate, PolicyView, StepAttention
+from vtoken.policy import EvictionPolicy, Gate, PolicyView, ScoreNeeds, StepAttention
+from workers.statistics import reduce_attention
 
 
 def view(n, attention=None, prompt_len=None, num_logical=None, ids=None, stats=None):
@@ -93,6 +95,59 @@ def test_snapkv_pools_window_votes_and_protects_the_window():
     assert kept(10, evicted) == [2, 3, 4, 6, 7, 8, 9]
     decode = view(11, StepAttention(window_rows=np.ones((1, 11))), prompt_len=10)
     assert policy.select(decode, budget=3).size == 0  # compresses once, at the end of prefill
+
+
+def test_snapkv_pools_only_the_tokens_before_the_window():
+    """The window's own votes take no part in pooling: the token just before the window
+    does not inherit a window token's votes (as the official SnapKV)."""
+    rows = np.zeros((2, 10))
+    rows[:, 8] = 5.0  # a window token, heavily attended
+    rows[:, 2] = 1.0
+    rows[:, 5] = 0.5
+    for pooling in ("max", "avg"):
+        policy = make_policy("snapkv", window=2, kernel_size=3, pooling=pooling)
+        evicted = policy.select(view(10, StepAttention(window_rows=rows)), budget=5)
+        assert kept(10, evicted) == [1, 2, 3, 8, 9], pooling  # not 7, beside the window
+    assert make_policy("snapkv").pooling == "avg"  # the official default
+
+
+def _snapkv_published(layers, window, kernel_size, pooling, budget):
+    """SnapKV as the paper and its official code state it, in plain torch: the window's
+    attention (mean over layers and heads) summed over the window queries, for the tokens
+    before the window only; 1-D pooled with ``kernel_size`` (zero padding counted for avg,
+    as ``avg_pool1d``); top ``budget - window`` of them plus the window. Ties keep the newer
+    token (the policy's stated tie rule; the paper leaves it open)."""
+    probabilities = torch.stack(list(layers)).float()  # [layers, heads, window, n]
+    n = probabilities.shape[-1]
+    votes = probabilities.mean(dim=(0, 1)).sum(0)[: n - window]
+    pool = torch.nn.functional.avg_pool1d if pooling == "avg" else torch.nn.functional.max_pool1d
+    pooled = pool(votes[None, None], kernel_size, stride=1, padding=kernel_size // 2)[0, 0]
+    newest_first = torch.argsort(pooled.flip(0), descending=True, stable=True)
+    top = (n - window - 1 - newest_first[: budget - window]).tolist()
+    return sorted(top) + list(range(n - window, n))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(12, 80),
+    window=st.integers(1, 10),
+    kernel_size=st.sampled_from([1, 3, 5, 7]),
+    pooling=st.sampled_from(["avg", "max"]),
+    keep=st.floats(0.2, 0.9),
+    seed=st.integers(0, 2**16),
+)
+def test_snapkv_keeps_what_the_published_rule_keeps(n, window, kernel_size, pooling, keep, seed):
+    """Kept sets equal the published rule computed independently, on the same attention
+    statistics (softmax rows of the last ``window`` queries, several layers and heads)."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(3, 4, window, n, generator=generator) * 3
+    causal = torch.arange(n)[None, :] > torch.arange(n - window, n)[:, None]
+    layers = list(logits.masked_fill(causal, float("-inf")).softmax(-1))
+    budget = max(window, int(keep * n))
+    attention = reduce_attention(layers, ScoreNeeds(query_window=window))
+    policy = make_policy("snapkv", window=window, kernel_size=kernel_size, pooling=pooling)
+    evicted = policy.select(view(n, attention), budget=budget)
+    assert kept(n, evicted) == _snapkv_published(layers, window, kernel_size, pooling, budget)
 
 
 def test_random_is_seeded_order_independent_and_respects_protection():
@@ -221,6 +276,8 @@ def test_registry_rejects_unknown_names_and_arguments():
         make_policy("h2o", heavy_ratio=0.1)
     with pytest.raises(ValueError):
         make_policy("snapkv", pooling="median")
+    with pytest.raises(ValueError, match="odd"):
+        make_policy("snapkv", kernel_size=4)
     with pytest.raises(ValueError):
         make_policy("h2o", recent_fraction=2.0)
     assert type(make_policy("page", inner="tova").inner).__name__ == "TOVA"  # by name

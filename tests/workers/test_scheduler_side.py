@@ -701,26 +701,63 @@ def test_a_policy_that_never_evicts_publishes_every_full_block():
     assert state.num_cacheable_tokens("r", 10) == 10
 
 
-def test_an_eviction_unpublishes_what_it_changes_and_protects_what_is_shared():
-    """Published blocks 0-3 of ``a``; ``b`` hit blocks 0-1. ``a`` evicts: blocks 0-1 are
-    protected (shared), the eviction starts in block 2, so blocks 2-3 leave the cache and
-    ``a`` publishes nothing from block 2 on."""
-    state, pool, manager = _pinned_state(pin=0)
+def _shared_with_b(num_blocks: int):
+    """Published blocks 0-3 of ``a`` (16 tokens); ``b`` hit blocks 0-1; ``a`` decodes:
+    StreamingLLM keeps its sink 0 and recent 14, 15, so it evicts from block 0 on."""
+    state, pool, manager = _pinned_state(num_blocks=num_blocks, pin=0)
     first = FakeRequest("a", num_prompt_tokens=16)
     run_prefill(state, first)
     manager.num_cached_block["a"] = 4
     hit = manager.req_to_blocks["a"][:2]
-    changed = {b.block_id for b in manager.req_to_blocks["a"][2:]}
+    own = [b.block_id for b in manager.req_to_blocks["a"]]
     assert state.allocate(FakeRequest("b", num_prompt_tokens=12), 4, hit_blocks=hit)
-    record = state.requests["a"]
     first.num_computed_tokens = 16
-    state.after_step({"a": 1}, {"a": first}, None)  # streaming_llm keeps sinks + recent: 3
+    state.after_step({"a": 1}, {"a": first}, None)
+    return state, pool, manager, hit, own
+
+
+def test_an_eviction_from_shared_blocks_copies_what_it_keeps_and_leaves_them_intact():
+    """Copy on evict: ``a`` keeps 3 tokens, in one new block of its own (its kept slot 0
+    of shared block 0 copied, tokens 14, 15 moved in from its block 3); shared block 1 is
+    only released; both shared blocks stay with ``b``, cached; ``a``'s own published
+    blocks 2-3 leave the cache and it publishes nothing again."""
+    state, pool, manager, hit, own = _shared_with_b(num_blocks=16)
+    record = state.requests["a"]
+    table = record.kv.table
+    assert record.kv.num_pinned == 0 and not record.copy_deferred
+    assert table.live_logical_ids().tolist() == [0, 14, 15]
+    (new,) = table.block_ids
+    assert new not in own and [b.ref_cnt for b in hit] == [1, 1]  # b's alone now
+    assert pool.unpublished == set(own[2:])  # nothing shared was dropped from the cache
+    assert manager.num_cached_block["a"] == 0 and record.cacheable == 0
+    size = BLOCK_SIZE
+    moves = sorted(zip(record.pending_src.tolist(), record.pending_dst.tolist(), strict=True))
+    assert moves == sorted(
+        [(own[0] * size, new * size), (own[3] * size + 2, new * size + 1)]
+        + [(own[3] * size + 3, new * size + 2)]
+    )
+    assert record.pending_block_row.tolist() == [new]  # the workers rewrite the row
+    assert state.counters.num_shared_copies == 1 and state.counters.num_copies_deferred == 0
+    assert state.snapshot().shared_copies == 1
+    assert state.manager.report("a").shared_blocks == 0  # the copy is its own
+    ops = state.take_ops({"a": 1}, {"a": FakeRequest("a", 16, 16)})
+    assert ops.block_rows["a"].tolist() == [new] and ops.num_moves == 3
+    state.check_invariants()
+
+
+def test_without_a_free_block_for_the_copy_the_shared_blocks_are_kept_that_step():
+    """The pool is full: ``a`` keeps the blocks ``b`` shares (protected, counted) and
+    evicts past them; only its own blocks 2-3 leave the cache."""
+    state, pool, manager, hit, own = _shared_with_b(num_blocks=6)  # 5 usable, all held
+    record = state.requests["a"]
+    assert record.copy_deferred and state.counters.num_copies_deferred == 1
     assert record.kv.num_pinned == 8 and record.kv.policy.sinks == 1  # the shared blocks
     table = record.kv.table
     assert table.is_alive(np.arange(8)).all() and table.num_live < 16  # it evicted past them
-    assert pool.unpublished == changed  # blocks 2-3; nothing shared was dropped
+    assert pool.unpublished == set(own[2:])
     assert manager.num_cached_block["a"] == 2 and record.cacheable == 8
     assert state.num_cacheable_tokens("a", 16) == 8
+    assert state.counters.num_shared_copies == 0 and state.snapshot().copies_deferred == 1
     state.check_invariants()
 
 
@@ -761,18 +798,25 @@ def _keep_half(pin_cache_hits: bool = False, check: bool = True):
     return state, pool, manager, manager.req_to_blocks["a"][:2]
 
 
-def test_shared_blocks_cost_the_adopter_nothing_of_its_budget():
-    """``b`` shares 2 blocks that ``a`` pays for: its keep ratio applies to the rest."""
+def test_an_adopter_keeps_what_its_policy_keeps_without_the_cache():
+    """``b`` shares 2 blocks that ``a`` holds: its keep ratio applies to all its 16 tokens,
+    and it keeps the very tokens it keeps with no cache hit; what it keeps of the shared
+    blocks it copies into blocks of its own, which it pays for; ``a``'s stay intact."""
     state, _, _, hit = _keep_half()
     second = FakeRequest("b", num_prompt_tokens=16)
     assert state.allocate(second, 8, hit_blocks=hit)
     _decode(state, second)
     record = state.requests["b"]
-    assert record.shared_elsewhere == 2 and record.kv.num_pinned == 8  # a still holds them
-    # its keep ratio on the tokens it pays for: 8 shared + ceil(0.5 * (16 - 8)) of its own
-    assert record.kv.table.num_live == 8 + 4
+    assert record.kv.num_pinned == 0 and record.kv.table.num_live == 8  # ceil(0.5 * 16)
+    alone, _, _, _ = _keep_half()
+    run_prefill(alone, FakeRequest("b", num_prompt_tokens=16))
+    _decode(alone, FakeRequest("b", num_prompt_tokens=16))
+    kept = record.kv.table.live_logical_ids().tolist()
+    assert kept == alone.requests["b"].kv.table.live_logical_ids().tolist()
+    assert [b.ref_cnt for b in hit] == [1, 1] and state.counters.num_shared_copies == 2
     reports = {r.request_id: r for r in state.manager.reports()}
-    assert reports["b"].allocated_blocks == 1 and reports["b"].shared_blocks == 2  # 3 held
+    assert reports["b"].allocated_blocks == 2 and reports["b"].shared_blocks == 0
+    state.check_invariants()
 
 
 def test_pinned_cache_hits_stay_protected_and_cached_outside_the_budget():
@@ -856,3 +900,24 @@ def test_block_mode_unpublishes_from_the_first_dropped_block():
     assert pool.unpublished == set(published[1:])
     assert manager.num_cached_block["r"] == 1 and state.requests["r"].cacheable == 4
     state.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("config", "limit"),
+    [
+        ({"policy": "h2o", "keep_ratio": 0.5}, 0),  # sums every query's attention
+        ({"policy": "h2o", "keep_ratio": 0.5, "prefix_pin_tokens": 8}, 8),  # pinned queries
+        ({"policy": "scissorhands", "keep_ratio": 0.5}, 0),
+        ({"policy": "snapkv", "keep_ratio": 0.5, "policy_args": {"window": 6}}, 34),
+        ({"policy": "tova", "keep_ratio": 0.5}, None),  # the last query: always computed
+        ({"policy": "streaming_llm", "policy_args": {"sinks": 1, "recent": 4}}, None),
+        ({"policy": "none"}, None),
+        ({"policy": "h2o", "keep_ratio": 0.5, "eviction": "on_demand"}, None),
+        ({"policy": "h2o", "keep_ratio": 0.5, "pin_cache_hits": True}, None),
+    ],
+)
+def test_a_cache_hit_stops_where_the_policy_reads_the_prompts_attention(config, limit):
+    """A hit's queries are never computed: under eager eviction the hit leaves the policy
+    every query whose attention it reads (caching never changes what it keeps)."""
+    state = VTokenScheduler(VTokenConfig(**config), FakeBlockPool(8), FakeBlockManager())
+    assert state.hit_limit(FakeRequest("r", num_prompt_tokens=40)) == limit

@@ -161,6 +161,11 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
         "policies evict and repacks commit, before vLLM's update may finish requests",
     ),
     TouchPoint(
+        "vllm.v1.core.kv_cache_manager.KVCacheManager.get_computed_blocks",
+        scheduler_hooks.get_computed_blocks,
+        "a cache hit stops where the request's policy needs the prompt's queries",
+    ),
+    TouchPoint(
         "vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots",
         scheduler_hooks.allocate_slots,
         "physical counts drive allocation; cache hits adopted, cacheable blocks published",

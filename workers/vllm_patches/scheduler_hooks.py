@@ -122,6 +122,24 @@ def _waiting_head_blocks(scheduler: Any, state: VTokenScheduler) -> int:
     return needed + manager.watermark_blocks
 
 
+def get_computed_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
+    def get_computed_blocks(self: Any, request: Any) -> Any:
+        """vLLM's prefix-cache hit, cut to what the request's policy allows
+        (``VTokenScheduler.hit_limit``: caching never changes what a policy keeps)."""
+        hit, num_hit, *rest = original(self, request)
+        state: VTokenScheduler | None = getattr(self, "vtoken", None)
+        if state is None or not num_hit:
+            return (hit, num_hit, *rest)
+        limit = state.hit_limit(request)
+        if limit is None or num_hit <= limit:
+            return (hit, num_hit, *rest)
+        kept = limit // state.block_size
+        blocks = list(hit.blocks[0][:kept])
+        return (self.create_kv_cache_blocks((blocks,)), kept * state.block_size, *rest)
+
+    return get_computed_blocks
+
+
 def allocate_slots(original: Callable[..., Any]) -> Callable[..., Any]:
     signature = inspect.signature(original)
 

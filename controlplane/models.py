@@ -79,7 +79,7 @@ class TenantLimits(_Frozen):
     # Upper bounds: a 310-digit budget once passed and overflowed the controller's float
     # arithmetic on every cycle; a rate of 1e-300 tokens/s made the bucket's expiry overflow.
     kv_budget_blocks: StrictInt = Field(gt=0, le=MAX_LIMIT)
-    weight: float = Field(default=1.0, gt=0, le=1000)
+    weight: float = Field(default=1.0, ge=1e-3, le=1000, allow_inf_nan=False)
     max_concurrent_requests: StrictInt | None = Field(default=None, gt=0, le=MAX_LIMIT)
     prompt_tokens_per_s: float | None = Field(default=None, ge=MIN_RATE, le=MAX_LIMIT)
     eviction_budget_tokens: StrictInt | None = Field(default=None, gt=0, le=MAX_LIMIT)

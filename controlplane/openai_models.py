@@ -226,7 +226,7 @@ class GenerateRequest(BaseModel):
 
     request_id: str
     tenant_id: str
-    tenant_weight: float = Field(default=1.0, gt=0, le=1000, allow_inf_nan=False)
+    tenant_weight: float = Field(default=1.0, ge=1e-3, le=1000, allow_inf_nan=False)
     """The tenant's weight (``TenantLimits.weight``): its share in the engine's fair order."""
     prompt_token_ids: list[int] = Field(min_length=1)
     max_tokens: int

@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 
 TENANT_KEY = "tenant"
 WEIGHT_KEY = "tenant_weight"
+# A tenant's weight, as the control plane bounds it: a weight near 0 would turn counters
+# into inf and nan (one token over 1e-308), which no order or report survives.
+MIN_WEIGHT, MAX_WEIGHT = 1e-3, 1000.0
 """``extra_args``: the request's tenant weight, a finite number > 0 (default 1)."""
 MAX_TENANTS = 1024
 """Tenants whose counters an engine keeps before it drops those a new request would lift
@@ -48,8 +51,10 @@ def tenant_weight(extra: Mapping[str, Any] | None) -> tuple[str, float]:
     weight = extra.get(WEIGHT_KEY, 1.0)
     if isinstance(weight, bool) or not isinstance(weight, int | float):
         raise ValueError(f"extra_args[{WEIGHT_KEY!r}] must be a number, got {weight!r}")
-    if not math.isfinite(weight) or weight <= 0:
-        raise ValueError(f"extra_args[{WEIGHT_KEY!r}] must be finite and > 0, got {weight!r}")
+    if not math.isfinite(weight) or not MIN_WEIGHT <= weight <= MAX_WEIGHT:
+        raise ValueError(
+            f"extra_args[{WEIGHT_KEY!r}] must be in [{MIN_WEIGHT}, {MAX_WEIGHT}], got {weight!r}"
+        )
     return tenant, float(weight)
 
 
@@ -90,7 +95,7 @@ class FairShare:
     counters: dict[str, float] = field(default_factory=dict)
     weights: dict[str, float] = field(default_factory=dict)
     waiting: dict[str, int] = field(default_factory=dict)  # tenant -> requests waiting
-    last_left: float = 0.0  # the counter of the last tenant whose waiting queue emptied
+    last_left: str | None = None  # the last tenant whose waiting queue emptied
     charged: dict[str, int] = field(default_factory=dict)  # request -> positions charged
     provisional: dict[str, tuple[str, float]] = field(default_factory=dict)
 
@@ -125,7 +130,7 @@ class FairShare:
         does not."""
         if arrival and not self.waiting.get(tenant):
             active = [self.counter(t) for t, n in self.waiting.items() if n > 0]
-            floor = min(active) if active else self.last_left
+            floor = min(active) if active else self.last_left_counter
             self.counters[tenant] = max(self.counter(tenant), floor)
         self.waiting[tenant] = self.waiting.get(tenant, 0) + 1
 
@@ -136,7 +141,13 @@ class FairShare:
             self.waiting[tenant] = left
             return
         self.waiting.pop(tenant, None)
-        self.last_left = self.counter(tenant)
+        self.last_left = tenant
+
+    @property
+    def last_left_counter(self) -> float:
+        """The current counter of the last tenant whose waiting queue emptied (VTC lifts a
+        newcomer to it: the service that tenant received since still counts)."""
+        return 0.0 if self.last_left is None else self.counter(self.last_left)
 
     # ------------------------------------------------------------------ charges
     def _charge(self, tenant: str, amount: float) -> None:
@@ -144,17 +155,20 @@ class FairShare:
 
     def admit(self, request_id: str, tenant: str, num_uncomputed: int) -> None:
         """The request leaves the waiting queue to be scheduled: charged provisionally for
-        its ``num_uncomputed`` tokens at the prompt cost until :meth:`settle`."""
+        its ``num_uncomputed`` tokens at the prompt cost until :meth:`settle`. What was
+        added to the counter is kept, so a refund undoes exactly that whatever the
+        tenant's weight has become since."""
         self.refund(request_id)
-        amount = self.prompt_cost * max(0, num_uncomputed)
-        self.provisional[request_id] = (tenant, amount)
-        self._charge(tenant, amount)
+        added = self.prompt_cost * max(0, num_uncomputed) / self.weight(tenant)
+        self.provisional[request_id] = (tenant, added)
+        self.counters[tenant] = self.counter(tenant) + added
 
     def refund(self, request_id: str) -> None:
         """Undo the request's provisional charge (it went back to the waiting queue)."""
         entry = self.provisional.pop(request_id, None)
         if entry is not None:
-            self._charge(entry[0], -entry[1])
+            tenant, added = entry
+            self.counters[tenant] = max(0.0, self.counter(tenant) - added)
 
     def settle(self, scheduled: Iterable[Scheduled]) -> None:
         """After a step was scheduled: every provisional charge is undone and each
@@ -187,7 +201,7 @@ class FairShare:
         """Drop idle tenants whose counter a new request would lift anyway (at or below
         the floor of :meth:`enqueue`): memory stays bounded by the tenants that matter."""
         active = [self.counter(t) for t, n in self.waiting.items() if n > 0]
-        floor = min(active) if active else self.last_left
+        floor = min(active) if active else self.last_left_counter
         keep = set(present) | self.waiting.keys() | {t for t, _ in self.provisional.values()}
         for tenant in [t for t, c in self.counters.items() if c <= floor and t not in keep]:
             del self.counters[tenant]
@@ -199,7 +213,7 @@ class FairShare:
         (:meth:`prune`; ``running``: the engine's running requests)."""
         if len(self.counters) > MAX_TENANTS:
             self.prune({record.kv.tenant for record in running})
-        return {tenant: round(counter, 3) for tenant, counter in self.counters.items()}
+        return {tenant: round(max(0.0, counter), 3) for tenant, counter in self.counters.items()}
 
     # ------------------------------------------------------------------ shares
     def present_weights(self, running_tenants: Iterable[str]) -> dict[str, float]:

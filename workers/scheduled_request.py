@@ -3,7 +3,7 @@ of vLLM's requests."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,3 +131,27 @@ def take_ops(
         num_evicted=num_evicted,
         score_needs=score_needs,
     )
+
+
+def find_report(
+    request_id: str,
+    running: Mapping[str, Any],
+    finished: Mapping[str, FinishedRequest],
+    report_of: Callable[[str], RequestReport],
+) -> RequestReport | None:
+    """One request's report: running (``report_of``), or among the recently finished.
+
+    ``request_id`` may be the client's id: vLLM's front end appends ``-<8 chars>`` to it
+    for the engine core, so the most recent request with that prefix is returned.
+    """
+
+    def matches(engine_id: str) -> bool:
+        return engine_id == request_id or engine_id.rpartition("-")[0] == request_id
+
+    for engine_id in reversed(list(running)):
+        if matches(engine_id):
+            return report_of(engine_id)
+    for engine_id in reversed(list(finished)):
+        if matches(engine_id):
+            return finished[engine_id].report
+    return None

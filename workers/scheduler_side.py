@@ -59,7 +59,13 @@ from workers.fair_share import FairShare
 from workers.messages import StepOps, StepScores
 from workers.prefix_cache import PrefixCacheRule
 from workers.request_budgets import RequestBudgets
-from workers.scheduled_request import FinishedRequest, ScheduledRequest, hold_blocks_of, take_ops
+from workers.scheduled_request import (
+    FinishedRequest,
+    ScheduledRequest,
+    find_report,
+    hold_blocks_of,
+    take_ops,
+)
 from workers.score_timing import ScoreTiming
 from workers.squeeze import SqueezePlan, SqueezePlanner
 from workers.step_counters import StepCounters
@@ -395,22 +401,8 @@ class VTokenScheduler:
 
     # ------------------------------------------------------------------ reports
     def request_report(self, request_id: str) -> RequestReport | None:
-        """One request's report: running, or among the recently finished.
-
-        ``request_id`` may be the client's id: vLLM's front end appends ``-<8 chars>`` to
-        it for the engine core, so the most recent request with that prefix is returned.
-        """
-
-        def matches(engine_id: str) -> bool:
-            return engine_id == request_id or engine_id.rpartition("-")[0] == request_id
-
-        for engine_id in reversed(self.requests):
-            if matches(engine_id):
-                return self.manager.report(engine_id)
-        for engine_id in reversed(self.finished):
-            if matches(engine_id):
-                return self.finished[engine_id].report
-        return None
+        """One request's report, running or recently finished (:func:`find_report`)."""
+        return find_report(request_id, self.requests, self.finished, self.manager.report)
 
     def snapshot(self) -> EngineReport:
         """What this engine holds now (crosses processes as a utility result, dumped)."""

@@ -133,3 +133,18 @@ def test_priority_comes_before_the_counters_and_orders_within_a_tenant():
     q.add_request(Req("b-low", "b", priority=1))
     q.fair.counters["a"] = 1000.0  # a was served much more: b first at equal priority
     assert drain(q) == ["a-high", "b-low", "a-low"]
+
+
+def test_a_tenants_queue_made_while_the_policy_is_swapped_still_orders_by_priority():
+    """``before_schedule`` sets the scheduler's policy to FCFS for one ``schedule`` call;
+    a request put back during it (preempted, skipped) may create its tenant's queue then:
+    that queue must still be a priority queue."""
+    from workers.vllm_patches.fair_hooks import install_queues
+
+    scheduler = SimpleNamespace(policy=SchedulingPolicy.PRIORITY, waiting=[], kv_holding_waiting=[])
+    install_queues(scheduler, SimpleNamespace(fair=FairShare()))
+    scheduler.policy = SchedulingPolicy.FCFS  # as inside the swapped schedule call
+    scheduler.waiting.prepend_request(Req("a-late", "a", priority=5))
+    scheduler.policy = SchedulingPolicy.PRIORITY
+    scheduler.waiting.add_request(Req("a-urgent", "a", priority=0))
+    assert drain(scheduler.waiting) == ["a-urgent", "a-late"]

@@ -85,9 +85,28 @@ def test_with_nobody_waiting_a_new_tenant_starts_where_the_last_one_left():
     fair.enqueue("a")
     fair.counters["a"] = 30.0
     fair.dequeue("a")
-    assert fair.last_left == 30 and "a" not in fair.waiting
+    assert fair.last_left == "a" and "a" not in fair.waiting
+    fair.counters["a"] = 45.0  # served after its queue emptied (its running requests)
     fair.enqueue("b")
-    assert fair.counter("b") == 30
+    assert fair.counter("b") == 45  # lifted to a's counter now, not when it left
+
+
+def test_a_refund_undoes_exactly_the_charge_whatever_the_weight_became():
+    fair = FairShare()
+    fair.set_weight("a", 2.0)
+    for request_id in ("r1", "r2", "r3"):
+        fair.admit(request_id, "a", 1000)  # 500 each at weight 2
+    assert fair.counter("a") == 1500
+    fair.set_weight("a", 1.0)  # a quota edit while they are in flight
+    fair.refund("r1")
+    fair.settle([])
+    assert fair.counter("a") == 0 and min(fair.report([]).values()) >= 0
+
+
+@pytest.mark.parametrize("weight", [1e-308, 0.0, -1.0, 1e4, float("nan")])
+def test_a_weight_outside_the_control_planes_bounds_is_refused(weight):
+    with pytest.raises(ValueError, match="tenant_weight"):
+        tenant_weight({"tenant": "a", "tenant_weight": weight})
 
 
 def test_a_request_put_back_does_not_lift_its_tenant():

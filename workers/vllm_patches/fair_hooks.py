@@ -36,8 +36,11 @@ def install_queues(scheduler: Any, state: VTokenScheduler) -> None:
         if getattr(scheduler, name):
             raise RuntimeError(f"vToken: the scheduler's {name} queue is not empty at start")
 
-        def make_queue() -> Any:
-            return create_request_queue(scheduler.policy)
+        def make_queue(policy: Any = scheduler.policy) -> Any:
+            # The policy at start: ``before_schedule`` sets FCFS for a ``schedule`` call
+            # (vLLM's preemption then takes the last entry), and a tenant's queue made
+            # during that call must still order by priority.
+            return create_request_queue(policy)
 
         setattr(scheduler, name, FairRequestQueue(fair, make_queue, by_priority))
 

@@ -75,9 +75,10 @@ def _repack_kernel(
 class RepackLaunch:
     """Everything of a launch but the slots, for one set of layer caches: worked out once
     (an engine's caches never move), so a step's repack costs the host one kernel launch.
-    ``layer_offsets``: each layer's element offset from the first, on the device."""
+    ``layer_offsets``: each layer's element offset from the first, on the device. It holds
+    no cache tensor: a plan outliving its engine must not keep the engine's KV pool (every
+    layer a view of one buffer) allocated."""
 
-    first: torch.Tensor
     layer_offsets: torch.Tensor
     runs: tuple[PartStrides, ...]
     width: int
@@ -116,7 +117,6 @@ class RepackLaunch:
             runs[0].dim_stride if same_dim_stride else 0,
         )
         return cls(
-            first=first,
             layer_offsets=offsets.to(first.device),
             runs=runs,
             width=width,
@@ -129,9 +129,11 @@ class RepackLaunch:
             align=align,
         )
 
-    def __call__(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
-        """Launch ``_repack_kernel`` once for every layer: contiguous int64 slots on the
-        caches' device (not checked)."""
+    def __call__(
+        self, first: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor
+    ) -> None:
+        """Launch ``_repack_kernel`` once for every layer (``first``: the planned set's
+        first layer cache): contiguous int64 slots on the caches' device (not checked)."""
         num_moves = src_slots.numel()
         first_run, last_run = self.runs[0], self.runs[-1]
         grid = (
@@ -140,7 +142,7 @@ class RepackLaunch:
             len(self.runs) * self.kv_heads,
         )
         _repack_kernel[grid](
-            self.first,
+            first,
             self.layer_offsets,
             src_slots,
             dst_slots,
@@ -199,4 +201,4 @@ def triton_repack(
     """Launch ``_repack_kernel`` once. Caches: one geometry, checked by ``repack``; slots:
     contiguous int64 ``[num_moves]`` on the caches' device; ``runs`` (one or two, sharing
     the block and head strides) and ``width`` from ``KVLayout.copy_runs``."""
-    repack_launch(kv_caches, runs, width, block_size, kv_heads)(src_slots, dst_slots)
+    repack_launch(kv_caches, runs, width, block_size, kv_heads)(kv_caches[0], src_slots, dst_slots)

@@ -344,10 +344,10 @@ class _SpanTable:
         packed_host = np.concatenate(
             [np.asarray(info, dtype=np.int64).ravel(), np.asarray(row_requests, dtype=np.int64)]
         )
-        packed = torch.from_numpy(packed_host).to(device, non_blocking=True)
+        packed = _upload(torch.from_numpy(packed_host), device)
         tables = block_tables
         if table_rows != list(range(len(spans))):
-            selected = torch.tensor(table_rows, dtype=torch.int64).to(device, non_blocking=True)
+            selected = _upload(torch.tensor(table_rows, dtype=torch.int64), device)
             tables = block_tables.index_select(0, selected)
         max_tiles = triton.cdiv(max(span.seq_len for span in spans), BLOCK_N)
         requests, row_request = packed[: 8 * len(spans)], packed[8 * len(spans) :]
@@ -516,3 +516,11 @@ class _Launch:
             ALIGN=self.align,
             num_warps=4,
         )
+
+
+def _upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device`` without the host waiting: from pinned memory on CUDA (a
+    ``non_blocking`` copy from pageable memory synchronises)."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)

@@ -69,10 +69,11 @@ def attention_probabilities(
     keys = layout.gather(kv_cache, slots)[:, 0].float()  # [seq_len, kv_heads, head_dim]
     keys = keys.repeat_interleave(group, dim=1)  # [seq_len, q_heads, head_dim]
     logits = torch.einsum("qhd,shd->hqs", query.float(), keys) * scale
-    visible = torch.arange(seq_len).view(1, -1) <= (
-        seq_len - q_len + torch.arange(q_len).view(-1, 1)
+    device = logits.device  # the mask made there: a host copy would stall the host
+    visible = torch.arange(seq_len, device=device).view(1, -1) <= (
+        seq_len - q_len + torch.arange(q_len, device=device).view(-1, 1)
     )
-    logits = logits.masked_fill(~visible.to(logits.device), float("-inf"))
+    logits = logits.masked_fill(~visible, float("-inf"))
     return logits.softmax(dim=-1)
 
 

@@ -28,7 +28,12 @@ class SnapKV(EvictionPolicy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.pooling not in ("avg", "max") or self.window < 1 or self.kernel_size % 2 != 1:
+        if (
+            self.pooling not in ("avg", "max")
+            or self.window < 1
+            or self.kernel_size < 1
+            or self.kernel_size % 2 != 1
+        ):
             raise ValueError("snapkv: pooling is 'avg' or 'max', window >= 1, kernel_size odd")
 
     def score_needs(self) -> ScoreNeeds:
@@ -51,6 +56,8 @@ class SnapKV(EvictionPolicy):
         ids = view.logical_ids
         before = np.flatnonzero(ids < view.num_logical - self.window)
         before = before[np.argsort(ids[before], kind="stable")]
+        if not before.size:  # a prompt no longer than the window: nothing to pool
+            return np.full(view.num_live, np.inf)
         pad = np.full(self.kernel_size // 2, 0.0 if self.pooling == "avg" else -np.inf)
         votes = np.concatenate([pad, view.require("window_rows").sum(axis=0)[before], pad])
         windows = sliding_window_view(votes, self.kernel_size)

@@ -156,11 +156,13 @@ class PrefixCacheRule:
         reserves a free block for every shared block past its pinned prefix
         (``pinned_hit(record)``: its pinned cache hit) that its eviction could touch; one
         that finds too few keeps its shared blocks this step (``copy_deferred``). Block
-        mode drops whole blocks and never writes one: it copies nothing."""
+        mode drops whole blocks and never writes one: it copies nothing and keeps every
+        block another request holds (dropping one would free nothing, and a later shared
+        block would slide past what is published)."""
         free = self.pool.num_free_blocks
         for record in records:
-            record.copy_deferred = False
-            if self.config.mode is ReclaimMode.BLOCK:
+            record.copy_deferred = self.config.mode is ReclaimMode.BLOCK
+            if record.copy_deferred:
                 continue
             pinned = max(self.config.prefix_pin_tokens, pinned_hit(record))
             wanted = len(self.shared_indices(record, pinned // self.block_size))
@@ -168,6 +170,11 @@ class PrefixCacheRule:
                 record.copy_deferred = True
             else:
                 free -= wanted
+
+    def copies_deferred(self, record: ScheduledRequest) -> bool:
+        """Whether the request kept shared blocks for want of free ones (block mode keeps
+        them by rule: not a deferral)."""
+        return record.copy_deferred and self.config.mode is not ReclaimMode.BLOCK
 
     def copy_shared(self, records: Sequence[ScheduledRequest]) -> None:
         """After the step's evictions, before the repacks: every request of ``records``

@@ -286,7 +286,7 @@ class VTokenScheduler:
         if len(evicted):
             self.prefix.unpublish_changed(record)
             self.counters.count_eviction(plan.causes.get(request_id))
-            self.counters.num_copies_deferred += record.copy_deferred
+            self.counters.num_copies_deferred += self.prefix.copies_deferred(record)
         if self.config.record_evictions:
             record.evictions.append(evicted)
 

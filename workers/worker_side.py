@@ -114,6 +114,11 @@ class VTokenWorker:
 
     def begin_step(self, ops: StepOps, kv_caches: Sequence[torch.Tensor]) -> None:
         """Apply the repack and take the step's offsets (before the forward)."""
+        if self._pending is not None and self._pending.done is not None:
+            # Scores never taken (no sampling followed): the repack (ordered after the
+            # compute stream) and the forward about to overwrite the capture buffer wait
+            # for the side stream that reads the caches and the buffer.
+            torch.cuda.current_stream().wait_event(self._pending.done)
         if ops.num_moves:
             device = kv_caches[0].device
             if device.type == "cuda":
@@ -136,10 +141,6 @@ class VTokenWorker:
         self.num_evicted = dict(ops.num_evicted)
         self.score_needs = dict(ops.score_needs)
         self.capture.recorded.clear()
-        if self._pending is not None and self._pending.done is not None:
-            # Scores never taken (no sampling followed): the forward about to overwrite
-            # the capture buffer waits for the side stream that reads it.
-            torch.cuda.current_stream().wait_event(self._pending.done)
         self._pending, self._launched = None, False
 
     def slot_bytes(self, kv_caches: Sequence[torch.Tensor]) -> int:

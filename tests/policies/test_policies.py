@@ -362,3 +362,19 @@ def test_one_shot_policies_ask_for_no_statistics_once_they_decided():
     assert page.score_needs().per_head
     page.select(view, budget=4)
     assert not page.score_needs().any
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_snapkv_on_a_prompt_no_longer_than_its_window_keeps_it_whole(n):
+    """No token lies before the window: nothing to pool or evict, and no error (an engine
+    would otherwise fail at the end of a short prompt's prefill)."""
+    rows = np.ones((4, n))
+    for pooling in ("max", "avg"):
+        policy = make_policy("snapkv", window=4, kernel_size=3, pooling=pooling)
+        assert policy.select(view(n, StepAttention(window_rows=rows)), budget=1).size == 0
+
+
+@pytest.mark.parametrize("kernel_size", [-1, -3, 0, 2])
+def test_snapkv_refuses_a_kernel_that_is_not_a_positive_odd_number(kernel_size):
+    with pytest.raises(ValueError):
+        make_policy("snapkv", kernel_size=kernel_size)

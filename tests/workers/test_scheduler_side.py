@@ -641,13 +641,14 @@ def test_a_bad_hold_value_is_ignored() -> None:
 
 
 # ---------------------------------------------------------------------- prefix caching
-def _pinned_state(num_blocks: int = 16, pin: int = 0):
+def _pinned_state(num_blocks: int = 16, pin: int = 0, mode: str = "vtoken"):
     pool, manager = FakeBlockPool(num_blocks), FakeBlockManager()
     config = VTokenConfig(
         policy="streaming_llm",
         policy_args={"sinks": 1, "recent": 2},
         prefix_pin_tokens=pin,
         check_invariants=True,
+        mode=mode,
     )
     return VTokenScheduler(config, pool, manager), pool, manager
 
@@ -701,10 +702,10 @@ def test_a_policy_that_never_evicts_publishes_every_full_block():
     assert state.num_cacheable_tokens("r", 10) == 10
 
 
-def _shared_with_b(num_blocks: int):
+def _shared_with_b(num_blocks: int, mode: str = "vtoken"):
     """Published blocks 0-3 of ``a`` (16 tokens); ``b`` hit blocks 0-1; ``a`` decodes:
     StreamingLLM keeps its sink 0 and recent 14, 15, so it evicts from block 0 on."""
-    state, pool, manager = _pinned_state(num_blocks=num_blocks, pin=0)
+    state, pool, manager = _pinned_state(num_blocks=num_blocks, pin=0, mode=mode)
     first = FakeRequest("a", num_prompt_tokens=16)
     run_prefill(state, first)
     manager.num_cached_block["a"] = 4
@@ -758,6 +759,19 @@ def test_without_a_free_block_for_the_copy_the_shared_blocks_are_kept_that_step(
     assert manager.num_cached_block["a"] == 2 and record.cacheable == 8
     assert state.num_cacheable_tokens("a", 16) == 8
     assert state.counters.num_shared_copies == 0 and state.snapshot().copies_deferred == 1
+    state.check_invariants()
+
+
+def test_block_mode_keeps_every_block_another_request_holds():
+    """Block mode writes no block, so it copies none: the blocks ``b`` shares stay in
+    ``a``'s table (dropping one would free nothing), it drops only whole blocks of its own,
+    and that is not counted as a deferred copy."""
+    state, pool, manager, hit, own = _shared_with_b(num_blocks=16, mode="block")
+    record = state.requests["a"]
+    assert record.kv.table.block_ids[:2] == [b.block_id for b in hit]
+    assert [b.ref_cnt for b in hit] == [2, 2]
+    assert len(record.kv.table.block_ids) < 4  # it evicted whole blocks of its own
+    assert state.counters.num_shared_copies == 0 and state.counters.num_copies_deferred == 0
     state.check_invariants()
 
 

@@ -34,8 +34,9 @@ def quantize_like_flashinfer(
 ) -> torch.Tensor:
     """``fp8(rows / q_scale) * q_scale`` in float32, rounded as vLLM's ``scaled_fp8_quant``."""
     limit = torch.finfo(fp8_dtype).max
-    inverse = torch.tensor(1.0 / q_scale, dtype=torch.float32)
-    quantized = (rows.float() * inverse.to(rows.device)).clamp(-limit, limit).to(fp8_dtype)
+    # A Python scalar: a tensor made on the host would be a synchronising copy per layer.
+    inverse = float(torch.tensor(1.0 / q_scale, dtype=torch.float32))  # rounded as float32
+    quantized = (rows.float() * inverse).clamp(-limit, limit).to(fp8_dtype)
     return quantized.float() * q_scale
 
 

@@ -47,7 +47,7 @@ def test_set_keeps_the_fields_not_given(calls: list[tuple[str, str, Any]]) -> No
 def test_a_value_the_model_refuses_is_never_sent(calls: list[tuple[str, str, Any]]) -> None:
     result = CliRunner().invoke(admin_cli.tenant_app, ["set", "acme", "--weight", "0"])
     assert result.exit_code == 2
-    assert "--weight" in result.output and "greater than 0" in result.output
+    assert "--weight" in result.output and "greater than or equal to 0.001" in result.output
     assert [method for method, _, _ in calls] == ["GET"]
     new = CliRunner().invoke(admin_cli.tenant_app, ["set", "newcomer", "--weight", "3"])
     assert new.exit_code == 2 and "--kv-budget-blocks is required" in new.output

@@ -93,6 +93,29 @@ def policy_names(value: str, allow_none: bool = True) -> list[str]:
     return names
 
 
+def score_layer_ids(value: str) -> str | list[int]:
+    """The ``--score-layers`` option as ``VTokenConfig.score_layers``: ``all``, or
+    comma-separated layer ids and inclusive ranges with an optional step (``"0-29/3,29"``:
+    every third layer and the last). A malformed item raises ``typer.BadParameter``; ids
+    past the model's layers are refused when the engine starts."""
+    if value.strip() == "all":
+        return "all"
+    ids: set[int] = set()
+    for item in csv_items(value):
+        span, _, step = item.partition("/")
+        first, _, last = span.partition("-")
+        try:
+            start, stop, stride = int(first), int(last or first), int(step or 1)
+        except ValueError:
+            raise typer.BadParameter(f"score-layers: {item!r} is not N, A-B or A-B/S") from None
+        if start < 0 or stop < start or stride < 1:
+            raise typer.BadParameter(f"score-layers: {item!r} is not an ascending range")
+        ids.update(range(start, stop + 1, stride))
+    if not ids:
+        raise typer.BadParameter("score-layers: give 'all' or at least one layer id")
+    return sorted(ids)
+
+
 # ---------------------------------------------------------------- statistics
 
 

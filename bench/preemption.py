@@ -34,7 +34,7 @@ from typing import Annotated, Any
 
 import typer
 
-from bench.common import PROMPT_TOPICS, csv_items, model_prompts, write_json
+from bench.common import PROMPT_TOPICS, csv_items, model_prompts, score_layer_ids, write_json
 
 ENGINES = ("vanilla", "eager", "on_demand", "on_demand_at_budget")
 BLOCK_SIZE = 32
@@ -78,6 +78,7 @@ def run_engine(
     new_tokens: int,
     keep: float,
     policy: str = "h2o",
+    score_layers: str | list[int] = "all",
     **engine_args: Any,
 ) -> Row:
     from vllm import SamplingParams
@@ -93,6 +94,7 @@ def run_engine(
             "keep_ratio": keep,
             "eviction": "eager" if engine == "eager" else "on_demand",
             "squeeze_below_budget": engine == "on_demand",
+            "score_layers": score_layers,
         }
     )
     llm = make_llm(
@@ -152,6 +154,10 @@ def cli(
     engines: Annotated[
         str, typer.Option(help="Comma-separated subset of " + ",".join(ENGINES))
     ] = ",".join(ENGINES),
+    score_layers: Annotated[
+        str,
+        typer.Option(help="Layers that feed the scores: 'all' or ids and ranges, e.g. 0-29/3."),
+    ] = "all",
     json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
 ) -> None:
     """Preemptions and throughput on a pool too small for its requests."""
@@ -165,11 +171,12 @@ def cli(
             raise typer.BadParameter(f"policy {policy!r} does not evict to a budget every step")
     except ValueError as error:
         raise typer.BadParameter(str(error)) from None
+    layers = score_layer_ids(score_layers)
     path, topics = model_prompts(model, len(PROMPT_TOPICS), prompt_tokens)
     prompts = [topics[i % len(topics)] for i in range(requests)]
     rows = []
     for engine in chosen:
-        row = run_engine(path, engine, prompts, num_blocks, new_tokens, keep, policy)
+        row = run_engine(path, engine, prompts, num_blocks, new_tokens, keep, policy, layers)
         typer.echo(json.dumps(asdict(row)))
         rows.append(row)
     if json_path is not None:
@@ -182,6 +189,7 @@ def cli(
             "new_tokens": new_tokens,
             "policy": policy,
             "keep": keep,
+            "score_layers": layers,
             "rows": [asdict(r) for r in rows],
         }
         write_json(json_path, document)

@@ -58,6 +58,7 @@ from bench.common import (
     policy_names,
     pyplot,
     save_figure,
+    score_layer_ids,
     write_json,
 )
 
@@ -178,7 +179,14 @@ class QualityEngine:
     ``kind``: ``vanilla`` (no vToken), ``eager`` or ``on_demand`` (vToken), ``block``
     (block-granular eviction, eager)."""
 
-    def __init__(self, path: str, kind: str, num_blocks: int | None, max_len: int) -> None:
+    def __init__(
+        self,
+        path: str,
+        kind: str,
+        num_blocks: int | None,
+        max_len: int,
+        score_layers: str | list[int] = "all",
+    ) -> None:
         from workers.engine import engine_state, make_llm
 
         self.kind = kind
@@ -187,6 +195,8 @@ class QualityEngine:
             vtoken = None
         elif kind == "block":
             vtoken = {"policy": "none", "eviction": "eager", "mode": "block"}
+        if vtoken is not None:
+            vtoken["score_layers"] = score_layers
         self.llm = make_llm(
             path,
             vtoken,
@@ -390,14 +400,17 @@ def perplexities(
     context: int,
     target: int,
     seed: int,
+    score_layers: str | list[int] = "all",
+    selection: bool = True,
 ) -> list[PerplexityRow]:
     """Teacher-forced perplexity of ``target`` tokens after ``context`` tokens of held-out
-    documentation, per policy and keep, relative to the full cache (reference engine)."""
+    documentation, per policy and keep, relative to the full cache (reference engine);
+    with ``selection``, also token- and block-level selection at equal held blocks."""
     from policies import make_policy
     from vtoken import ReclaimMode, StandaloneBlockPool, VTokenManager
     from workers.hf_sim import HFSimEngine
 
-    engine = HFSimEngine(path)
+    engine = HFSimEngine(path, None if score_layers == "all" else list(score_layers))
     rng = random.Random(f"ppl-{seed}")
     starts = [rng.randrange(len(corpus) - context - target) for _ in range(docs)]
 
@@ -427,12 +440,12 @@ def perplexities(
         for keep in keeps:
             value = math.exp(nll(policy, keep, "token", False)[0])
             rows.append(PerplexityRow(policy, keep, round(value, 3), round(value / full, 4)))
-            for selection in SELECTION_CELLS:
-                loss, held = nll(policy, keep, selection, True)
+            for kind in SELECTION_CELLS if selection else ():
+                loss, held = nll(policy, keep, kind, True)
                 value = math.exp(loss)
                 rows.append(
                     PerplexityRow(
-                        policy, keep, round(value, 3), round(value / full, 4), selection, True, held
+                        policy, keep, round(value, 3), round(value / full, 4), kind, True, held
                     )
                 )
     return rows
@@ -451,6 +464,8 @@ def run(
     on_demand_blocks: int,
     seed: int,
     progress: bool = True,
+    score_layers: str | list[int] = "all",
+    selection: bool = True,
 ) -> dict[str, Any]:
     from tqdm import tqdm
 
@@ -468,7 +483,10 @@ def run(
             Cell(task, "on_demand", p, min(keeps)) for p in ON_DEMAND_POLICIES if p in policies
         ]
         grid += [
-            Cell(task, kind, p, k) for kind in SELECTION_CELLS for p in policies for k in keeps
+            Cell(task, kind, p, k)
+            for kind in (SELECTION_CELLS if selection else ())
+            for p in policies
+            for k in keeps
         ]
     with_page = "page" in policies and "snapkv" in policies
     bar = tqdm(
@@ -477,8 +495,10 @@ def run(
     answers: dict[Cell, list[Answer]] = {}
     page = None
     for kind in ("vanilla", "eager", "block", "on_demand"):
+        if kind == "block" and not selection:
+            continue
         blocks = on_demand_blocks if kind == "on_demand" else None
-        engine = QualityEngine(path, kind, blocks, max_len)
+        engine = QualityEngine(path, kind, blocks, max_len, score_layers)
         for cell in (c for c in grid if ENGINE_OF_CELL.get(c.engine, c.engine) == kind):
             cases = tasks[cell.task]
             answers[cell] = engine.answer_each(cases, [cell.spec_for(c) for c in cases])
@@ -503,6 +523,7 @@ def run(
         "multi_keys": MULTI_KEYS,
         "on_demand_blocks": on_demand_blocks,
         "seed": seed,
+        "score_layers": score_layers,
         "passkey": [asdict(row) for row in rows],
         "page": None if page is None else asdict(page),
     }
@@ -635,6 +656,13 @@ def cli(
     ppl_context: Annotated[int, typer.Option(min=32)] = 512,
     ppl_target: Annotated[int, typer.Option(min=2)] = 64,
     seed: Annotated[int, typer.Option()] = 0,
+    score_layers: Annotated[
+        str,
+        typer.Option(help="Layers that feed the scores: 'all' or ids and ranges, e.g. 0-29/3."),
+    ] = "all",
+    selection: Annotated[
+        bool, typer.Option(help="Also token- vs block-level selection at equal held blocks.")
+    ] = True,
     quick: Annotated[bool, typer.Option(help="A small run for tests.")] = False,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
     plot_path: Annotated[Path | None, typer.Option("--plot", help="Write a PNG here.")] = None,
@@ -661,12 +689,33 @@ def cli(
     if blocks <= longest:
         raise typer.BadParameter(f"on-demand-blocks must exceed the longest request's {longest}")
     lengths = (sizes.min_tokens, sizes.max_tokens)
-    document = run(path, tokenizer, sizes.cases, lengths, names, ratios, blocks, seed)
+    layers = score_layer_ids(score_layers)
+    document = run(
+        path,
+        tokenizer,
+        sizes.cases,
+        lengths,
+        names,
+        ratios,
+        blocks,
+        seed,
+        score_layers=layers,
+        selection=selection,
+    )
     if sizes.ppl_docs:
         # held out: the documentation topics after the ones the passkey filler comes from
         held_out = doc_tokens(tokenizer, held_out=True)
         rows = perplexities(
-            path, held_out, names, ratios, sizes.ppl_docs, sizes.ppl_context, sizes.ppl_target, seed
+            path,
+            held_out,
+            names,
+            ratios,
+            sizes.ppl_docs,
+            sizes.ppl_context,
+            sizes.ppl_target,
+            seed,
+            layers,
+            selection,
         )
         document["perplexity"] = [asdict(row) for row in rows]
     document = {"model": model, "quick": quick, **document}

@@ -19,6 +19,8 @@ import typer
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
+    from workers.config import ScoreLayers
+
 SLO_ATTAINMENT = 0.9  # the share of requests that must meet the SLO (DistServe's goodput)
 TTFT_SLO_FACTOR = 5.0  # the TTFT SLO: this many times the unloaded TTFT
 TPOT_SLO_FACTOR = 3.0  # the TPOT SLO: this many times the unloaded p50 TPOT
@@ -93,13 +95,19 @@ def policy_names(value: str, allow_none: bool = True) -> list[str]:
     return names
 
 
-def score_layer_ids(value: str) -> str | list[int]:
-    """The ``--score-layers`` option as ``VTokenConfig.score_layers``: ``all``, or
-    comma-separated layer ids and inclusive ranges with an optional step (``"0-29/3,29"``:
-    every third layer and the last). A malformed item raises ``typer.BadParameter``; ids
-    past the model's layers are refused when the engine starts."""
+def score_layer_ids(value: str) -> ScoreLayers:
+    """The ``--score-layers`` option as ``VTokenConfig.score_layers``: ``all``;
+    ``spread:N`` (N layers evenly spaced, the last included); or comma-separated layer ids
+    and inclusive ranges with an optional step (``"0-29/3,29"``: every third layer and the
+    last). A malformed item raises ``typer.BadParameter``; ids past the model's layers are
+    refused when the engine starts."""
     if value.strip() == "all":
         return "all"
+    if value.strip().startswith("spread:"):
+        count = value.strip().removeprefix("spread:")
+        if not count.isdigit() or int(count) < 1:
+            raise typer.BadParameter(f"score-layers: {value!r} is not spread:N with N >= 1")
+        return int(count)
     ids: set[int] = set()
     for item in csv_items(value):
         span, _, step = item.partition("/")

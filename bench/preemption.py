@@ -30,13 +30,16 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from bench.common import PROMPT_TOPICS, csv_items, model_prompts, score_layer_ids, write_json
 
 ENGINES = ("vanilla", "eager", "on_demand", "on_demand_at_budget")
+if TYPE_CHECKING:
+    from workers.config import ScoreLayers
+
 BLOCK_SIZE = 32
 
 
@@ -78,7 +81,7 @@ def run_engine(
     new_tokens: int,
     keep: float,
     policy: str = "h2o",
-    score_layers: str | list[int] = "all",
+    score_layers: ScoreLayers = "all",
     **engine_args: Any,
 ) -> Row:
     from vllm import SamplingParams
@@ -156,7 +159,9 @@ def cli(
     ] = ",".join(ENGINES),
     score_layers: Annotated[
         str,
-        typer.Option(help="Layers that feed the scores: 'all' or ids and ranges, e.g. 0-29/3."),
+        typer.Option(
+            help="Layers that feed the scores: all, spread:N, or ids and ranges (0-29/3)."
+        ),
     ] = "all",
     json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
 ) -> None:

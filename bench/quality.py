@@ -47,7 +47,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -61,6 +61,9 @@ from bench.common import (
     score_layer_ids,
     write_json,
 )
+
+if TYPE_CHECKING:
+    from workers.config import ScoreLayers
 
 BLOCK_SIZE = 32
 POLICIES = ("h2o", "snapkv", "page", "streaming_llm", "tova")
@@ -185,7 +188,7 @@ class QualityEngine:
         kind: str,
         num_blocks: int | None,
         max_len: int,
-        score_layers: str | list[int] = "all",
+        score_layers: ScoreLayers = "all",
     ) -> None:
         from workers.engine import engine_state, make_llm
 
@@ -400,7 +403,7 @@ def perplexities(
     context: int,
     target: int,
     seed: int,
-    score_layers: str | list[int] = "all",
+    score_layers: ScoreLayers = "all",
     selection: bool = True,
 ) -> list[PerplexityRow]:
     """Teacher-forced perplexity of ``target`` tokens after ``context`` tokens of held-out
@@ -410,7 +413,7 @@ def perplexities(
     from vtoken import ReclaimMode, StandaloneBlockPool, VTokenManager
     from workers.hf_sim import HFSimEngine
 
-    engine = HFSimEngine(path, None if score_layers == "all" else list(score_layers))
+    engine = HFSimEngine(path, score_layers)
     rng = random.Random(f"ppl-{seed}")
     starts = [rng.randrange(len(corpus) - context - target) for _ in range(docs)]
 
@@ -464,7 +467,7 @@ def run(
     on_demand_blocks: int,
     seed: int,
     progress: bool = True,
-    score_layers: str | list[int] = "all",
+    score_layers: ScoreLayers = "all",
     selection: bool = True,
 ) -> dict[str, Any]:
     from tqdm import tqdm
@@ -658,7 +661,9 @@ def cli(
     seed: Annotated[int, typer.Option()] = 0,
     score_layers: Annotated[
         str,
-        typer.Option(help="Layers that feed the scores: 'all' or ids and ranges, e.g. 0-29/3."),
+        typer.Option(
+            help="Layers that feed the scores: all, spread:N, or ids and ranges (0-29/3)."
+        ),
     ] = "all",
     selection: Annotated[
         bool, typer.Option(help="Also token- vs block-level selection at equal held blocks.")

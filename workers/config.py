@@ -10,9 +10,17 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from vtoken.block_eviction import admission_protected_tokens
 from vtoken.policy import EvictionPolicy
@@ -122,7 +130,9 @@ class VTokenConfig(PolicySpec):
     - ``squeeze_floor``: a request's floor for that squeeze, as a fraction of its policy's
       budget (its policy still keeps its sinks and pinned prefix; the policy chooses which
       tokens stay, among them a recent window sized on the smaller budget);
-    - ``score_layers``: which layers feed the attention statistics of scored policies;
+    - ``score_layers``: which layers feed the attention statistics of scored policies:
+      ``all``, a list of layer ids, or a count N (N layers evenly spaced, the last
+      included: :func:`spread_layers`);
     - ``prefix_pin_tokens``: the leading tokens of every request that eviction never takes
       (added to its policy's sinks); with vLLM's prefix caching on, their full blocks stay
       in the cache however hard the request is squeezed (a tenant's system prompt,
@@ -148,7 +158,7 @@ class VTokenConfig(PolicySpec):
     eviction: Literal["eager", "on_demand"] = "eager"
     squeeze_below_budget: bool = True
     squeeze_floor: float = Field(default=0.5, ge=0.0, le=1.0)
-    score_layers: Literal["all"] | list[int] = "all"
+    score_layers: Literal["all"] | Annotated[StrictInt, Field(ge=1)] | list[int] = "all"
     prefix_pin_tokens: int = Field(default=0, ge=0)
     pin_cache_hits: bool = False
     fair_share: bool = True
@@ -159,18 +169,19 @@ class VTokenConfig(PolicySpec):
 
     @field_validator("score_layers")
     @classmethod
-    def _layers_non_negative(cls, value: Literal["all"] | list[int]) -> Literal["all"] | list[int]:
-        if value != "all" and (not value or min(value) < 0 or len(set(value)) != len(value)):
-            raise ValueError("score_layers must be 'all' or a non-empty list of distinct ids >= 0")
+    def _layers_non_negative(
+        cls, value: Literal["all"] | int | list[int]
+    ) -> Literal["all"] | int | list[int]:
+        if isinstance(value, list) and (
+            not value or min(value) < 0 or len(set(value)) != len(value)
+        ):
+            raise ValueError(
+                "score_layers must be 'all', a count >= 1 or a non-empty list of distinct ids >= 0"
+            )
         return value
 
     def layer_ids(self, num_layers: int) -> list[int]:
-        if self.score_layers == "all":
-            return list(range(num_layers))
-        bad = [i for i in self.score_layers if i >= num_layers]
-        if bad:
-            raise ValueError(f"score_layers {bad} out of range: the model has {num_layers}")
-        return list(self.score_layers)
+        return score_layer_ids(self.score_layers, num_layers)
 
     def admission_keep_ratio(self) -> float | None:
         """The keep ratio when the policy evicts to it whenever asked (admission bounds a
@@ -308,3 +319,30 @@ def parse_config(additional_config: dict[str, Any] | None) -> VTokenConfig | Non
         return VTokenConfig.model_validate(section)
     except ValidationError as error:
         raise ValueError(f"invalid additional_config['vtoken']: {error}") from None
+
+
+def spread_layers(count: int, num_layers: int) -> list[int]:
+    """``count`` layer ids evenly spaced over ``num_layers``, the last layer included (4 of
+    30: 2, 11, 20, 29); every layer where ``count >= num_layers``."""
+    if count >= num_layers:
+        return list(range(num_layers))
+    if count == 1:
+        return [num_layers - 1]
+    step = (num_layers - 1) // (count - 1)
+    return sorted(num_layers - 1 - step * k for k in range(count))
+
+
+ScoreLayers = Literal["all"] | int | list[int]
+
+
+def score_layer_ids(score_layers: ScoreLayers, num_layers: int) -> list[int]:
+    """The layer ids a ``score_layers`` value names on a model of ``num_layers`` layers;
+    ids past the model raise ``ValueError``."""
+    if score_layers == "all":
+        return list(range(num_layers))
+    if isinstance(score_layers, int):
+        return spread_layers(score_layers, num_layers)
+    bad = [i for i in score_layers if i >= num_layers]
+    if bad:
+        raise ValueError(f"score_layers {bad} out of range: the model has {num_layers}")
+    return list(score_layers)

@@ -17,6 +17,7 @@ import torch
 
 from vtoken.manager import VTokenManager
 from vtoken.policy import EvictionPolicy, ScoreNeeds, StepAttention
+from workers.config import ScoreLayers, VTokenConfig, score_layer_ids
 from workers.statistics import reduce_attention
 
 BudgetFn = Callable[[int], int]  # num_logical tokens -> live-token budget
@@ -34,8 +35,9 @@ class HFSimEngine:
     """Greedy generation of one request at a time under a vToken manager."""
 
     def __init__(
-        self, model_path: str, score_layers: Sequence[int] | None = None, threads: int = 0
+        self, model_path: str, score_layers: ScoreLayers | None = None, threads: int = 0
     ) -> None:
+        """``score_layers``: as ``VTokenConfig.score_layers`` (``None``: its default)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if threads:
@@ -44,7 +46,11 @@ class HFSimEngine:
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, attn_implementation="eager", dtype=torch.float32
         ).eval()
-        self.score_layers = score_layers
+        num_layers = self.model.config.num_hidden_layers
+        default = VTokenConfig.model_fields["score_layers"].default
+        self.score_layers = score_layer_ids(
+            default if score_layers is None else score_layers, num_layers
+        )
 
     @torch.inference_mode()
     def generate(
@@ -169,8 +175,7 @@ class _Session:
         weights of each layer (cache order == the primary table's slot order)."""
         if not self.needs.any:
             return StepAttention()
-        score_layers = self.engine.score_layers
-        layers = range(len(attentions)) if score_layers is None else score_layers
+        layers = self.engine.score_layers
         return reduce_attention((attentions[i][0] for i in layers), self.needs)
 
 

@@ -23,6 +23,7 @@ from bench.common import (
     pyplot,
     ratio,
     save_figure,
+    score_layer_ids,
     write_json,
 )
 
@@ -50,6 +51,16 @@ def test_policy_names_refuse_unknown_names_and_none_where_asked():
     for bad, allow_none in (("h2o,nope", True), ("none", False), (" , ", True)):
         with pytest.raises(typer.BadParameter, match="unknown policies"):
             policy_names(bad, allow_none=allow_none)
+
+
+def test_score_layers_option_reads_all_spread_ids_and_ranges():
+    assert score_layer_ids("all") == "all"
+    assert score_layer_ids("spread:4") == 4
+    assert score_layer_ids("0-29/9, 29") == [0, 9, 18, 27, 29]
+    assert score_layer_ids("5,2-3") == [2, 3, 5]
+    for bad in ("x", "3-1", "", "0-4/0", "spread:0", "spread:x", "-1"):
+        with pytest.raises(typer.BadParameter, match="score-layers"):
+            score_layer_ids(bad)
 
 
 def test_percentile_is_nearest_rank_and_rounded():

@@ -21,6 +21,7 @@ from workers.config import (
     VTokenConfig,
     parse_config,
     request_policy_spec,
+    spread_layers,
 )
 from workers.messages import StepOps, StepScores
 from workers.vllm_patches import UnsupportedVLLMError, check_version
@@ -52,6 +53,8 @@ def test_valid_section():
         ({"policy": "random", "keep_ratio": 0.5, "policy_args": {"seeed": 1}}, "seeed"),
         ({"policy": "none", "mode": "paged"}, "mode"),
         ({"policy": "none", "score_layers": []}, "score_layers"),
+        ({"policy": "none", "score_layers": 0}, "score_layers"),
+        ({"policy": "none", "score_layers": True}, "score_layers"),
         ({"policy": "none", "unknown_field": 1}, "unknown_field"),
         ("h2o", "must be a dict"),
     ],
@@ -94,6 +97,23 @@ def test_score_layers_checked_against_the_model():
     assert config.layer_ids(6) == [0, 5]
     with pytest.raises(ValueError, match="out of range"):
         config.layer_ids(4)
+
+
+@pytest.mark.parametrize(
+    ("count", "num_layers", "expected"),
+    [
+        (4, 30, [2, 11, 20, 29]),
+        (1, 30, [29]),
+        (2, 30, [0, 29]),
+        (3, 7, [0, 3, 6]),
+        (8, 6, [0, 1, 2, 3, 4, 5]),
+    ],
+)
+def test_a_count_of_score_layers_spreads_them_ending_with_the_last(count, num_layers, expected):
+    assert VTokenConfig(score_layers=count).layer_ids(num_layers) == expected
+    ids = spread_layers(count, num_layers)
+    assert ids == sorted(set(ids)) and ids[-1] == num_layers - 1
+    assert len(ids) == min(count, num_layers)
 
 
 @pytest.mark.parametrize(

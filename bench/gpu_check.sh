@@ -2,65 +2,30 @@
 # GPU check for a bare GPU machine: NVIDIA GPU, PyTorch >= 2.11 and Triton >= 3.6, no vLLM,
 # no network, no install (the checkout is put on PYTHONPATH). Usage: bench/gpu_check.sh OUTDIR
 # One command, under 8 minutes: the stage limits add up to 475 s (about 3 minutes on one
-# H200 when every stage passes). Every stage prints "PASS", "FAIL" or "NOT RUN" with its
-# reason; the summary is in OUTDIR/summary.txt and the exit status is 0 only when every
-# stage passed (a stage that could not run, e.g. no CUDA or no pytest, is a failure).
-# Writes OUTDIR/{env.json, tests.txt, repack-gpu.json, repack-gpu-variants.json,
-# scores-gpu.json, cuda-graph.json, runner-harness.json, summary.txt}.
+# H200 when every stage passes); each stage's check of its output runs within its limit.
+# Every stage prints "PASS", "FAIL" or "NOT RUN" with its reason; the summary is in
+# OUTDIR/summary.txt and the exit status is 0 only when every stage passed (a stage that
+# could not run, e.g. no CUDA or no pytest, is a failure). A stage passes when its command
+# exits 0 and bench/gpu_verdict.py passes what it wrote: the kernel tests with at least one
+# test passed (every test skipped or none collected: NOT RUN); each benchmark with every
+# target it records met (target_met) and, where it records one, its error within the
+# tolerance it records (fused-scores, cuda-graph); the runner harness with its negative
+# control failing. Stage helpers: bench/gpu_stages.sh.
+# Writes OUTDIR/{env.json, tests.txt, tests.xml, repack-gpu.json, repack-gpu-variants.json,
+# scores-gpu.json, fused-scores-gpu.json, cuda-graph.json, runner-harness.json, summary.txt}.
 # vLLM's engine tests need vLLM 0.32's CUDA build: bench/gpu_engine_check.sh, elsewhere.
 set -uo pipefail
-OUT="${1:?usage: bench/gpu_check.sh OUTDIR}"
-ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-mkdir -p "$OUT"
-OUT="$(cd "$OUT" && pwd)"
-PY="${PYTHON:-python3}"
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-unset TRITON_INTERPRET
+# shellcheck source=bench/gpu_stages.sh
+source "$(dirname "$0")/gpu_stages.sh"
+begin "${1:?usage: bench/gpu_check.sh OUTDIR}"
 # typer only decorates the benchmark CLIs; a stub keeps them importable where it is missing.
 if ! "$PY" -c "import typer" 2>/dev/null; then
   STUB="$(mktemp -d)"
   printf 'def Option(*a, **k):\n    return None\ndef echo(m, err=False):\n    print(m, flush=True)\n' > "$STUB/typer.py"
   export PYTHONPATH="$PYTHONPATH:$STUB"
 fi
-cd "$ROOT"
-: > "$OUT/summary.txt"
-failed=0
 
-# result NAME STATE DETAIL: one summary line; any state but PASS fails the check.
-result() {
-  printf '%-16s %-8s %s\n' "$1" "$2" "$3" | tee -a "$OUT/summary.txt"
-  [ "$2" = PASS ] || failed=1
-}
-
-# stage NAME LIMIT_S COMMAND...: run COMMAND under a time limit and record its outcome.
-stage() {
-  local name="$1" limit="$2"
-  shift 2
-  echo "== $name (limit ${limit}s)"
-  local started=$SECONDS
-  timeout --kill-after=5 "$limit" "$@"
-  local rc=$?
-  local took=$((SECONDS - started))
-  if [ $rc -eq 0 ]; then
-    result "$name" PASS "${took}s"
-  elif [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
-    result "$name" FAIL "timed out after ${limit}s"
-  else
-    result "$name" FAIL "exit status $rc after ${took}s"
-  fi
-}
-
-not_run() {
-  result "$1" "NOT RUN" "$2"
-}
-
-finish() {
-  echo "== summary (results in $OUT)"
-  cat "$OUT/summary.txt"
-  exit $failed
-}
-
-stage env 30 "$PY" - "$OUT/env.json" <<'PY'
+stage env 30 - - "$PY" - "$OUT/env.json" <<'PY'
 import importlib.metadata, json, subprocess, sys, torch, triton
 try:
     vllm_version = importlib.metadata.version("vllm")
@@ -84,20 +49,21 @@ fi
 
 if "$PY" -c "import pytest" 2>/dev/null; then
   # every vLLM KVCacheLayout; bf16, fp16, fp8; side-stream repack
-  stage kernel-tests 125 bash -c "'$PY' -m pytest -q -p no:cacheprovider tests/kernels > '$OUT/tests.txt' 2>&1; rc=\$?; tail -3 '$OUT/tests.txt'; exit \$rc"
+  # passes with at least one test passed and none failed (skips: the CPU-only tests)
+  pytest_stage kernel-tests 125 kernel-tests "$OUT/tests" tests/kernels
 else
   echo "pytest missing" > "$OUT/tests.txt"
   not_run kernel-tests "pytest is not installed (carry its wheel)"
 fi
 
-stage repack 70 "$PY" -c "
+stage repack 70 repack "$OUT/repack-gpu.json" "$PY" -c "
 from pathlib import Path; from bench.repack import cli
 cli(json_path=Path('$OUT/repack-gpu.json'), shapes='smollm2,llama8b', block_sizes='16,32,128',
     patterns='compact50,compact80,trickle,trickle1,scattered', reps=10, dtype='bfloat16',
     device='cuda', cold=True, kv_cache_layout='LBNHC', threads=None)"
 
 # llama8b: BLHNC bf16, LBNHC fp8 stored as uint8
-stage repack-variants 45 "$PY" -c "
+stage repack-variants 45 repack-variants "$OUT/repack-gpu-variants.json" "$PY" -c "
 import json; from pathlib import Path; from bench.repack import cli
 runs = []
 for layout, dtype in (('BLHNC', 'bfloat16'), ('LBNHC', 'uint8')):  # fp8 KV is stored as uint8
@@ -109,19 +75,19 @@ path.unlink()
 Path('$OUT/repack-gpu-variants.json').write_text(json.dumps(runs, indent=1))"
 
 # batched, vs SDPA of the same batch
-stage scores 80 "$PY" -c "
+stage scores 80 scores "$OUT/scores-gpu.json" "$PY" -c "
 from pathlib import Path; from bench.scores import cli
 cli(json_path=Path('$OUT/scores-gpu.json'), shapes='smollm2,llama8b', batches='1,32,128',
     seq_lens='1024,4096,16384', q_lens='1,32', reps=15, dtype='bfloat16', device='cuda')"
 
 # every scored layer's decode rows in one launch, vs the per-layer kernels and SDPA decode
-stage fused-scores 40 "$PY" -c "
+stage fused-scores 40 fused-scores "$OUT/fused-scores-gpu.json" "$PY" -c "
 from pathlib import Path; from bench.fused_scores import cli
 cli(json_path=Path('$OUT/fused-scores-gpu.json'), shapes='llama8b', batches='1,32,128',
     seq_lens='4096,16384', layers=32, reps=10, dtype='bfloat16', device='cuda')"
 
 # a decode step captured in a CUDA graph; repack between replays; replay equals eager
-stage cuda-graph 40 "$PY" - "$OUT/cuda-graph.json" <<'PY'
+stage cuda-graph 40 cuda-graph "$OUT/cuda-graph.json" "$PY" - "$OUT/cuda-graph.json" <<'PY'
 """Capture a decode attention step that reads block_table and seq_lens from static buffers;
 repack (and shrink seq_lens) between replays; replay must equal eager on the new state."""
 import json, sys
@@ -195,14 +161,16 @@ for round_ in range(3):
     live_diff = (replayed.float() - expected.float()).abs().max().item()
     results.append({"round": round_, "moves": int(src_t.numel()), "max_abs_diff": diff,
                     "max_abs_diff_vs_live_attention": live_diff})
-ok = all(r["max_abs_diff"] == 0.0 and r["max_abs_diff_vs_live_attention"] < 2e-2 for r in results)
-json.dump({"ok": ok, "rounds": results}, open(sys.argv[1], "w"), indent=1)
-print(json.dumps({"ok": ok, "rounds": results}))
+tolerance = 2e-2  # replay equals eager exactly; live attention within bf16 summation order
+ok = all(r["max_abs_diff"] == 0.0 and r["max_abs_diff_vs_live_attention"] < tolerance for r in results)
+report = {"ok": ok, "live_attention_tolerance": tolerance, "rounds": results}
+json.dump(report, open(sys.argv[1], "w"), indent=1)
+print(json.dumps(report))
 sys.exit(0 if ok else 1)
 PY
 
 # vLLM's step on a dedicated stream with the repack on the side stream, checked against a
 # host reference every step; the negative control (fence disabled) must fail
-stage runner-harness 45 "$PY" -m bench.runner_harness "$OUT/runner-harness.json"
+stage runner-harness 45 runner-harness "$OUT/runner-harness.json" "$PY" -m bench.runner_harness "$OUT/runner-harness.json"
 
 finish

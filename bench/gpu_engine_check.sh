@@ -6,31 +6,22 @@
 # variant is one stage with a 540 s limit, so one variant per command fits a 10-minute
 # device command. Runs the engine tests (tests/workers, engine builders taking bf16,
 # head_dim 128 and piecewise CUDA graphs from the device) with VTOKEN_UNVERIFIED_CUDA=1,
-# and the no-host-stall test. Every stage prints PASS, FAIL or NOT RUN; the exit status is
-# 0 only when every stage passed: without vLLM's CUDA build every stage is NOT RUN and the
-# check fails.
+# and the no-host-stall test. Every stage prints PASS, FAIL or NOT RUN; a stage passes
+# when pytest exits 0 and its JUnit XML (OUTDIR/engine-VARIANT.xml, read by
+# bench/gpu_verdict.py) shows at least one test passed and none skipped (every test
+# skipped or none collected: NOT RUN). The exit status is 0 only when every stage passed:
+# without vLLM's CUDA build every stage is NOT RUN and the check fails. Stage helpers:
+# bench/gpu_stages.sh.
 set -uo pipefail
-OUT="${1:?usage: bench/gpu_engine_check.sh OUTDIR [VARIANT...]}"
+# shellcheck source=bench/gpu_stages.sh
+source "$(dirname "$0")/gpu_stages.sh"
+begin "${1:?usage: bench/gpu_engine_check.sh OUTDIR [VARIANT...]}"
 shift
 VARIANTS="${*:-flash_attn flashinfer triton_attn flashinfer_fp8}"
-ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-mkdir -p "$OUT"
-OUT="$(cd "$OUT" && pwd)"
-PY="${PYTHON:-python3}"
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export VTOKEN_UNVERIFIED_CUDA=1 VLLM_USE_V2_MODEL_RUNNER=0
-unset TRITON_INTERPRET
-cd "$ROOT"
-: > "$OUT/summary.txt"
-failed=0
 TESTS="tests/workers/test_engine_identity.py tests/workers/test_engine_on_demand.py
   tests/workers/test_engine_eviction.py tests/workers/test_query_capture.py
   tests/workers/test_engine_cuda_sync.py"
-
-result() {
-  printf '%-22s %-8s %s\n' "$1" "$2" "$3" | tee -a "$OUT/summary.txt"
-  [ "$2" = PASS ] || failed=1
-}
 
 problem=$("$PY" - <<'PY' 2>&1
 import sys
@@ -47,34 +38,17 @@ if not (torch.cuda.is_available() and current_platform.is_cuda()):
 PY
 )
 if [ -n "$problem" ]; then
-  for variant in $VARIANTS; do result "engine-$variant" "NOT RUN" "$(echo "$problem" | tail -1)"; done
-  exit 1
+  for variant in $VARIANTS; do not_run "engine-$variant" "$(echo "$problem" | tail -1)"; done
+  finish
 fi
 
 for variant in $VARIANTS; do
-  echo "== engine tests, variant $variant (limit 540s)"
-  started=$SECONDS
   case "$variant" in
     flashinfer) select="flashinfer and not fp8" ;;
     flash_attn) select="flash_attn or test_query_capture" ;;  # and the variant-free tests
     *) select="$variant" ;;
   esac
   # shellcheck disable=SC2086
-  timeout --kill-after=10 540 "$PY" -m pytest -q -p no:cacheprovider -k "$select" $TESTS \
-    > "$OUT/engine-$variant.txt" 2>&1
-  rc=$?
-  tail -3 "$OUT/engine-$variant.txt"
-  took=$((SECONDS - started))
-  if [ $rc -eq 0 ] && ! grep -q " skipped" "$OUT/engine-$variant.txt"; then
-    result "engine-$variant" PASS "${took}s"
-  elif [ $rc -eq 0 ]; then
-    result "engine-$variant" FAIL "tests skipped (see engine-$variant.txt)"
-  elif [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
-    result "engine-$variant" FAIL "timed out after 540s"
-  else
-    result "engine-$variant" FAIL "exit status $rc after ${took}s"
-  fi
+  pytest_stage "engine-$variant" 540 engine-tests "$OUT/engine-$variant" -k "$select" $TESTS
 done
-echo "== summary (results in $OUT)"
-cat "$OUT/summary.txt"
-exit $failed
+finish

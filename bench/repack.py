@@ -28,12 +28,16 @@ meaningful on a shared machine. The copy, the baseline and the dispatcher run on
 torch ops, and the same pool for the C loop when it is built with OpenMP (see
 ``kernels/cbuild.py``). Every layer is checked after the runs
 (dst == src).
+
+The target on a GPU (``GPU_TARGET``, the run's ``target``): a compaction pattern's repack
+at >= 0.8x the device copy rate, judged on the device's time alone (``device_ratio``)
+where the launch was hidden, else on ``ratio``. Each such case records ``target_met``;
+cases without a target (other patterns, every CPU case) record ``None``.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -50,6 +54,18 @@ if TYPE_CHECKING:
 SHAPES = {"smollm2": (30, 3, 64), "llama8b": (32, 8, 128)}  # layers, kv_heads, head_dim
 BLOCK_SIZES = (16, 32, 128)
 PATTERNS = ("compact50", "compact80", "trickle", "trickle1", "scattered")
+GPU_COPY_RATE_TARGET = 0.8
+GPU_TARGET = (
+    f"compaction (compact50, compact80) on CUDA at >= {GPU_COPY_RATE_TARGET}x the device copy "
+    "rate: device_ratio where the launch was hidden, else ratio"
+)
+
+
+def gpu_target_met(pattern: str, ratio: float, device_ratio: float | None) -> bool | None:
+    """``GPU_TARGET`` of a case run on CUDA; ``None`` for a pattern without a target."""
+    if not pattern.startswith("compact"):
+        return None
+    return (device_ratio if device_ratio is not None else ratio) >= GPU_COPY_RATE_TARGET
 
 
 def _request_moves(
@@ -131,108 +147,6 @@ def _whole_buffers(caches: list[torch.Tensor]) -> list[torch.Tensor]:
     return [first.as_strided((whole,), (1,), 0)]
 
 
-LAUNCH_COVER_CYCLES = 2_000_000  # about 1 ms of spinning at an H200's 1.98 GHz: longer
-# than the host needs to launch any function timed here (0.1 ms measured for the repack)
-
-
-def rounded_ms(value: float | None) -> float | None:
-    return None if value is None else round(value, 4)
-
-
-def device_only_times(times: dict[str, float], names: tuple[str, ...]) -> dict[str, float | None]:
-    """``NAME_device`` of ``measure_interleaved`` for each name; ``None`` where it was not
-    measured (CPU) or the launch was not hidden (the figure would include host time)."""
-    return {
-        name: times[f"{name}_device"] if times.get(f"{name}_launch_hidden") == 1.0 else None
-        for name in names
-    }
-
-
-def measure_interleaved(
-    functions: dict[str, Callable[[], object]],
-    device: torch.device,
-    reps: int,
-    cold: bool,
-    prime: tuple[str, ...] = (),
-    budget_ms: float = 5_000.0,
-    device_only: tuple[str, ...] = (),
-) -> dict[str, float]:
-    """Median milliseconds of each function (and ``NAME_min``: the fastest sample),
-    repetitions interleaved (A B C A B C ...).
-
-    Every timed call gets the same preparation: ``cold`` writes a buffer of 3x the last-level
-    cache (96 MiB; GPU: 256 MiB) first, so no function starts with its data cached; warm runs
-    the function once, untimed, right before. Functions named in ``prime`` run once before
-    all (first-call costs); one whose samples pass ``budget_ms`` stops after three samples.
-    On a noisy machine the interleaving exposes all functions to the same load, so ratios of
-    medians are meaningful where single runs are not.
-
-    CUDA events around a call also time the host's work to launch it (the GPU idles while
-    Python prepares the kernel). Functions named in ``device_only`` are timed a second way
-    as well, ``NAME_device``: the stream first spins (``LAUNCH_COVER_CYCLES``), so the call
-    is queued before the start event fires and the events see the device's work alone, as
-    on the engine's side stream, where the host launches while the GPU computes.
-    ``NAME_launch_hidden`` is 1.0 when every such sample was queued before the spin ended
-    (0.0: the call made the host wait, and ``NAME_device`` includes host time);
-    ``NAME_launch``: the host's time to issue the call then (the launch cost alone: what
-    the host spends per call whatever the device does).
-    """
-    import statistics
-
-    import torch
-
-    flush = None
-    if cold:
-        flush_bytes = (256 if device.type == "cuda" else 96) * 1024 * 1024
-        flush = torch.empty(flush_bytes // 4, dtype=torch.float32, device=device)
-    times: dict[str, list[float]] = {name: [] for name in functions}
-    on_gpu = device.type == "cuda"
-    timed_on_device = [name for name in device_only if on_gpu and name in functions]
-    for name in timed_on_device:
-        times[f"{name}_device"] = []
-        times[f"{name}_launch"] = []
-    hidden = dict.fromkeys(timed_on_device, True)
-    for name in prime:
-        functions[name]()  # first-call costs (library build, page faults) stay out
-    for rep in range(reps):
-        for name, function in functions.items():
-            if len(times[name]) >= 3 and sum(times[name]) > budget_ms:
-                continue  # a slow baseline: three interleaved samples are enough
-            if flush is not None:
-                flush.fill_(float(rep))
-            else:
-                function()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
-                start.record()
-                function()
-                end.record()
-                end.synchronize()
-                times[name].append(start.elapsed_time(end))
-                if name in hidden:
-                    if flush is not None:
-                        flush.fill_(float(rep))
-                    torch.cuda.synchronize()
-                    torch.cuda._sleep(LAUNCH_COVER_CYCLES)
-                    start.record()
-                    issued = time.perf_counter()
-                    function()
-                    times[f"{name}_launch"].append((time.perf_counter() - issued) * 1e3)
-                    end.record()
-                    hidden[name] = hidden[name] and not start.query()  # still spinning
-                    end.synchronize()
-                    times[f"{name}_device"].append(start.elapsed_time(end))
-            else:
-                begin = time.perf_counter()
-                function()
-                times[name].append((time.perf_counter() - begin) * 1e3)
-    medians = {name: statistics.median(values) for name, values in times.items()}
-    minima = {f"{name}_min": min(values) for name, values in times.items()}
-    launch = {f"{name}_launch_hidden": float(value) for name, value in hidden.items()}
-    return medians | minima | launch
-
-
 def run_case(
     shape: str,
     block_size: int,
@@ -249,6 +163,7 @@ def run_case(
     import torch
 
     from bench import memory_floor
+    from bench.timing import device_only_times, measure_interleaved, rounded_ms
     from kernels import reference_repack, repack
     from kernels.layout import KVLayout, paged_layer_views
     from kernels.repack_cpu import default_threads
@@ -319,6 +234,11 @@ def run_case(
     device_ms = device_only_times(times, ("repack", "copy"))
     repack_gbps = moved_bytes / repack_ms / 1e6
     copy_gbps = moved_bytes / copy_ms / 1e6
+    device_ratio = (
+        round(device_ms["copy"] / device_ms["repack"], 4)
+        if device_ms["repack"] and device_ms["copy"]
+        else None
+    )
     return {
         "shape": shape,
         "pattern": pattern,
@@ -338,11 +258,7 @@ def run_case(
         # CUDA: the device's time alone (launch queued behind a spin; see measure_interleaved)
         "repack_device_ms": rounded_ms(device_ms["repack"]),
         "copy_device_ms": rounded_ms(device_ms["copy"]),
-        "device_ratio": (
-            round(device_ms["copy"] / device_ms["repack"], 4)
-            if device_ms["repack"] and device_ms["copy"]
-            else None
-        ),
+        "device_ratio": device_ratio,
         "launch_hidden": {name: times.get(f"{name}_launch_hidden") for name in device_ms},
         # CUDA: the host's time to issue one repack (all layers, one launch)
         "repack_launch_ms": rounded_ms(times.get("repack_launch")),
@@ -364,6 +280,9 @@ def run_case(
         "floor_ms": round(times["floor"], 4) if "floor" in times else None,
         "floor_ratio": round(times["floor"] / repack_ms, 3) if "floor" in times else None,
         "traffic_mb": round(floor.traffic_bytes(layers) / 1e6, 1) if floor else None,
+        "target_met": (
+            gpu_target_met(pattern, repack_gbps / copy_gbps, device_ratio) if on_gpu else None
+        ),
     }
 
 
@@ -442,6 +361,7 @@ def cli(
         "reps": reps,
         "threads": threads,
         "cpu_openmp": chosen.type == "cpu" and uses_openmp(),
+        "target": GPU_TARGET if chosen.type == "cuda" else None,
         "cases": cases,
     }
     if json_path is not None:

@@ -283,6 +283,7 @@ def main(argv: list[str]) -> int:
     ok = fenced.passed and not unfenced.passed
     report = {
         "ok": ok,
+        "tolerance": TOLERANCE,
         "fenced": asdict(fenced) | {"passed": fenced.passed},
         "negative_control_unfenced": asdict(unfenced) | {"passed": unfenced.passed},
     }

@@ -44,7 +44,7 @@ from kernels.repack_cpu import load_library
 from vtoken.policy import ScoreNeeds, StepAttention
 from workers.config import VTokenConfig
 from workers.messages import StepOps, StepScores
-from workers.query_capture import QueryCapture, QueryConversion, RecordedLayer, to_device
+from workers.query_capture import QueryCapture, RecordedLayer, to_device
 from workers.statistics import ReducedAttention, reduce_attention_tensors
 from workers.tensor_parallel import RankReduction
 
@@ -176,19 +176,6 @@ class VTokenWorker:
                 if request_id in self.score_needs
             }
         )
-
-    def record(
-        self,
-        layer_id: int,
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        scale: float,
-        convert: QueryConversion | None = None,
-    ) -> None:
-        """Called by each attention layer after it wrote its KV: the selected rows of
-        ``query`` are copied into the capture buffer (``QueryCapture.record``)."""
-        if self.capturing:
-            self.capture.record(layer_id, query, kv_cache, scale, convert)
 
     def launch_scores(self, requests: Sequence[ScoredRequest]) -> None:
         """After the forward: queue the attention statistics of the requests that asked for

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench.repack import PATTERNS, device_only_times, make_moves, run_case
+from bench.repack import GPU_COPY_RATE_TARGET, PATTERNS, gpu_target_met, make_moves, run_case
 
 
 @pytest.mark.parametrize("pattern", PATTERNS)
@@ -38,6 +38,7 @@ def test_run_case_reports_the_issue_fields() -> None:
     assert case["device_ratio"] is None
     assert case["launch_hidden"] == {"repack": None, "copy": None}
     assert case["repack_launch_ms"] is None  # the host's launch cost: CUDA only
+    assert case["target_met"] is None  # the target is the GPU's
     if case["floor_ms"] is not None:  # a C compiler: the memory floor ran beside them
         assert case["floor_ratio"] == pytest.approx(case["floor_ms"] / case["repack_ms"], rel=1e-2)
         assert case["traffic_mb"] > 2 * case["moved_bytes"] / 1e6  # transposed K: whole lines
@@ -97,15 +98,11 @@ def test_an_unknown_kv_cache_layout_is_a_clear_cli_error() -> None:
     assert "unknown KV cache layout 'LNBHC'" in result.output
 
 
-def test_device_only_times_drop_samples_whose_launch_was_not_hidden() -> None:
-    times = {
-        "repack_device": 0.2,
-        "repack_launch_hidden": 1.0,
-        "copy_device": 0.5,
-        "copy_launch_hidden": 0.0,  # the host waited: the figure holds host time
-    }
-    assert device_only_times(times, ("repack", "copy", "scores")) == {
-        "repack": 0.2,
-        "copy": None,
-        "scores": None,
-    }
+def test_the_gpu_target_judges_compaction_on_the_device_time_where_measured() -> None:
+    assert GPU_COPY_RATE_TARGET == 0.8
+    assert gpu_target_met("compact50", 0.48, None) is False  # launch not hidden: ratio
+    assert gpu_target_met("compact80", 0.85, None) is True
+    assert gpu_target_met("compact50", 0.48, 0.81) is True  # the device's time alone
+    assert gpu_target_met("compact50", 0.9, 0.7) is False
+    assert gpu_target_met("trickle", 0.1, 0.1) is None  # no target for this pattern
+    assert gpu_target_met("scattered", 0.1, None) is None

@@ -15,6 +15,7 @@ def test_kernel_benchmarks_import_without_the_serving_stack() -> None:
         + "".join(f"sys.modules[{name!r}] = None\n" for name in BLOCKED)
         + "import kernels, kernels.async_repack, kernels.attention_scores\n"
         "import bench.repack, bench.scores, bench.fused_scores, bench.runner_harness\n"
+        "import bench.timing, bench.gpu_verdict\n"
         "import kernels.fused_scores\n"
         "from vtoken import repack_planner, token_table\n"
         "bench.repack.make_moves('compact50', 16)\n"

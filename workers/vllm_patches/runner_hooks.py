@@ -344,7 +344,8 @@ def attention_forward(original: Callable[..., Any]) -> Callable[..., Any]:
     impl (``CPUAttentionBackendImpl``; on CUDA ``CUDA_ATTENTION_IMPLS``, which vLLM 0.32
     calls alike from ``unified_attention_with_output``): after the original ran (the
     step's KV is written), a layer with a ``LayerCapture`` hands its queries to the
-    worker while it captures. ``attn_metadata`` is ``None`` in vLLM's profiling run."""
+    worker's ``QueryCapture.record`` while the worker captures. ``attn_metadata`` is
+    ``None`` in vLLM's profiling run."""
 
     def forward(
         self: Any,
@@ -376,7 +377,7 @@ def _record_queries(
 ) -> None:
     """Record the step's queries: of the first ``num_actual_tokens`` rows (every wrapped
     backend's metadata has it; rows past it are CUDA-graph padding) as ``[num_tokens,
-    num_heads, head_size]``, the worker keeps those of scored requests, with the logits'
+    num_heads, head_size]``, the worker's capture keeps those of scored requests, with the logits'
     scale. An fp8 cache is handed over as its float8 view with the layer's per-tensor
     ``_k_scale_float`` folded into the scale (the scores compute ``scale * k_scale * q .
     k``, as the backends do), the query rows as the backend forms them
@@ -389,4 +390,4 @@ def _record_queries(
         kv_cache = kv_cache.view(capture.key_dtype)
         scale *= layer._k_scale_float
         convert = query_conversion(layer, attn_metadata, query.dtype, capture.flashinfer_fp8_query)
-    capture.state.record(capture.layer_id, query, kv_cache, scale, convert)
+    capture.state.capture.record(capture.layer_id, query, kv_cache, scale, convert)

@@ -35,7 +35,7 @@ from opentelemetry import trace
 
 from controlplane import admission_scripts as scripts
 from controlplane import telemetry
-from controlplane.keys import KeySpace
+from controlplane.keys import KeySpace, queue_keys
 from controlplane.kv_bounds import KVBounds, kv_bounds
 from controlplane.models import TenantQuota
 from controlplane.retry_after import (
@@ -75,7 +75,11 @@ class AdmissionConfig:
     `prefill_chunk_tokens`: the engines' prefill chunk (``max_num_batched_tokens``) when
     their policies evict during chunked prefill, so a request with a budget counts one
     chunk plus its budget until its prefill ends, if that is below its prompt (`None`: no
-    chunking known, a prompt counts whole)."""
+    chunking known, a prompt counts whole);
+    `cluster_kv_blocks`: the most blocks all tenants' reservations together may hold
+    (`None`: no bound, budgets alone decide); past it requests wait in the fair queue;
+    `queue_poll_s`: how often a queued request asks again; `queue_ticket_ttl_s`: how long
+    its ticket outlives an ingress that stopped renewing it (:mod:`controlplane.fair_queue`)."""
 
     block_size: int = 16
     keep_ratio: float | None = None
@@ -86,6 +90,9 @@ class AdmissionConfig:
     throttle_retry_after_s: float = 1.0
     rate_burst_s: float = 1.0
     prefill_chunk_tokens: int | None = None
+    cluster_kv_blocks: int | None = None
+    queue_poll_s: float = 0.1
+    queue_ticket_ttl_s: float = 3.0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -102,6 +109,10 @@ class AdmissionConfig:
             raise ValueError("protected_tokens must be >= 0 and protected_fraction in [0, 1]")
         if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 1:
             raise ValueError("prefill_chunk_tokens must be >= 1")
+        if self.cluster_kv_blocks is not None and self.cluster_kv_blocks < 1:
+            raise ValueError("cluster_kv_blocks must be >= 1 (None: no cluster bound)")
+        if not 0 < self.queue_poll_s < self.queue_ticket_ttl_s / 2:
+            raise ValueError("queue_poll_s must be positive and under half queue_ticket_ttl_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +172,7 @@ class Admission:
         seconds_per_token: float | None = None,
         n: int = 1,
         seconds_to_first_token: float | None = None,
+        ticket: str = "",
     ) -> AdmissionDecision:
         """Reserve the request's KV peak, or say why not (for all ``n`` sequences of a
         request asking for ``n`` choices: :func:`kv_bounds`).
@@ -169,6 +181,11 @@ class Admission:
         and ``seconds_to_first_token`` (the measured time from arrival to first token) let a
         ``kv_budget`` throttle say when enough of the tenant's running requests will have
         settled or finished (:meth:`kv_retry_after_s`).
+
+        ``ticket``: the request's ticket in the fair queue (:mod:`controlplane.fair_queue`),
+        empty for a request not queued. A request waits (throttled ``queued``) while a
+        ticket of its tenant is ahead of it, and ``cluster_full`` while the cluster's
+        capacity or another tenant's turn holds it back; a ticket admitted leaves the queue.
 
         `quota` is the caller's (possibly cached) copy; the script re-reads the stored one,
         so an admin change applies at once and a deleted tenant is rejected.
@@ -193,6 +210,10 @@ class Admission:
                     max_tokens,
                     bounds.steady,
                     n,
+                    ticket,
+                    self.config.cluster_kv_blocks or 0,
+                    quota.weight,
+                    int(self.config.queue_ticket_ttl_s * 1000),
                 ],
             )
             if reason == "kv_budget":
@@ -240,6 +261,10 @@ class Admission:
             keys.reservation_sequences(tenant_id),
             keys.reservation_lapsed(tenant_id),
             keys.reservation_lapsed_at(tenant_id),
+            keys.cluster_reservation_total,
+            *queue_keys(keys, tenant_id),
+            keys.queue_counters,
+            keys.queue_virtual_time,
         ]
 
     def _decision(
@@ -260,7 +285,11 @@ class Admission:
             return reservation
         tenant_id = reservation.tenant_id
         settled = await self._settle(
-            keys=[self.keys.reservations(tenant_id), self.keys.reservation_total(tenant_id)],
+            keys=[
+                self.keys.reservations(tenant_id),
+                self.keys.reservation_total(tenant_id),
+                self.keys.cluster_reservation_total,
+            ],
             args=[reservation.request_id, reservation.steady],
         )
         if not settled:  # not held now (lapsed, or released): a later call settles it
@@ -282,6 +311,7 @@ class Admission:
                 self.keys.reservation_sequences(tenant_id),
                 self.keys.reservation_lapsed(tenant_id),
                 self.keys.reservation_lapsed_at(tenant_id),
+                self.keys.cluster_reservation_total,
             ],
             args=[reservation.request_id],
         )
@@ -364,6 +394,7 @@ class Admission:
                 self.keys.reservation_starts(tenant_id),
                 self.keys.reservation_sequences(tenant_id),
                 self.keys.reservation_lapsed_at(tenant_id),
+                self.keys.cluster_reservation_total,
             ],
             args=[reservation.request_id, int(self.config.reservation_ttl_s * 1000)],
         )

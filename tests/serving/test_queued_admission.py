@@ -129,6 +129,21 @@ async def test_past_the_queue_depth_it_is_a_429_at_once(queued: Ingress) -> None
     assert [(await first).status_code, (await second).status_code] == [200, 200]
 
 
+async def test_at_its_concurrency_limit_a_tenant_with_a_queue_waits_for_its_turn(
+    queued: Ingress,
+) -> None:
+    """The pre-check lets a tenant at its concurrency limit through when it may queue; the
+    request then waits for the running one to end instead of a 429."""
+    api_key = await queued.add_tenant("acme", kv_budget_blocks=100, max_concurrent_requests=1)
+    queued.replicas.gate.clear()
+    first = asyncio.create_task(queued.complete(api_key))
+    await queued.replicas.arrived.wait()
+    second = asyncio.create_task(queued.complete(api_key))
+    await until(lambda: _is(depth(queued, "acme"), 1))
+    queued.replicas.gate.set()
+    assert [(await first).status_code, (await second).status_code] == [200, 200]
+
+
 async def test_a_client_that_leaves_while_queued_takes_its_ticket(queued: Ingress) -> None:
     api_key = await queued.add_tenant("acme", kv_budget_blocks=2)
     queued.replicas.gate.clear()

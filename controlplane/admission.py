@@ -27,6 +27,7 @@ live reservations of one tenant on a loaded 2-core machine; 30 us with the total
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -130,12 +131,14 @@ class AdmissionDecision:
     """`reservation` is set iff admitted; `retry_after_s` > 0 iff throttled. `reason`:
     ok, unknown_tenant, exceeds_budget, exceeds_max_concurrent_requests (``n`` above the
     tenant's limit), duplicate_request, max_concurrent_requests, kv_budget,
-    prompt_token_rate."""
+    prompt_token_rate, and for the fair queue queued, cluster_full, ticket_lost.
+    `queue_position`: for `queued`, how many of its tenant's tickets are ahead of it."""
 
     outcome: AdmissionOutcome
     reason: str
     retry_after_s: float
     reservation: Reservation | None
+    queue_position: int = 0
 
     @property
     def admitted(self) -> bool:
@@ -198,7 +201,7 @@ class Admission:
         with self._tracer.start_as_current_span(telemetry.SPAN_ADMISSION) as span:
             span.set_attribute(telemetry.ATTR_TENANT_ID, tenant_id)
             span.set_attribute(telemetry.ATTR_RESERVED_BLOCKS, blocks)
-            outcome, reason, retry_after_ms = await self._admit(
+            outcome, reason, retry_after_ms, *position = await self._admit(
                 keys=self._admit_keys(tenant_id),
                 args=[
                     tenant_id,
@@ -227,6 +230,8 @@ class Admission:
                 reason,
                 retry_after_ms,
             )
+            if position:
+                decision = dataclasses.replace(decision, queue_position=int(position[0]))
             span.set_attribute(telemetry.ATTR_ADMISSION_OUTCOME, decision.outcome.value)
             span.set_attribute(telemetry.ATTR_ADMISSION_REASON, decision.reason)
             span.set_attribute(telemetry.ATTR_RETRY_AFTER_S, decision.retry_after_s)

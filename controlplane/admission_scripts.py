@@ -57,7 +57,7 @@ end
 # max_tokens, steady blocks, n (sequences), ticket ('' for a request not queued),
 # cluster capacity in blocks (0: none), the tenant's weight, ticket lease_ms.
 # Returns {outcome, reason, retry_after_ms}. A request queued behind its tenant's tickets
-# is throttled `queued`; one the cluster's capacity or another tenant's turn holds back,
+# is throttled `queued` (a fourth value: how many are ahead of it); one the cluster's capacity or another tenant's turn holds back,
 # `cluster_full` (`fair_queue_scripts`).
 ADMIT = (
     NOW_MS
@@ -130,8 +130,8 @@ end
 local tenant, ticket = ARGV[1], ARGV[10]
 local queue, contending = {KEYS[12], KEYS[13], KEYS[14], KEYS[15], KEYS[16]}, KEYS[15]
 purge_tickets(queue, tenant, now)
-local turn = take_turn(queue, tenant, ticket, now + tonumber(ARGV[13]))
-if turn then return {'throttled', turn, -1} end
+local turn, ahead = take_turn(queue, tenant, ticket, now + tonumber(ARGV[13]))
+if turn then return {'throttled', turn, -1, ahead} end
 -- A ticket held back by its tenant's own limits leaves the contention for the cluster.
 local function wait(reason, ms)
   if ticket ~= '' then redis.call('ZREM', contending, tenant) end

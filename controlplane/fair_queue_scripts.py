@@ -42,18 +42,21 @@ local function purge_tickets(queue, tenant, now)
 end
 
 -- nil when the request may go on: it is the tenant's first ticket (its lease renewed to
--- `lease_until`), or it has none and no ticket of its tenant waits. Else why it waits:
--- `queued` (behind its tenant's tickets) or `ticket_lost` (its lease lapsed).
+-- `lease_until`), or it has none and no ticket of its tenant waits. Else why it waits,
+-- and how many tickets are ahead of it: `queued` (behind its tenant's tickets) or
+-- `ticket_lost` (its lease lapsed).
 local function take_turn(queue, tenant, ticket, lease_until)
   if ticket == '' then
-    if redis.call('ZCARD', queue[1]) > 0 then return 'queued' end
-    return nil
+    local waiting = redis.call('ZCARD', queue[1])
+    if waiting > 0 then return 'queued', waiting end
+    return nil, 0
   end
-  if not redis.call('ZSCORE', queue[2], ticket) then return 'ticket_lost' end
+  if not redis.call('ZSCORE', queue[2], ticket) then return 'ticket_lost', 0 end
   redis.call('ZADD', queue[2], 'XX', lease_until, ticket)
   redis.call('ZADD', queue[5], 'GT', lease_until, tenant)
-  if redis.call('ZRANGE', queue[1], 0, 0)[1] ~= ticket then return 'queued' end
-  return nil
+  local ahead = redis.call('ZRANK', queue[1], ticket)
+  if ahead > 0 then return 'queued', ahead end
+  return nil, 0
 end
 
 -- Whether `blocks` more fit the cluster's `capacity` (0: unbounded) now and it is the

@@ -131,7 +131,8 @@ async def test_a_ticket_waits_behind_its_tenants_earlier_tickets_and_fresh_reque
     assert fresh.reason == "kv_budget"
     await queue.enqueue(tenant, "first")
     await queue.enqueue(tenant, "second")
-    assert await ask(admission, tenant, "second") == "queued"
+    behind = await admission.admit(tenant, "second", PROMPT, MAX_TOKENS, ticket="second")
+    assert (behind.reason, behind.queue_position) == ("queued", 1)  # one ticket ahead
     assert await ask(admission, tenant, "first") == "kv_budget"  # its own budget holds it
     assert await redis.zcard(keys.queue_contending) == 0  # and it holds up no other tenant
     await release(admission, tenant, "running")

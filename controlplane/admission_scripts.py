@@ -57,8 +57,8 @@ end
 # max_tokens, steady blocks, n (sequences), ticket ('' for a request not queued),
 # cluster capacity in blocks (0: none), the tenant's weight, ticket lease_ms.
 # Returns {outcome, reason, retry_after_ms}. A request queued behind its tenant's tickets
-# is throttled `queued` (a fourth value: how many are ahead of it); one the cluster's capacity or another tenant's turn holds back,
-# `cluster_full` (`fair_queue_scripts`).
+# is throttled `queued` (a fourth value: how many are ahead of it); one the cluster's
+# capacity or another tenant's turn holds back, `cluster_full` (`fair_queue_scripts`).
 ADMIT = (
     NOW_MS
     + TAKE_PROMPT_TOKENS

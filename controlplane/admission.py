@@ -36,7 +36,7 @@ from opentelemetry import trace
 
 from controlplane import admission_scripts as scripts
 from controlplane import telemetry
-from controlplane.keys import KeySpace, queue_keys
+from controlplane.keys import KeySpace, queue_keys, reservation_keys
 from controlplane.kv_bounds import KVBounds, kv_bounds
 from controlplane.models import TenantQuota
 from controlplane.retry_after import (
@@ -56,6 +56,9 @@ class AdmissionOutcome(enum.Enum):
     ADMITTED = "admitted"
     THROTTLED = "throttled"  # retry later: HTTP 429 with Retry-After
     REJECTED = "rejected"  # never fits as asked: HTTP 4xx
+
+
+DEFAULT_RESERVATION_TTL_S = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +90,7 @@ class AdmissionConfig:
     floor_tokens: int | None = None
     protected_tokens: int = 0
     protected_fraction: float = 0.0
-    reservation_ttl_s: float = 600.0
+    reservation_ttl_s: float = DEFAULT_RESERVATION_TTL_S
     throttle_retry_after_s: float = 1.0
     rate_burst_s: float = 1.0
     prefill_chunk_tokens: int | None = None
@@ -256,17 +259,7 @@ class Admission:
         """The admission script's KEYS, in its order (``admission_scripts.ADMIT``)."""
         keys = self.keys
         return [
-            keys.quotas,
-            keys.usage,
-            keys.reservations(tenant_id),
-            keys.reservation_deadlines(tenant_id),
-            keys.rate_bucket(tenant_id),
-            keys.reservation_starts(tenant_id),
-            keys.reservation_total(tenant_id),
-            keys.reservation_sequences(tenant_id),
-            keys.reservation_lapsed(tenant_id),
-            keys.reservation_lapsed_at(tenant_id),
-            keys.cluster_reservation_total,
+            *reservation_keys(keys, tenant_id),
             *queue_keys(keys, tenant_id),
             keys.queue_counters,
             keys.queue_virtual_time,

@@ -50,27 +50,11 @@ local function sequences_of(start)
 end
 """
 
-# KEYS: quotas, usage, reservations, deadlines, rate bucket, reservation starts, total,
-# sequences, lapsed, lapsed-at, cluster total, then the fair queue's (tenant's tickets,
-# their leases, active tenants, contending tenants, tenant leases, counters, virtual time).
-# ARGV: tenant, request id, blocks, lease_ms, prompt_tokens, rate burst seconds,
-# max_tokens, steady blocks, n (sequences), ticket ('' for a request not queued),
-# cluster capacity in blocks (0: none), the tenant's weight, ticket lease_ms.
-# Returns {outcome, reason, retry_after_ms}. A request queued behind its tenant's tickets
-# is throttled `queued` (a fourth value: how many are ahead of it); one the cluster's
-# capacity or another tenant's turn holds back, `cluster_full` (`fair_queue_scripts`).
-ADMIT = (
-    NOW_MS
-    + TAKE_PROMPT_TOKENS
-    + SEQUENCES_OF
-    + QUEUE_FUNCTIONS
-    + """
-local raw = redis.call('HGET', KEYS[1], ARGV[1])
-if not raw then return {'rejected', 'unknown_tenant', 0} end
-local quota = cjson.decode(raw)
-local blocks = tonumber(ARGV[3])
-local now = now_ms()
-if blocks > quota['kv_budget_blocks'] then return {'rejected', 'exceeds_budget', 0} end
+# A tenant's reservations whose deadline passed leave its total, the cluster's total and
+# its sequences, and are remembered as lapsed (a late renewal reserves them again) for a
+# TTL; without a running total yet, the total is counted once. KEYS: admission's first 11
+# (`ADMIT`); ARGV[4]: lease_ms. Leaves `sequences` (held now) and `expired` for the rest.
+PURGE_LAPSED = """
 if redis.call('EXISTS', KEYS[7]) == 0 then
   -- No running total yet (first use, or reservations from before it existed): count once.
   local reserved = 0
@@ -116,6 +100,32 @@ if #expired > 0 then
   redis.call('DECRBY', KEYS[11], freed)
   redis.call('SET', KEYS[8], math.max(sequences, 0))
 end
+"""
+
+# KEYS: quotas, usage, reservations, deadlines, rate bucket, reservation starts, total,
+# sequences, lapsed, lapsed-at, cluster total, then the fair queue's (tenant's tickets,
+# their leases, active tenants, contending tenants, tenant leases, counters, virtual time).
+# ARGV: tenant, request id, blocks, lease_ms, prompt_tokens, rate burst seconds,
+# max_tokens, steady blocks, n (sequences), ticket ('' for a request not queued),
+# cluster capacity in blocks (0: none), the tenant's weight, ticket lease_ms.
+# Returns {outcome, reason, retry_after_ms}. A request queued behind its tenant's tickets
+# is throttled `queued` (a fourth value: how many are ahead of it); one the cluster's
+# capacity or another tenant's turn holds back, `cluster_full` (`fair_queue_scripts`).
+ADMIT = (
+    NOW_MS
+    + TAKE_PROMPT_TOKENS
+    + SEQUENCES_OF
+    + QUEUE_FUNCTIONS
+    + """
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if not raw then return {'rejected', 'unknown_tenant', 0} end
+local quota = cjson.decode(raw)
+local blocks = tonumber(ARGV[3])
+local now = now_ms()
+if blocks > quota['kv_budget_blocks'] then return {'rejected', 'exceeds_budget', 0} end
+"""
+    + PURGE_LAPSED
+    + """
 local same = redis.call('HGET', KEYS[3], ARGV[2])
 if same then
   -- The same admission sent again (redis-py retries a script whose reply timed out):
@@ -172,6 +182,21 @@ redis.call('ZADD', KEYS[4], now + tonumber(ARGV[4]), ARGV[2])
 return {'admitted', 'ok', 0}
 """
 )
+
+# KEYS: admission's first 11 (`ADMIT`). ARGV: -, -, -, lease_ms. Purges the tenant's lapsed
+# reservations as an admission would (`controlplane.lapse_sweep`); returns how many lapsed.
+SWEEP_LAPSED = (
+    NOW_MS
+    + SEQUENCES_OF
+    + """
+local now = now_ms()
+"""
+    + PURGE_LAPSED
+    + """
+return #expired
+"""
+)
+
 
 # KEYS: reservations, total, cluster total. ARGV: request id, steady blocks. Shrinks only
 # a held one. The cluster's total moves with every tenant total.

@@ -186,3 +186,21 @@ def queue_keys(keys: KeySpace, tenant_id: str) -> list[str]:
         keys.queue_contending,
         keys.queue_tenant_leases,
     ]
+
+
+def reservation_keys(keys: KeySpace, tenant_id: str) -> list[str]:
+    """The first KEYS of the admission script (``admission_scripts.ADMIT``) and all of the
+    lapse sweep's (``SWEEP_LAPSED``), in their order."""
+    return [
+        keys.quotas,
+        keys.usage,
+        keys.reservations(tenant_id),
+        keys.reservation_deadlines(tenant_id),
+        keys.rate_bucket(tenant_id),
+        keys.reservation_starts(tenant_id),
+        keys.reservation_total(tenant_id),
+        keys.reservation_sequences(tenant_id),
+        keys.reservation_lapsed(tenant_id),
+        keys.reservation_lapsed_at(tenant_id),
+        keys.cluster_reservation_total,
+    ]

@@ -27,6 +27,7 @@ live reservations of one tenant on a loaded 2-core machine; 30 us with the total
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -35,7 +36,7 @@ from opentelemetry import trace
 
 from controlplane import admission_scripts as scripts
 from controlplane import telemetry
-from controlplane.keys import KeySpace
+from controlplane.keys import KeySpace, queue_keys, reservation_keys
 from controlplane.kv_bounds import KVBounds, kv_bounds
 from controlplane.models import TenantQuota
 from controlplane.retry_after import (
@@ -57,6 +58,9 @@ class AdmissionOutcome(enum.Enum):
     REJECTED = "rejected"  # never fits as asked: HTTP 4xx
 
 
+DEFAULT_RESERVATION_TTL_S = 600.0
+
+
 @dataclass(frozen=True, slots=True)
 class AdmissionConfig:
     """`block_size` converts tokens to blocks; `reservation_ttl_s` bounds how long a
@@ -75,17 +79,24 @@ class AdmissionConfig:
     `prefill_chunk_tokens`: the engines' prefill chunk (``max_num_batched_tokens``) when
     their policies evict during chunked prefill, so a request with a budget counts one
     chunk plus its budget until its prefill ends, if that is below its prompt (`None`: no
-    chunking known, a prompt counts whole)."""
+    chunking known, a prompt counts whole);
+    `cluster_kv_blocks`: the most blocks all tenants' reservations together may hold
+    (`None`: no bound, budgets alone decide); past it requests wait in the fair queue;
+    `queue_poll_s`: how often a queued request asks again; `queue_ticket_ttl_s`: how long
+    its ticket outlives an ingress that stopped renewing it (:mod:`controlplane.fair_queue`)."""
 
     block_size: int = 16
     keep_ratio: float | None = None
     floor_tokens: int | None = None
     protected_tokens: int = 0
     protected_fraction: float = 0.0
-    reservation_ttl_s: float = 600.0
+    reservation_ttl_s: float = DEFAULT_RESERVATION_TTL_S
     throttle_retry_after_s: float = 1.0
     rate_burst_s: float = 1.0
     prefill_chunk_tokens: int | None = None
+    cluster_kv_blocks: int | None = None
+    queue_poll_s: float = 0.1
+    queue_ticket_ttl_s: float = 3.0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -102,6 +113,10 @@ class AdmissionConfig:
             raise ValueError("protected_tokens must be >= 0 and protected_fraction in [0, 1]")
         if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 1:
             raise ValueError("prefill_chunk_tokens must be >= 1")
+        if self.cluster_kv_blocks is not None and self.cluster_kv_blocks < 1:
+            raise ValueError("cluster_kv_blocks must be >= 1 (None: no cluster bound)")
+        if not 0 < self.queue_poll_s < self.queue_ticket_ttl_s / 2:
+            raise ValueError("queue_poll_s must be positive and under half queue_ticket_ttl_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,12 +134,14 @@ class AdmissionDecision:
     """`reservation` is set iff admitted; `retry_after_s` > 0 iff throttled. `reason`:
     ok, unknown_tenant, exceeds_budget, exceeds_max_concurrent_requests (``n`` above the
     tenant's limit), duplicate_request, max_concurrent_requests, kv_budget,
-    prompt_token_rate."""
+    prompt_token_rate, and for the fair queue queued, cluster_full, ticket_lost.
+    `queue_position`: for `queued`, how many of its tenant's tickets are ahead of it."""
 
     outcome: AdmissionOutcome
     reason: str
     retry_after_s: float
     reservation: Reservation | None
+    queue_position: int = 0
 
     @property
     def admitted(self) -> bool:
@@ -161,6 +178,7 @@ class Admission:
         seconds_per_token: float | None = None,
         n: int = 1,
         seconds_to_first_token: float | None = None,
+        ticket: str = "",
     ) -> AdmissionDecision:
         """Reserve the request's KV peak, or say why not (for all ``n`` sequences of a
         request asking for ``n`` choices: :func:`kv_bounds`).
@@ -169,6 +187,11 @@ class Admission:
         and ``seconds_to_first_token`` (the measured time from arrival to first token) let a
         ``kv_budget`` throttle say when enough of the tenant's running requests will have
         settled or finished (:meth:`kv_retry_after_s`).
+
+        ``ticket``: the request's ticket in the fair queue (:mod:`controlplane.fair_queue`),
+        empty for a request not queued. A request waits (throttled ``queued``) while a
+        ticket of its tenant is ahead of it, and ``cluster_full`` while the cluster's
+        capacity or another tenant's turn holds it back; a ticket admitted leaves the queue.
 
         `quota` is the caller's (possibly cached) copy; the script re-reads the stored one,
         so an admin change applies at once and a deleted tenant is rejected.
@@ -181,7 +204,7 @@ class Admission:
         with self._tracer.start_as_current_span(telemetry.SPAN_ADMISSION) as span:
             span.set_attribute(telemetry.ATTR_TENANT_ID, tenant_id)
             span.set_attribute(telemetry.ATTR_RESERVED_BLOCKS, blocks)
-            outcome, reason, retry_after_ms = await self._admit(
+            outcome, reason, retry_after_ms, *position = await self._admit(
                 keys=self._admit_keys(tenant_id),
                 args=[
                     tenant_id,
@@ -193,6 +216,10 @@ class Admission:
                     max_tokens,
                     bounds.steady,
                     n,
+                    ticket,
+                    self.config.cluster_kv_blocks or 0,
+                    quota.weight,
+                    int(self.config.queue_ticket_ttl_s * 1000),
                 ],
             )
             if reason == "kv_budget":
@@ -206,6 +233,8 @@ class Admission:
                 reason,
                 retry_after_ms,
             )
+            if position:
+                decision = dataclasses.replace(decision, queue_position=int(position[0]))
             span.set_attribute(telemetry.ATTR_ADMISSION_OUTCOME, decision.outcome.value)
             span.set_attribute(telemetry.ATTR_ADMISSION_REASON, decision.reason)
             span.set_attribute(telemetry.ATTR_RETRY_AFTER_S, decision.retry_after_s)
@@ -230,16 +259,10 @@ class Admission:
         """The admission script's KEYS, in its order (``admission_scripts.ADMIT``)."""
         keys = self.keys
         return [
-            keys.quotas,
-            keys.usage,
-            keys.reservations(tenant_id),
-            keys.reservation_deadlines(tenant_id),
-            keys.rate_bucket(tenant_id),
-            keys.reservation_starts(tenant_id),
-            keys.reservation_total(tenant_id),
-            keys.reservation_sequences(tenant_id),
-            keys.reservation_lapsed(tenant_id),
-            keys.reservation_lapsed_at(tenant_id),
+            *reservation_keys(keys, tenant_id),
+            *queue_keys(keys, tenant_id),
+            keys.queue_counters,
+            keys.queue_virtual_time,
         ]
 
     def _decision(
@@ -260,7 +283,11 @@ class Admission:
             return reservation
         tenant_id = reservation.tenant_id
         settled = await self._settle(
-            keys=[self.keys.reservations(tenant_id), self.keys.reservation_total(tenant_id)],
+            keys=[
+                self.keys.reservations(tenant_id),
+                self.keys.reservation_total(tenant_id),
+                self.keys.cluster_reservation_total,
+            ],
             args=[reservation.request_id, reservation.steady],
         )
         if not settled:  # not held now (lapsed, or released): a later call settles it
@@ -282,6 +309,7 @@ class Admission:
                 self.keys.reservation_sequences(tenant_id),
                 self.keys.reservation_lapsed(tenant_id),
                 self.keys.reservation_lapsed_at(tenant_id),
+                self.keys.cluster_reservation_total,
             ],
             args=[reservation.request_id],
         )
@@ -364,6 +392,7 @@ class Admission:
                 self.keys.reservation_starts(tenant_id),
                 self.keys.reservation_sequences(tenant_id),
                 self.keys.reservation_lapsed_at(tenant_id),
+                self.keys.cluster_reservation_total,
             ],
             args=[reservation.request_id, int(self.config.reservation_ttl_s * 1000)],
         )

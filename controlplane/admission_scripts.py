@@ -5,6 +5,8 @@ Every script names its KEYS and ARGV in the comment above it; :class:`Admission`
 them in that order.
 """
 
+from controlplane.fair_queue_scripts import QUEUE_FUNCTIONS
+
 # Redis's own clock, in ms: every ingress reads the same clock, so one whose wall clock is
 # off can neither purge others' live reservations nor refill a bucket early.
 NOW_MS = """
@@ -48,26 +50,17 @@ local function sequences_of(start)
 end
 """
 
-# KEYS: quotas, usage, reservations, deadlines, rate bucket, reservation starts, total,
-# sequences, lapsed, lapsed-at. ARGV: tenant, request id, blocks, lease_ms, prompt_tokens,
-# rate burst seconds, max_tokens, steady blocks, n (sequences).
-# Returns {outcome, reason, retry_after_ms}.
-ADMIT = (
-    NOW_MS
-    + TAKE_PROMPT_TOKENS
-    + SEQUENCES_OF
-    + """
-local raw = redis.call('HGET', KEYS[1], ARGV[1])
-if not raw then return {'rejected', 'unknown_tenant', 0} end
-local quota = cjson.decode(raw)
-local blocks = tonumber(ARGV[3])
-local now = now_ms()
-if blocks > quota['kv_budget_blocks'] then return {'rejected', 'exceeds_budget', 0} end
+# A tenant's reservations whose deadline passed leave its total, the cluster's total and
+# its sequences, and are remembered as lapsed (a late renewal reserves them again) for a
+# TTL; without a running total yet, the total is counted once. KEYS: admission's first 11
+# (`ADMIT`); ARGV[4]: lease_ms. Leaves `sequences` (held now) and `expired` for the rest.
+PURGE_LAPSED = """
 if redis.call('EXISTS', KEYS[7]) == 0 then
   -- No running total yet (first use, or reservations from before it existed): count once.
   local reserved = 0
   for _, value in ipairs(redis.call('HVALS', KEYS[3])) do reserved = reserved + tonumber(value) end
   redis.call('SET', KEYS[7], reserved)
+  redis.call('INCRBY', KEYS[11], reserved)
 end
 -- The sequences held (KEYS[8]); none when no reservation is held (a count left by a
 -- deleted tenant is stale); without a count yet, counted once from the start records.
@@ -104,8 +97,35 @@ if #expired > 0 then
   redis.call('PEXPIRE', KEYS[10], tonumber(ARGV[4]))
   redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
   redis.call('DECRBY', KEYS[7], freed)
+  redis.call('DECRBY', KEYS[11], freed)
   redis.call('SET', KEYS[8], math.max(sequences, 0))
 end
+"""
+
+# KEYS: quotas, usage, reservations, deadlines, rate bucket, reservation starts, total,
+# sequences, lapsed, lapsed-at, cluster total, then the fair queue's (tenant's tickets,
+# their leases, active tenants, contending tenants, tenant leases, counters, virtual time).
+# ARGV: tenant, request id, blocks, lease_ms, prompt_tokens, rate burst seconds,
+# max_tokens, steady blocks, n (sequences), ticket ('' for a request not queued),
+# cluster capacity in blocks (0: none), the tenant's weight, ticket lease_ms.
+# Returns {outcome, reason, retry_after_ms}. A request queued behind its tenant's tickets
+# is throttled `queued` (a fourth value: how many are ahead of it); one the cluster's
+# capacity or another tenant's turn holds back, `cluster_full` (`fair_queue_scripts`).
+ADMIT = (
+    NOW_MS
+    + TAKE_PROMPT_TOKENS
+    + SEQUENCES_OF
+    + QUEUE_FUNCTIONS
+    + """
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if not raw then return {'rejected', 'unknown_tenant', 0} end
+local quota = cjson.decode(raw)
+local blocks = tonumber(ARGV[3])
+local now = now_ms()
+if blocks > quota['kv_budget_blocks'] then return {'rejected', 'exceeds_budget', 0} end
+"""
+    + PURGE_LAPSED
+    + """
 local same = redis.call('HGET', KEYS[3], ARGV[2])
 if same then
   -- The same admission sent again (redis-py retries a script whose reply timed out):
@@ -117,26 +137,44 @@ if same then
   end
   return {'rejected', 'duplicate_request', 0}
 end
+local tenant, ticket = ARGV[1], ARGV[10]
+local queue, contending = {KEYS[12], KEYS[13], KEYS[14], KEYS[15], KEYS[16]}, KEYS[15]
+purge_tickets(queue, tenant, now)
+local turn, ahead = take_turn(queue, tenant, ticket, now + tonumber(ARGV[13]))
+if turn then return {'throttled', turn, -1, ahead} end
+-- A ticket held back by its tenant's own limits leaves the contention for the cluster.
+local function wait(reason, ms)
+  if ticket ~= '' then redis.call('ZREM', contending, tenant) end
+  return {'throttled', reason, ms}
+end
 local max_concurrent = quota['max_concurrent_requests']
 local n = tonumber(ARGV[9])
 if max_concurrent ~= cjson.null then
   if n > max_concurrent then return {'rejected', 'exceeds_max_concurrent_requests', 0} end
-  if sequences + n > max_concurrent then return {'throttled', 'max_concurrent_requests', -1} end
+  if sequences + n > max_concurrent then return wait('max_concurrent_requests', -1) end
 end
 local reserved = tonumber(redis.call('GET', KEYS[7]))
 local reported = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
 if math.max(reserved, reported) + blocks > quota['kv_budget_blocks'] then
-  return {'throttled', 'kv_budget', -1}
+  return wait('kv_budget', -1)
+end
+local counter = counter_of(KEYS[17], tenant)
+if not cluster_turn(KEYS[11], contending, tenant, ticket, counter, blocks, tonumber(ARGV[11])) then
+  return {'throttled', 'cluster_full', -1}
 end
 local rate = quota['prompt_tokens_per_s']
 if rate ~= cjson.null then
   local capacity = rate * tonumber(ARGV[6])
   local prompt = tonumber(ARGV[5])
   local wait_ms = take_prompt_tokens(KEYS[5], rate, capacity, prompt, now)
-  if wait_ms > 0 then return {'throttled', 'prompt_token_rate', wait_ms} end
+  if wait_ms > 0 then return wait('prompt_token_rate', wait_ms) end
+end
+if ticket ~= '' then
+  served(queue, KEYS[17], KEYS[18], tenant, ticket, counter, blocks / tonumber(ARGV[12]))
 end
 redis.call('HSET', KEYS[3], ARGV[2], blocks)
 redis.call('INCRBY', KEYS[7], blocks)
+redis.call('INCRBY', KEYS[11], blocks)
 redis.call('SET', KEYS[8], sequences + n)
 redis.call('HSET', KEYS[6], ARGV[2],
   string.format('%d', now) .. ' ' .. ARGV[7] .. ' ' .. ARGV[5] .. ' ' .. ARGV[8] .. ' ' .. ARGV[9])
@@ -145,18 +183,35 @@ return {'admitted', 'ok', 0}
 """
 )
 
-# KEYS: reservations, total. ARGV: request id, steady blocks. Shrinks only a held one.
+# KEYS: admission's first 11 (`ADMIT`). ARGV: -, -, -, lease_ms. Purges the tenant's lapsed
+# reservations as an admission would (`controlplane.lapse_sweep`); returns how many lapsed.
+SWEEP_LAPSED = (
+    NOW_MS
+    + SEQUENCES_OF
+    + """
+local now = now_ms()
+"""
+    + PURGE_LAPSED
+    + """
+return #expired
+"""
+)
+
+
+# KEYS: reservations, total, cluster total. ARGV: request id, steady blocks. Shrinks only
+# a held one. The cluster's total moves with every tenant total.
 SETTLE = """
 local held = redis.call('HGET', KEYS[1], ARGV[1])
 if not held then return 0 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 if redis.call('EXISTS', KEYS[2]) == 1 then
   redis.call('INCRBY', KEYS[2], tonumber(ARGV[2]) - tonumber(held))
+  redis.call('INCRBY', KEYS[3], tonumber(ARGV[2]) - tonumber(held))
 end
 return 1
 """
 
-# KEYS: reservations, deadlines, starts, total, sequences, lapsed, lapsed-at.
+# KEYS: reservations, deadlines, starts, total, sequences, lapsed, lapsed-at, cluster total.
 # ARGV: request id. 1 iff it was held.
 RELEASE = (
     SEQUENCES_OF
@@ -169,14 +224,17 @@ redis.call('HDEL', KEYS[3], ARGV[1])
 local held = redis.call('HGET', KEYS[1], ARGV[1])
 if not held then return 0 end
 redis.call('HDEL', KEYS[1], ARGV[1])
-if redis.call('EXISTS', KEYS[4]) == 1 then redis.call('DECRBY', KEYS[4], held) end
+if redis.call('EXISTS', KEYS[4]) == 1 then
+  redis.call('DECRBY', KEYS[4], held)
+  redis.call('DECRBY', KEYS[8], held)
+end
 if redis.call('EXISTS', KEYS[5]) == 1 then redis.call('DECRBY', KEYS[5], sequences_of(start)) end
 return 1
 """
 )
 
-# KEYS: deadlines, reservations, lapsed, total, starts, sequences, lapsed-at.
-# ARGV: request id, lease_ms. 1: renewed; 2: it had lapsed and is reserved again (its
+# KEYS: deadlines, reservations, lapsed, total, starts, sequences, lapsed-at, cluster
+# total. ARGV: request id, lease_ms. 1: renewed; 2: it had lapsed and is reserved again (its
 # request still runs, so its KV counts); 0: not held (released, or never admitted).
 RENEW = (
     NOW_MS
@@ -200,7 +258,10 @@ redis.call('ZREM', KEYS[7], ARGV[1])
 local blocks, start = string.match(lapsed, '^(%d+)|(.*)$')
 redis.call('HSET', KEYS[2], ARGV[1], blocks)
 if start ~= '' then redis.call('HSET', KEYS[5], ARGV[1], start) end
-if redis.call('EXISTS', KEYS[4]) == 1 then redis.call('INCRBY', KEYS[4], blocks) end
+if redis.call('EXISTS', KEYS[4]) == 1 then
+  redis.call('INCRBY', KEYS[4], blocks)
+  redis.call('INCRBY', KEYS[8], blocks)
+end
 if redis.call('EXISTS', KEYS[6]) == 1 then
   redis.call('INCRBY', KEYS[6], sequences_of(start))
 end

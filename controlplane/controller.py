@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from opentelemetry import trace
 
 from controlplane import telemetry
+from controlplane.admission import DEFAULT_RESERVATION_TTL_S
 from controlplane.clock import Clock
+from controlplane.lapse_sweep import sweep_lapsed
 from controlplane.lease import ControllerLease, LeaseHeld, PlanWrite
 from controlplane.models import RoutingPlan, TenantQuota
 from controlplane.placement import PlanInputs, PlannerConfig, PlanResult, compute_plan
@@ -35,7 +37,9 @@ class ControllerConfig:
     """`report_max_age_s`: a report older than this is stale and its replica is drained
     (replicas report every ~0.1 s); `forget_after_s`: a replica silent this long is no
     longer listed at all. `lease_ttl_s` must exceed `period_s` so the leader renews in
-    time; a standby takes over at most `lease_ttl_s` after the leader dies. `usage_ttl_s`:
+    time; a standby takes over at most `lease_ttl_s` after the leader dies. Every
+    `lapse_sweep_cycles` leader cycles the tenants' lapsed reservations are purged
+    (`controlplane.lapse_sweep`; `reservation_ttl_s` is the ingresses'). `usage_ttl_s`:
     the per-tenant usage admission reads expires this long after the last plan write, so
     a stopped controller leaves no frozen numbers behind (it must exceed `period_s`)."""
 
@@ -49,6 +53,8 @@ class ControllerConfig:
     freeze_gc_after_cycle: bool = True
     gc_full_collect_cycles: int = 120
     quota_full_read_cycles: int = 20
+    lapse_sweep_cycles: int = 20
+    reservation_ttl_s: float = DEFAULT_RESERVATION_TTL_S
 
     def __post_init__(self) -> None:
         if self.period_s <= 0 or self.report_max_age_s <= 0:
@@ -59,8 +65,10 @@ class ControllerConfig:
             raise ValueError(f"usage_ttl_s ({self.usage_ttl_s}) must exceed period_s")
         if self.forget_after_s < self.report_max_age_s:
             raise ValueError("forget_after_s must be >= report_max_age_s")
-        if self.quota_full_read_cycles < 1 or self.gc_full_collect_cycles < 1:
+        if min(self.quota_full_read_cycles, self.gc_full_collect_cycles) < 1:
             raise ValueError("quota_full_read_cycles and gc_full_collect_cycles must be >= 1")
+        if self.lapse_sweep_cycles < 1 or self.reservation_ttl_s <= 0:
+            raise ValueError("lapse_sweep_cycles must be >= 1, reservation_ttl_s positive")
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +113,7 @@ class Controller:
         self._quotas_version: int | None = None
         self._cycles_since_quota_read = 0
         self._cycles_since_full_gc = 0
+        self._cycles_since_sweep = 0
 
     @property
     def current_plan(self) -> RoutingPlan | None:
@@ -132,6 +141,7 @@ class Controller:
                 await self._resume(state.fence)
             span.set_attribute(telemetry.ATTR_LEASE_FENCE, state.fence)
             result = await self._plan_and_write(state.fence, span)
+            await self._sweep_lapsed()
             if self._on_cycle is not None:
                 self._on_cycle(result)
             return result
@@ -231,6 +241,15 @@ class Controller:
             self._fence = None  # lost the lease between renew and write
         logger.warning("controller %s plan write refused: %s", self._lease.owner, write.value)
         return CycleResult(write is PlanWrite.STALE_VERSION, self._plan, write, 0, **timings)
+
+    async def _sweep_lapsed(self) -> None:
+        self._cycles_since_sweep += 1
+        if self._cycles_since_sweep < self.config.lapse_sweep_cycles:
+            return
+        self._cycles_since_sweep = 0
+        store = self._store
+        ttl_s = self.config.reservation_ttl_s
+        await sweep_lapsed(store.redis, store.keys, self._quotas, ttl_s)
 
     def _compute(self, inputs: PlanInputs) -> tuple[PlanResult, bool, SliceUpdate]:
         """The plan, whether its content differs from the stored one's (always when the

@@ -119,6 +119,49 @@ class KeySpace:
         """Sorted set: request id -> deadline (ms since epoch) after which it lapses."""
         return f"{self.prefix}:resv-deadline:{tenant_id}"
 
+    @property
+    def cluster_reservation_total(self) -> str:
+        """String: the sum of every tenant's reservation total (blocks), kept by admission
+        with them: what the cluster's capacity (``AdmissionConfig.cluster_kv_blocks``)
+        bounds."""
+        return f"{self.prefix}:resv-total"
+
+    def queue_tickets(self, tenant_id: str) -> str:
+        """Sorted set: ticket -> when it joined (ms, Redis's clock): the tenant's waiting
+        requests at the ingresses, first come first (``controlplane.fair_queue``)."""
+        return f"{self.prefix}:queue-tickets:{tenant_id}"
+
+    def queue_leases(self, tenant_id: str) -> str:
+        """Sorted set: ticket -> ms after which it is dead (its ingress renews it)."""
+        return f"{self.prefix}:queue-lease:{tenant_id}"
+
+    @property
+    def queue_active(self) -> str:
+        """Sorted set: tenant -> virtual counter, for every tenant with a waiting ticket."""
+        return f"{self.prefix}:queue:active"
+
+    @property
+    def queue_contending(self) -> str:
+        """Sorted set: tenant -> virtual counter, for the tenants whose first ticket waits
+        for the cluster's capacity; the smallest is served next."""
+        return f"{self.prefix}:queue:contending"
+
+    @property
+    def queue_tenant_leases(self) -> str:
+        """Sorted set: tenant -> the latest lease of its tickets (ms)."""
+        return f"{self.prefix}:queue:tenant-leases"
+
+    @property
+    def queue_counters(self) -> str:
+        """Hash: tenant -> virtual counter (blocks admitted from the queue / weight)."""
+        return f"{self.prefix}:queue:counters"
+
+    @property
+    def queue_virtual_time(self) -> str:
+        """String: the counter the last ticket was admitted at (where a tenant that
+        becomes active while none is starts)."""
+        return f"{self.prefix}:queue:vtime"
+
     def rate_bucket(self, tenant_id: str) -> str:
         """Hash `tokens`, `at_ms`: the tenant's prompt-token bucket."""
         return f"{self.prefix}:rate:{tenant_id}"
@@ -131,3 +174,33 @@ class KeySpace:
     def tenant_api_keys(self, tenant_id: str) -> str:
         """Hash: key id -> API key digest, for each key of the tenant (list and revoke)."""
         return f"{self.prefix}:apikey-ids:{tenant_id}"
+
+
+def queue_keys(keys: KeySpace, tenant_id: str) -> list[str]:
+    """The fair queue's keys as its Lua scripts take them (``fair_queue_scripts``): the
+    tenant's tickets and their leases, the active and contending tenants, tenant leases."""
+    return [
+        keys.queue_tickets(tenant_id),
+        keys.queue_leases(tenant_id),
+        keys.queue_active,
+        keys.queue_contending,
+        keys.queue_tenant_leases,
+    ]
+
+
+def reservation_keys(keys: KeySpace, tenant_id: str) -> list[str]:
+    """The first KEYS of the admission script (``admission_scripts.ADMIT``) and all of the
+    lapse sweep's (``SWEEP_LAPSED``), in their order."""
+    return [
+        keys.quotas,
+        keys.usage,
+        keys.reservations(tenant_id),
+        keys.reservation_deadlines(tenant_id),
+        keys.rate_bucket(tenant_id),
+        keys.reservation_starts(tenant_id),
+        keys.reservation_total(tenant_id),
+        keys.reservation_sequences(tenant_id),
+        keys.reservation_lapsed(tenant_id),
+        keys.reservation_lapsed_at(tenant_id),
+        keys.cluster_reservation_total,
+    ]

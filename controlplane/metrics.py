@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 
 class IngressMetrics:
@@ -25,6 +27,37 @@ class IngressMetrics:
             registry=self.registry,
         )
 
+        self._queue_wait = Histogram(
+            "vtoken_ingress_queue_wait_seconds",
+            "How long queued requests waited for admission, by tenant.",
+            ["tenant"],
+            registry=self.registry,
+        )
+        self._queue_depth = Gauge(
+            "vtoken_ingress_queue_depth",
+            "Requests this ingress holds queued, by tenant.",
+            ["tenant"],
+            registry=self.registry,
+        )
+        self._queue_oldest = Gauge(
+            "vtoken_ingress_queue_oldest_wait_seconds",
+            "How long the oldest request this ingress holds queued has waited, by tenant.",
+            ["tenant"],
+            registry=self.registry,
+        )
+
+    def queue_wait(self, tenant_id: str, seconds: float) -> None:
+        self._queue_wait.labels(tenant=tenant_id).observe(seconds)
+
+    def queues(self, waiting: Iterable[tuple[str, int, float]]) -> None:
+        """Set the queue gauges to ``(tenant, depth, oldest wait in s)`` rows; tenants not
+        in them have none queued here."""
+        self._queue_depth.clear()
+        self._queue_oldest.clear()
+        for tenant_id, depth, oldest_s in waiting:
+            self._queue_depth.labels(tenant=tenant_id).set(depth)
+            self._queue_oldest.labels(tenant=tenant_id).set(oldest_s)
+
     def admission(self, tenant_id: str, outcome: str) -> None:
         self._admissions.labels(tenant=tenant_id, outcome=outcome).inc()
 
@@ -33,7 +66,7 @@ class IngressMetrics:
 
     def forget_tenant(self, tenant_id: str) -> None:
         """Drop every series of ``tenant_id`` (a deleted tenant's admissions and latency)."""
-        for metric in (self._admissions, self._latency):
+        for metric in (self._admissions, self._latency, self._queue_wait):
             metric.remove_by_labels({"tenant": tenant_id})
 
     def render(self) -> bytes:

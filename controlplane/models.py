@@ -55,6 +55,12 @@ PrefixGroup = Annotated[
 MAX_LIMIT = 2**31 - 1
 """The largest integer limit (blocks, requests, tokens): far above any cluster's, and exact
 in the Lua scripts' doubles and the controller's float arithmetic."""
+DEFAULT_QUEUE_DEPTH = 16
+MAX_QUEUE_DEPTH = 10_000
+DEFAULT_QUEUE_WAIT_S = 10.0
+MAX_QUEUE_WAIT_S = 600.0
+"""A queued request holds an HTTP connection and its prompt's ids at an ingress: a few
+thousand per tenant and ten minutes bound that (the OpenAI client waits 600 s)."""
 MIN_RATE = 0.01
 """The smallest prompt-token rate (tokens/s): a bucket refills within 2**31 ms."""
 
@@ -88,6 +94,14 @@ class TenantLimits(_Frozen):
     plus a block) instead of their budgets: more requests are admitted, and the tenant's
     requests absorb the difference by eviction below their budgets under pressure. Off by
     default: it trades answer quality for admission."""
+    max_queue_depth: StrictInt = Field(default=DEFAULT_QUEUE_DEPTH, ge=0, le=MAX_QUEUE_DEPTH)
+    """Requests of the tenant that may wait at the ingresses, cluster-wide, for its limits
+    or the cluster to make room (``controlplane.fair_queue``); one more is a 429 with
+    ``Retry-After``. 0: no queue (every such request is a 429 at once)."""
+    max_queue_wait_s: float = Field(
+        default=DEFAULT_QUEUE_WAIT_S, ge=0, le=MAX_QUEUE_WAIT_S, allow_inf_nan=False
+    )
+    """The longest a request waits in the queue; then it is a 429 with ``Retry-After``."""
     prefix_group: PrefixGroup | None = None
     """Tenants naming the same group share prefix-cache blocks: their prompts are salted
     with the group's salt instead of their own, so a prompt prefix one of them computed

@@ -201,8 +201,12 @@ class RequestMetrics:
     """The ingress's per-tenant admissions and latencies (TTFT, TPOT)."""
 
     def __init__(self, meter: Meter) -> None:
+        self._meter = meter
         self._admissions = meter.create_counter(telemetry.METRIC_ADMISSIONS, REQUEST)
         buckets = list(LATENCY_BUCKETS_S)
+        self._queue_wait = meter.create_histogram(
+            telemetry.METRIC_QUEUE_WAIT, SECONDS, explicit_bucket_boundaries_advisory=buckets
+        )
         self._ttft = meter.create_histogram(
             telemetry.METRIC_TIME_TO_FIRST_TOKEN,
             SECONDS,
@@ -213,6 +217,25 @@ class RequestMetrics:
             SECONDS,
             explicit_bucket_boundaries_advisory=buckets,
         )
+
+    def queue_wait(self, tenant_id: str, seconds: float) -> None:
+        """A queued request's wait, however it ended."""
+        self._queue_wait.record(seconds, {telemetry.ATTR_TENANT_ID: tenant_id})
+
+    def observe_queues(self, waiting: Callable[[], Iterable[tuple[str, int, float]]]) -> None:
+        """Gauges of the requests this ingress holds queued: ``waiting()`` yields
+        ``(tenant, depth, oldest wait in s)`` (it must not block)."""
+
+        def depth(_: CallbackOptions) -> Iterable[Observation]:
+            for tenant_id, num, _oldest in waiting():
+                yield Observation(num, {telemetry.ATTR_TENANT_ID: tenant_id})
+
+        def oldest(_: CallbackOptions) -> Iterable[Observation]:
+            for tenant_id, _num, oldest_s in waiting():
+                yield Observation(oldest_s, {telemetry.ATTR_TENANT_ID: tenant_id})
+
+        self._meter.create_observable_gauge(telemetry.METRIC_QUEUE_DEPTH, [depth], REQUEST)
+        self._meter.create_observable_gauge(telemetry.METRIC_QUEUE_OLDEST_WAIT, [oldest], SECONDS)
 
     def admission(self, tenant_id: str, outcome: str) -> None:
         outcome_attribute = telemetry.ATTR_ADMISSION_OUTCOME
@@ -247,6 +270,9 @@ PROMETHEUS_NAMES: frozenset[str] = frozenset(
     prometheus
     for name, unit, kind in (
         (telemetry.METRIC_REPLICA_KV_BLOCKS, BLOCK, "gauge"),
+        (telemetry.METRIC_QUEUE_WAIT, SECONDS, "histogram"),
+        (telemetry.METRIC_QUEUE_DEPTH, REQUEST, "gauge"),
+        (telemetry.METRIC_QUEUE_OLDEST_WAIT, SECONDS, "gauge"),
         (telemetry.METRIC_REPLICA_LIVE_TOKENS, TOKEN, "gauge"),
         (telemetry.METRIC_REPLICA_RUNNING_REQUESTS, REQUEST, "gauge"),
         (telemetry.METRIC_REPLICA_TENANT_KV_BLOCKS, BLOCK, "gauge"),

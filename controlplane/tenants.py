@@ -47,8 +47,8 @@ return {'no_key', existed}
 """
 
 # KEYS: quotas, quotas version, api keys, the tenant's key ids, reservations, reservation
-# starts, reservation deadlines, rate bucket, reservation total, lapsed, lapsed-at.
-# ARGV: tenant id.
+# starts, reservation deadlines, rate bucket, reservation total, lapsed, lapsed-at, the
+# cluster's reservation total (less the tenant's). ARGV: tenant id.
 # Returns {quota existed (0/1), keys revoked, reservations removed}.
 # The scan of every key digest also catches keys stored before key ids existed; it runs
 # once per tenant deletion (an admin action), O(all keys).
@@ -70,6 +70,7 @@ for i = 1, #all, 2 do
   end
 end
 local reservations = redis.call('HLEN', KEYS[5])
+redis.call('DECRBY', KEYS[12], tonumber(redis.call('GET', KEYS[9]) or '0'))
 redis.call('DEL', KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10], KEYS[11])
 local existed = redis.call('HDEL', KEYS[1], tenant)
 redis.call('INCR', KEYS[2])
@@ -149,6 +150,7 @@ async def remove_tenant(redis: aioredis.Redis, keys: KeySpace, tenant_id: str) -
         keys.reservation_total(tenant_id),
         keys.reservation_lapsed(tenant_id),
         keys.reservation_lapsed_at(tenant_id),
+        keys.cluster_reservation_total,
     ]
     existed, revoked, reservations = await script(keys=names, args=[tenant_id])
     return TenantRemoval(

@@ -79,6 +79,7 @@ async def _existing(state: IngressState, tenant_id: str) -> TenantQuota:
 @admin_routes.get("/metrics")
 async def metrics(state: AdminState) -> Response:
     # Per-tenant series name every tenant: operators only.
+    state.metrics.queues(state.waiting_now())
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
 
@@ -173,7 +174,7 @@ async def revoke_key(tenant_id: str, key_id: str, state: AdminState) -> dict[str
 
 @admin_routes.get("/admin/status")
 async def status(state: AdminState) -> dict[str, Any]:
-    return await cluster_status(state.store)
+    return await cluster_status(state.store, queue=state.queue)
 
 
 @admin_routes.get("/admin/metrics/targets")

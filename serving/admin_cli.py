@@ -78,6 +78,12 @@ def tenant_set(
         str | None,
         typer.Option(help="Share prefix-cache blocks with the other tenants of this group."),
     ] = None,
+    max_queue_depth: Annotated[
+        int | None, typer.Option(help="Requests that may wait for admission (0: none).")
+    ] = None,
+    max_queue_wait_s: Annotated[
+        float | None, typer.Option(help="Longest wait for admission, in seconds.")
+    ] = None,
     api_key: Annotated[
         str | None,
         typer.Option(help="Add this key, 32+ characters (a new tenant otherwise gets one)."),
@@ -96,6 +102,8 @@ def tenant_set(
         "eviction_budget_tokens": eviction_budget_tokens,
         "squeeze_to_floor": squeeze_to_floor,
         "prefix_group": prefix_group,
+        "max_queue_depth": max_queue_depth,
+        "max_queue_wait_s": max_queue_wait_s,
     }
     current = _admin("GET", url, admin_token, f"/admin/tenants/{tenant_id}", missing_ok=True)
     body: dict[str, Any] = {k: current[k] for k in QUOTA_FIELDS if current and k in current}
@@ -192,7 +200,8 @@ def status(url: Url = DEFAULT_URL, admin_token: Token = "") -> None:
         )
     tenants = Table(title="tenants")
     tenant_columns = (
-        "tenant", "budget", "active KV", "floor", "reclaimable", "shared", "running", "pressure"
+        "tenant", "budget", "active KV", "floor", "reclaimable", "shared", "running", "queued",
+        "oldest wait", "pressure",
     )  # fmt: skip
     for column in tenant_columns:
         tenants.add_column(column)
@@ -206,6 +215,8 @@ def status(url: Url = DEFAULT_URL, admin_token: Token = "") -> None:
             str(t.get("reclaimable_blocks", "-")),
             str(t.get("shared_blocks", "-")),
             str(t["running_requests"]),
+            str(t.get("queue_depth", "-")),
+            f"{t['queue_oldest_wait_s']:.1f} s" if t.get("queue_depth") else "-",
             ", ".join(f"{r[:8]} keep {f:.2f}" for r, f in sorted(pressure.items())) or "-",
         )
     console.print(replicas, tenants)

@@ -3,6 +3,7 @@ controller. ``build_app`` is the Serve config's ``import_path`` target."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
@@ -65,6 +66,10 @@ class AppArgs(AdminTokenSource):
     bound; ``worst_case``: it counts prompt + max_tokens for its whole life, no credit for
     eviction (a tenant's own ``eviction_budget_tokens`` still bounds it) - the baseline
     of ``vtoken bench quotas``."""
+    cluster_kv_blocks: int | None = Field(default=None, ge=1)
+    """The most KV blocks all tenants' admitted requests may reserve together (``None``,
+    the default: no bound, tenants' budgets alone decide). Past it requests wait in their
+    tenants' queues and are admitted in weighted-fair turn as room frees."""
     api_docs: ApiDocs = "off"
     """Who may read the OpenAPI document (every route and body, the admin API's included):
     ``off``, ``admin`` (``GET /openapi.json`` with the admin token) or ``public`` (it and
@@ -121,7 +126,9 @@ class AppArgs(AdminTokenSource):
             max_model_len=engine.max_model_len,
             admin_token=admin_token,
             redis_url=redis_url,
-            admission=admission_config(engine, self.admission),
+            admission=dataclasses.replace(
+                admission_config(engine, self.admission), cluster_kv_blocks=self.cluster_kv_blocks
+            ),
             key_prefix=self.key_prefix,
             max_n=self.max_n,
             limits=self.limits,

@@ -7,8 +7,9 @@ prompt); read and validate the body (:mod:`serving.input_limits`); tokenize
 (:mod:`serving.replica_request`) on the ingress's tokenizer pool, fair between tenants
 (:mod:`serving.tokenize_pool`; so admission knows the prompt size and an oversize prompt
 is a 400 before any engine sees it); admit against the tenant's KV budget for all ``n``
-sequences of the answer (429 + Retry-After when over); call a replica through Ray Serve
-(the vtoken router picks which) while the reservation is held
+sequences of the answer, waiting in the tenant's bounded queue when it or the cluster is
+full (:mod:`serving.queued_admission`; 429 + Retry-After past the queue's bounds); call a
+replica through Ray Serve (the vtoken router picks which) while the reservation is held
 (:class:`serving.reservation.HeldReservation`: renewed every third of its TTL, settled
 to its steady bound once no prefill is left, released when the answer is complete
 whatever happens; :mod:`serving.answer_stream`); shape the chunks as an OpenAI answer
@@ -27,8 +28,7 @@ tests drive it with a local Redis, a fake clock and a fake replica handle.
 
 from __future__ import annotations
 
-import asyncio
-import math
+import time
 import uuid
 from typing import Any
 
@@ -40,26 +40,27 @@ from opentelemetry import trace
 from opentelemetry.metrics import Meter
 
 from controlplane import telemetry
-from controlplane.admission import Admission, AdmissionDecision, AdmissionOutcome, Reservation
+from controlplane.admission import Admission
 from controlplane.auth import TenantKeys
 from controlplane.clock import Clock
+from controlplane.fair_queue import FairQueue
 from controlplane.keys import KeySpace
 from controlplane.metrics import IngressMetrics
-from controlplane.models import TenantQuota
 from controlplane.openai_models import ChatCompletionRequest, CompletionRequest
 from controlplane.otel_metrics import RequestMetrics
 from controlplane.precheck import AdmissionPrecheck
 from controlplane.releases import Releaser
 from controlplane.store import RedisStore
 from serving.answer_stream import AnswerStreams, ReleasingStream, raise_if_cancelled
-from serving.errors import HTTPError, redis_or_503
+from serving.errors import HTTPError
 from serving.input_limits import read_request
 from serving.openai_answers import Answer, collect, sse
+from serving.queued_admission import AdmitAsk, QueuedAdmission
 from serving.replica_request import PromptEncoder, Tokenizer, generate_request
 from serving.reservation import HeldReservation
 from serving.settings import IngressSettings
 from serving.stream_progress import TokenPace
-from serving.tenant_gate import TenantGate, throttled
+from serving.tenant_gate import TenantGate
 from serving.tokenize_pool import TokenizerPool
 
 
@@ -109,6 +110,21 @@ class IngressState:
         self.answers = AnswerStreams(
             replicas, clock, self.metrics, self.request_metrics, self.pace, self.first_token
         )
+        self.queue = FairQueue(redis, settings.admission, keys)
+        self.admitter = QueuedAdmission(
+            self.admission,
+            self.queue,
+            self.releaser,
+            self.metrics,
+            self.request_metrics,
+            self.pace,
+            self.first_token,
+        )
+        self.request_metrics.observe_queues(self.waiting_now)
+
+    def waiting_now(self) -> list[tuple[str, int, float]]:
+        """``(tenant, requests queued here, oldest wait in s)`` (the queue metrics)."""
+        return list(self.admitter.waiting_now(time.monotonic()))
 
     async def serve(self, request: Request, chat: bool) -> Response:
         server = trace.SpanKind.SERVER
@@ -140,12 +156,13 @@ class IngressState:
                     quota.tenant_id,
                     self.prompts.ids,
                     body,
-                    limit=None if limit is None else limit - precheck.held,
+                    limit=None if limit is None else max(1, limit - precheck.held),
                 )
             request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             span.set_attribute(telemetry.ATTR_REQUEST_ID, request_id)
             raise_if_cancelled()
-            reservation = await self.admit(quota, request_id, len(ids), body.max_tokens, body.n)
+            ask = AdmitAsk(quota, request_id, len(ids), body.max_tokens, body.n)
+            reservation = await self.admitter.admit(ask, span)
             held = HeldReservation(self.admission, self.releaser, reservation)
             try:
                 raise_if_cancelled()
@@ -162,52 +179,3 @@ class IngressState:
                 # (idempotent; the answer's own exit may have released it already).
                 held.release_soon()
                 raise
-
-    async def admit(
-        self,
-        quota: TenantQuota,
-        request_id: str,
-        prompt_tokens: int,
-        max_tokens: int,
-        n: int = 1,
-    ) -> Reservation:
-        """The request's KV reservation, for all ``n`` sequences; 429 with ``Retry-After``
-        when the tenant must wait, 400 when the request can never fit its quota.
-
-        Cancellation-safe: the admission runs as its own task, so a caller cancelled while
-        it runs (the client left) never leaves a committed reservation behind: the task
-        finishes and its reservation, if any, is released."""
-        call = asyncio.ensure_future(
-            self.admission.admit(
-                quota,
-                request_id,
-                prompt_tokens,
-                max_tokens,
-                self.pace.seconds_per_token,
-                n=n,
-                seconds_to_first_token=self.first_token.seconds_per_token,
-            )
-        )
-        try:
-            decision = await redis_or_503(asyncio.shield(call))
-        except asyncio.CancelledError:
-            call.add_done_callback(self._release_if_admitted)
-            raise
-        self.metrics.admission(quota.tenant_id, decision.outcome.value)
-        self.request_metrics.admission(quota.tenant_id, decision.outcome.value)
-        if decision.outcome is AdmissionOutcome.THROTTLED:
-            retry = max(1, math.ceil(decision.retry_after_s))  # never before it fits
-            raise throttled(quota.tenant_id, decision.reason, retry)
-        if decision.reservation is None:
-            raise HTTPError(
-                400, f"request cannot be admitted: {decision.reason}", "invalid_request"
-            )
-        return decision.reservation
-
-    def _release_if_admitted(self, call: asyncio.Future[AdmissionDecision]) -> None:
-        """Done callback of an admission whose caller was cancelled."""
-        if call.cancelled() or call.exception() is not None:
-            return
-        reservation = call.result().reservation
-        if reservation is not None:
-            self.releaser.release_soon(reservation)

@@ -33,6 +33,9 @@ THROTTLE_REASONS = {
     "max_concurrent_requests": "at its concurrent-request limit",
     "prompt_token_rate": "over its prompt-token rate",
     "requests_in_flight": "reading and tokenizing as many requests as it may at once",
+    "queued": "behind as many of its own queued requests as it may queue",
+    "cluster_full": "waiting for room in the cluster, which serves tenants in weighted turn",
+    "ticket_lost": "waiting on a queue ticket that lapsed",
 }
 
 
@@ -89,10 +92,14 @@ class TenantGate:
 
     async def before_tokenizing(self, quota: TenantQuota) -> Precheck:
         """The tenant's concurrency and prompt-rate limits, read before its body and prompt
-        cost any CPU: 429 with ``Retry-After`` when admission would throttle any prompt."""
+        cost any CPU: 429 with ``Retry-After`` when admission would throttle any prompt
+        (at its concurrency limit only when the tenant has no queue to wait in)."""
         precheck = await redis_or_503(self.precheck.check(quota))
         if precheck.reason is None:
             return precheck
+        queues = quota.max_queue_depth > 0 and quota.max_queue_wait_s > 0
+        if precheck.reason == "max_concurrent_requests" and queues:
+            return precheck  # it may wait in the tenant's queue once tokenized
         outcome = AdmissionOutcome.THROTTLED.value
         self.metrics.admission(quota.tenant_id, outcome)
         self.request_metrics.admission(quota.tenant_id, outcome)

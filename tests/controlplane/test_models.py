@@ -46,6 +46,13 @@ def test_a_prefix_group_is_optional_and_kept() -> None:
     assert named.model_dump()["prefix_group"] == "support-bots.v2_x"
 
 
+def test_queue_limits_default_on_and_zero_turns_the_queue_off() -> None:
+    limits = TenantLimits.model_validate({"kv_budget_blocks": 8})
+    assert (limits.max_queue_depth, limits.max_queue_wait_s) == (16, 10.0)
+    off = TenantLimits.model_validate({"kv_budget_blocks": 8, "max_queue_depth": 0})
+    assert off.max_queue_depth == 0
+
+
 def test_quota_is_immutable() -> None:
     with pytest.raises(ValidationError):
         quota("a").kv_budget_blocks = 5  # type: ignore[misc]
@@ -120,6 +127,12 @@ def test_plan_json_round_trip_and_bad_weight() -> None:
         ("max_concurrent_requests", 10**20),
         ("prompt_tokens_per_s", 1e-300),
         ("prompt_tokens_per_s", 1e300),
+        ("max_queue_depth", -1),
+        ("max_queue_depth", 10_001),
+        ("max_queue_depth", 2.0),
+        ("max_queue_wait_s", -0.5),
+        ("max_queue_wait_s", 601),
+        ("max_queue_wait_s", float("nan")),
     ],
 )
 def test_limits_refuse_non_finite_numbers_and_loose_integers(field: str, value: object) -> None:

@@ -177,6 +177,8 @@ def test_prometheus_names_are_the_exporters():
     requests.admission("acme", "admitted")
     requests.first_token("acme", 0.1)
     requests.request_done("acme", 0.1, 0.3, 3)
+    requests.queue_wait("acme", 0.2)
+    requests.observe_queues(lambda: [("acme", 2, 1.5)])
 
     rendered = generate_latest(registry).decode()
     names = {

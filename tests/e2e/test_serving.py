@@ -144,7 +144,7 @@ def test_completions_and_streaming_agree(cluster):
 def test_tenant_over_quota_gets_429_while_others_are_served(cluster):
     url = cluster.url
     with httpx.Client(base_url=url, timeout=60) as client:
-        small = make_tenant(client, "small", 12)
+        small = make_tenant(client, "small", 12, max_queue_depth=0)  # no queue: a 429 at once
         big = make_tenant(client, "big", 400)
     # one request: ~110 prompt tokens + 350 new under H2O keep 0.5, evicting every step:
     # ceil(0.5 * 460 / 32) + 1 = 9 blocks of 32 (not the 15 it would hold unevicted); two

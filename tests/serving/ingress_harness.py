@@ -139,7 +139,10 @@ def admin() -> dict[str, str]:
 
 @contextlib.asynccontextmanager
 async def running_ingress(
-    redis_url: str, tokenizer: Any, limits: InputLimits | None = None
+    redis_url: str,
+    tokenizer: Any,
+    limits: InputLimits | None = None,
+    admission: AdmissionConfig | None = None,
 ) -> AsyncIterator[Ingress]:
     """An ingress on a fresh key space; at exit asserts that every answered or refused
     request gave its reservation back."""
@@ -150,7 +153,7 @@ async def running_ingress(
         max_model_len=128,
         admin_token=ADMIN,
         redis_url=redis_url,
-        admission=AdmissionConfig(block_size=BLOCK_SIZE),
+        admission=admission if admission is not None else AdmissionConfig(block_size=BLOCK_SIZE),
         key_prefix=keys.prefix,
         limits=limits if limits is not None else InputLimits(),
     )
@@ -170,6 +173,8 @@ async def running_ingress(
         yield under_test
     for tenant_id in under_test.api_keys:
         assert await state.admission.reserved_blocks(tenant_id) == 0, tenant_id
+    assert await state.queue.queues() == {}  # no ticket outlives its request
+    await state.queue.check_invariants()
     state.tokenize_pool.check_invariants()
     state.tokenize_pool.shutdown()
     await redis.aclose()

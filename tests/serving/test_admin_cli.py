@@ -78,7 +78,7 @@ def test_status_shows_each_tenants_budget_active_kv_reclaimable_and_pressure(
         "tenants": [
             {"id": "acme", "quota_blocks": 40, "kv_blocks": 50, "floor_blocks": 21,
              "reclaimable_blocks": 29, "shared_blocks": 12, "running_requests": 3,
-             "over_budget": True,
+             "over_budget": True, "queue_depth": 4, "queue_oldest_wait_s": 2.25,
              "pressure": {"replica-one": 0.72}},
             {"id": "beta", "quota_blocks": 10, "kv_blocks": 4, "floor_blocks": 4,
              "reclaimable_blocks": 0, "running_requests": 1, "over_budget": False,
@@ -91,7 +91,9 @@ def test_status_shows_each_tenants_budget_active_kv_reclaimable_and_pressure(
     lines = {line.split("│")[1].strip(): line for line in capsys.readouterr().out.splitlines()
              if line.count("│") > 2 and line.split("│")[1].strip() in ("acme", "beta")}  # fmt: skip
     cells = [cell.strip() for cell in lines["acme"].split("│")[1:-1]]
-    assert cells == ["acme", "40", "50 (over)", "21", "29", "12", "3", "replica- keep 0.72"]
+    assert cells == [
+        "acme", "40", "50 (over)", "21", "29", "12", "3", "4", "2.2 s", "replica- keep 0.72"
+    ]  # fmt: skip
     assert [c.strip() for c in lines["beta"].split("│")[1:-1]][-1] == "-"
 
 

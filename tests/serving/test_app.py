@@ -131,3 +131,16 @@ def test_admission_learns_the_engines_prefill_chunk_when_their_policy_evicts_dur
     assert admission_config(ReplicaSettings(vtoken=h2o), "active_kv").prefill_chunk_tokens is None
     bounds = admission_config(chunked, "active_kv")
     assert bounds.keep_ratio == 0.2 and bounds.block_size == chunked.block_size
+
+
+def test_the_clusters_capacity_reaches_admission_and_is_checked():
+    """``cluster_kv_blocks`` bounds every tenant's reservations together (off by default)."""
+    from serving.settings import ReplicaSettings
+
+    assert AppArgs().cluster_kv_blocks is None
+    engine = ReplicaSettings()
+    settings = AppArgs(cluster_kv_blocks=512).ingress_settings(engine, "t" * 40, "redis://x")
+    assert settings.admission.cluster_kv_blocks == 512
+    assert settings.admission.block_size == engine.block_size
+    with pytest.raises(ValueError, match="cluster_kv_blocks"):
+        AppArgs(cluster_kv_blocks=0)

@@ -137,7 +137,8 @@ async def test_a_model_not_served_here_is_404(ingress: Ingress) -> None:
 async def test_over_the_kv_budget_is_429_until_the_first_request_finishes(
     ingress: Ingress,
 ) -> None:
-    api_key = await ingress.add_tenant("acme", kv_budget_blocks=2)  # one request's worst case
+    # One request's worst case; no queue: the throttle is today's 429 at once.
+    api_key = await ingress.add_tenant("acme", kv_budget_blocks=2, max_queue_depth=0)
     ingress.replicas.gate.clear()
     first = asyncio.create_task(ingress.complete(api_key))
     await ingress.replicas.arrived.wait()
@@ -286,7 +287,8 @@ async def test_the_reservation_shrinks_to_the_steady_bound_once_a_token_is_out(
 async def test_kv_budget_retry_after_comes_from_the_measured_token_pace(ingress: Ingress) -> None:
     """The ingress times the decode chunks it streams; a budget 429 then says when the
     tenant's running request is expected to end, not a constant."""
-    api_key = await ingress.add_tenant("acme", kv_budget_blocks=4)  # one 40-token answer
+    # One 40-token answer; no queue: the throttle is a 429 at once.
+    api_key = await ingress.add_tenant("acme", kv_budget_blocks=4, max_queue_depth=0)
     ingress.replicas.gate.clear()
     warm_up = asyncio.create_task(ingress.complete(api_key))
     await ingress.replicas.arrived.wait()
@@ -317,7 +319,9 @@ async def test_kv_budget_retry_after_expects_requests_in_prefill_to_settle(
     peak, steady = math.ceil(prompt_tokens / BLOCK_SIZE), math.ceil(16 / BLOCK_SIZE) + 1
     assert steady < peak  # so two peaks exceed the budget, a settled one and a peak fit
     budget = peak + steady
-    api_key = await ingress.add_tenant("acme", kv_budget_blocks=budget, eviction_budget_tokens=16)
+    api_key = await ingress.add_tenant(
+        "acme", kv_budget_blocks=budget, eviction_budget_tokens=16, max_queue_depth=0
+    )
     replicas = ingress.replicas
     # Warm up: the first token comes 4 s after arrival, the second 0.5 s later.
     replicas.prefill_gate.clear()
@@ -351,7 +355,8 @@ async def test_kv_budget_retry_after_expects_requests_in_prefill_to_settle(
 async def test_opentelemetry_metrics_count_admissions_and_time_answers(ingress: Ingress) -> None:
     """Per tenant: admissions by outcome, time to first token, time per output token
     (measured on the ingress's clock between the chunks it streams)."""
-    api_key = await ingress.add_tenant("acme", kv_budget_blocks=4)  # one 40-token answer
+    # One 40-token answer; no queue.
+    api_key = await ingress.add_tenant("acme", kv_budget_blocks=4, max_queue_depth=0)
     ingress.replicas.gate.clear()
     running = asyncio.create_task(ingress.complete(api_key, max_tokens=40))
     await ingress.replicas.arrived.wait()

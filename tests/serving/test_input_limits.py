@@ -299,7 +299,9 @@ async def test_the_prompt_limit_follows_the_models_context(
 async def test_a_tenant_at_its_concurrency_limit_is_refused_before_tokenizing(
     limited: Ingress, counting: CountingTokenizer
 ) -> None:
-    api_key = await limited.add_tenant("acme", kv_budget_blocks=100, max_concurrent_requests=1)
+    api_key = await limited.add_tenant(
+        "acme", kv_budget_blocks=100, max_concurrent_requests=1, max_queue_depth=0
+    )
     limited.replicas.gate.clear()
     first = asyncio.create_task(limited.complete(api_key))
     await limited.replicas.arrived.wait()

@@ -130,7 +130,7 @@ def _check_key_dtype(kv_cache: torch.Tensor) -> None:
         )
 
 
-def _keys_transposed(
+def keys_transposed(
     kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, layout: KVLayout
 ) -> torch.Tensor:
     """Keys of the request as float32 ``[num_kv_heads, head_dim, seq_len]`` (one copy).
@@ -162,7 +162,7 @@ def torch_attention_scores(
     q_len, num_q_heads, head_dim = query.shape
     num_kv_heads = layout.num_kv_heads(kv_cache)
     group = num_q_heads // num_kv_heads
-    keys_t = _keys_transposed(kv_cache, block_table, seq_len, layout)
+    keys_t = keys_transposed(kv_cache, block_table, seq_len, layout)
     # [kv_heads, group, q_len, head_dim]: the rows that share one KV head, scaled once.
     queries = query.float().permute(1, 0, 2).reshape(num_kv_heads, group, q_len, head_dim) * scale
     out = torch.zeros(num_kv_heads, seq_len, dtype=torch.float32, device=query.device)

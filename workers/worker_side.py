@@ -322,10 +322,15 @@ class VTokenWorker:
         for layer in layers:
             sums.add_layer(
                 probability_slices(
-                    layer.query[rows], layer.kv_cache, block_table, request.seq_len,
-                    self.layout, scale=layer.scale, first_row=sums.first_row,
+                    layer.query[rows],
+                    layer.kv_cache,
+                    block_table,
+                    request.seq_len,
+                    self.layout,
+                    scale=layer.scale,
+                    first_row=sums.first_row,
                     max_bytes=self.max_slice_bytes,
-                )  # fmt: skip
+                )
             )
         return sums.reduced().map(_to_host)
 

@@ -15,7 +15,8 @@ written to the scratch while each row keeps its running maximum and sum (online
 softmax); then the scratch (``4 * GROUP`` bytes per key, against ``2 * head_dim`` bytes of
 a bf16 key) is read back, each logit rescaled once by its row's log-sum-exp, summed over
 the rows and added (``atomic_add``) to the request's columns of the output, which thus
-sums over the KV heads and layers.
+sums over the KV heads and layers. The key tile, the dot and the running softmax are
+``kernels._score_tiles_triton``'s, shared with the batched score kernels.
 """
 
 from __future__ import annotations

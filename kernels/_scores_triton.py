@@ -20,7 +20,9 @@ The dot runs on tensor cores in the query's 16-bit dtype when the keys are of th
 or fp8 (products exact, accumulated in float32), else in float32 (``ieee``). An fp8 cache
 is read through its float8 view; ``k_scale`` is folded into the scale. Token rows are
 data-dependent addresses: ``ALIGN`` promises their alignment (``vector_alignment``), so
-they load as 16-byte vectors.
+they load as 16-byte vectors. The key tile, the dot and the running softmax are
+``kernels._score_tiles_triton``'s, shared with the fused decode kernel; the spans' table
+is packed by ``kernels._span_table``.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ written to the scratch while each row keeps its running maximum and sum (online
 softmax); then the scratch (``4 * GROUP`` bytes per key, against ``2 * head_dim`` bytes of
 a bf16 key) is read back, each logit rescaled once by its row's log-sum-exp, summed over
 the rows and added (``atomic_add``) to the request's columns of the output, which thus
-sums over the KV heads and layers.
+sums over the KV heads and layers. The key tile, the dot and the running softmax are
+``kernels._score_tiles_triton``'s, shared with the batched score kernels.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-BLOCK_N = 64
+from kernels._score_tiles_triton import BLOCK_N, dot, load_key_tile, online_softmax
 
 
 @triton.jit
@@ -90,30 +91,14 @@ def _fused_decode_mass_kernel(
         for start in range(0, seq_len, BLOCK_N):
             keys = start + tl.arange(0, BLOCK_N)
             key_mask = keys < seq_len
-            blocks = tl.load(table + keys // block_size, mask=key_mask, other=0).to(tl.int64)
-            key_rows = head_base + blocks * key_block_stride
-            key_rows += (keys % block_size).to(tl.int64) * key_offset_stride
-            key_rows = tl.multiple_of(key_rows, ALIGN)
-            k = tl.load(
-                cache_ptr + key_rows[:, None] + (dims * key_dim_stride)[None, :],
-                mask=key_mask[:, None] & dim_mask[None, :],
-                other=0.0,
-            )
-            if NATIVE_DOT:
-                logits = tl.dot(q, tl.trans(k.to(q.dtype)))
-            else:
-                logits = tl.dot(
-                    q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee"
-                )
+            k = load_key_tile(
+                cache_ptr, table, block_size, keys, key_mask, dims, dim_mask, head_base,
+                key_block_stride, key_offset_stride, key_dim_stride, ALIGN,
+            )  # fmt: skip
             valid = row_mask[:, None] & key_mask[None, :]
-            logits = tl.where(valid, logits * scale, float("-inf"))
+            logits = tl.where(valid, dot(q, k, NATIVE_DOT) * scale, float("-inf"))
             tl.store(scratch_rows + keys[None, :], logits, mask=valid)
-            new_max = tl.maximum(running_max, tl.max(logits, axis=1))
-            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-            running_sum = running_sum * tl.exp(running_max - safe_max) + tl.sum(
-                tl.exp(logits - safe_max[:, None]), axis=1
-            )
-            running_max = new_max
+            running_max, running_sum = online_softmax(running_max, running_sum, logits)
         # Every decode row sees key 0: its sum is at least 1. Padding rows: 0.
         lse = tl.where(row_mask, running_max + tl.log(tl.maximum(running_sum, 1.0)), 0.0)
         tl.debug_barrier()  # the scratch written above is read by other threads below
@@ -127,10 +112,6 @@ def _fused_decode_mass_kernel(
             tl.atomic_add(out + keys, mass, mask=key_mask, sem="relaxed")
         tl.debug_barrier()  # before the next item overwrites the scratch
         item = tl.atomic_add(next_item_ptr, 1)
-
-
-# Under TRITON_INTERPRET=1 (tests without a GPU) kernels are InterpretedFunction objects.
-INTERPRETED = type(_fused_decode_mass_kernel).__name__ == "InterpretedFunction"
 
 
 def launch_fused_decode_mass(

@@ -20,52 +20,29 @@ The dot runs on tensor cores in the query's 16-bit dtype when the keys are of th
 or fp8 (products exact, accumulated in float32), else in float32 (``ieee``). An fp8 cache
 is read through its float8 view; ``k_scale`` is folded into the scale. Token rows are
 data-dependent addresses: ``ALIGN`` promises their alignment (``vector_alignment``), so
-they load as 16-byte vectors.
+they load as 16-byte vectors. The key tile, the dot and the running softmax are
+``kernels._score_tiles_triton``'s, shared with the fused decode kernel; the spans' table
+is packed by ``kernels._span_table``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from kernels._score_tiles_triton import (
+    BLOCK_N,
+    dot,
+    load_key_tile,
+    native_dot,
+    online_softmax,
+)
+from kernels._span_table import SpanTable
 from kernels.layout import KVLayout, PartStrides, vector_alignment
 from kernels.score_spans import ScoredSpan
-
-BLOCK_N = 64
-
-
-@triton.jit
-def _dot(q, k, NATIVE_DOT: tl.constexpr):
-    """``q @ k.T`` in float32. Native: keys converted to the query's 16-bit dtype (exact
-    for bf16/fp16/fp8 keys) on tensor cores, products exact and accumulated in float32;
-    otherwise float32 FMA (``ieee``)."""
-    if NATIVE_DOT:
-        return tl.dot(q, tl.trans(k.to(q.dtype)))
-    return tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-
-
-@triton.jit
-def _key_tile(
-    cache_ptr, table_ptr, block_size, keys, key_mask, dims, dim_mask, kv_head, key_base,
-    key_block_stride, key_offset_stride, key_head_stride, key_dim_stride,
-    ALIGN: tl.constexpr,
-):  # fmt: skip
-    """Keys ``keys`` of one request (its block-table row at ``table_ptr``) and KV head:
-    ``[BLOCK_N, BLOCK_D]``, each key's channels contiguous. Token rows are data-dependent
-    addresses: ``ALIGN`` promises their alignment so they load as 16-byte vectors."""
-    blocks = tl.load(table_ptr + keys // block_size, mask=key_mask, other=0).to(tl.int64)
-    key_rows = key_base + blocks * key_block_stride + (keys % block_size) * key_offset_stride
-    key_rows += kv_head * key_head_stride
-    key_rows = tl.multiple_of(key_rows, ALIGN)
-    return tl.load(
-        cache_ptr + key_rows[:, None] + (dims * key_dim_stride)[None, :],
-        mask=key_mask[:, None] & dim_mask[None, :],
-        other=0.0,
-    )
 
 
 @triton.jit
@@ -85,7 +62,7 @@ def _row_logits(
         mask=row_mask[:, None] & dim_mask[None, :],
         other=0.0,
     )
-    logits = _dot(q, k, NATIVE_DOT) * scale
+    logits = dot(q, k, NATIVE_DOT) * scale
     visible = keys[None, :] <= (causal + query_index)[:, None]
     visible = visible & key_mask[None, :] & row_mask[:, None]
     return tl.where(visible, logits, float("-inf"))
@@ -140,10 +117,10 @@ def _logits_kernel(
     key_mask = keys < seq_len
     dim_mask = dims < HEAD_DIM
 
-    k = _key_tile(
+    k = load_key_tile(
         cache_ptr, block_tables_ptr + request * block_table_stride, block_size, keys,
-        key_mask, dims, dim_mask, kv_head, key_base, key_block_stride, key_offset_stride,
-        key_head_stride, key_dim_stride, ALIGN,
+        key_mask, dims, dim_mask, key_base + kv_head * key_head_stride, key_block_stride,
+        key_offset_stride, key_dim_stride, ALIGN,
     )  # fmt: skip
     logits = _row_logits(
         query_ptr, q_start, q_len, causal, rows, row_mask, dims, dim_mask, kv_head, k, keys,
@@ -182,19 +159,15 @@ def _lse_kernel(
     rows_start = tl.load(info + 5)
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
     at = tile_lse_ptr + tl.load(info + 7) + (kv_head * GROUP * q_len + row - rows_start) * num_tiles
-    running_max = tl.full([], float("-inf"), tl.float32)
-    running_sum = tl.zeros([], tl.float32)
+    running_max = tl.full([1], float("-inf"), tl.float32)  # one row: [1, BLOCK_T] tiles
+    running_sum = tl.zeros([1], tl.float32)
     for start in range(0, num_tiles, BLOCK_T):
-        tiles = start + tl.arange(0, BLOCK_T)
+        tiles = start + tl.arange(0, BLOCK_T)[None, :]
         lse = tl.load(at + tiles, mask=tiles < num_tiles, other=float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(lse, axis=0))
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-        running_sum = running_sum * tl.exp(running_max - safe_max) + tl.sum(
-            tl.exp(lse - safe_max), axis=0
-        )
-        running_max = new_max
+        running_max, running_sum = online_softmax(running_max, running_sum, lse)
     # Every row sees key 0, so its sum is positive.
-    tl.store(row_lse_ptr + kv_head * total_rows + row, running_max + tl.log(running_sum))
+    row_lse = tl.sum(running_max + tl.log(running_sum), axis=0)  # the one element
+    tl.store(row_lse_ptr + kv_head * total_rows + row, row_lse)
 
 
 @triton.jit
@@ -245,10 +218,10 @@ def _mass_kernel(
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < HEAD_DIM
     if not STORED_LOGITS:  # the key tile is read once for every row tile below
-        k = _key_tile(
+        k = load_key_tile(
             cache_ptr, block_tables_ptr + request * block_table_stride, block_size, keys,
-            key_mask, dims, dim_mask, kv_head, key_base, key_block_stride, key_offset_stride,
-            key_head_stride, key_dim_stride, ALIGN,
+            key_mask, dims, dim_mask, key_base + kv_head * key_head_stride, key_block_stride,
+            key_offset_stride, key_dim_stride, ALIGN,
         )  # fmt: skip
     mass = tl.zeros([BLOCK_N], dtype=tl.float32)
     for row_start in range(0, num_rows, BLOCK_R):
@@ -269,10 +242,6 @@ def _mass_kernel(
         mass += tl.sum(tl.exp(logits - lse[:, None]), axis=0)
     out = out_ptr + kv_head * out_stride + tl.load(info + 6) + keys
     tl.store(out, tl.load(out, mask=key_mask, other=0.0) + mass, mask=key_mask)
-
-
-# Under TRITON_INTERPRET=1 (tests without a GPU) kernels are InterpretedFunction objects.
-_INTERPRETED = type(_logits_kernel).__name__ == "InterpretedFunction"
 
 
 def triton_span_scores(
@@ -304,67 +273,6 @@ def triton_span_scores(
 
 
 @dataclass(frozen=True, slots=True)
-class _SpanTable:
-    """One call's spans as the kernels read them, on ``device``. ``requests``:
-    int64 ``[num_spans * 8]``, per span ``(q_start, q_len, seq_len, causal, logits offset,
-    first row, key offset, lse offset)``; ``row_request``: int64 ``[num_rows]``, each row's
-    span; ``tables``: the spans' block-table rows, in span order. A span has ``group *
-    q_len`` rows per KV head; the sizes are of the float32 scratch over all KV heads."""
-
-    requests: torch.Tensor
-    row_request: torch.Tensor
-    tables: torch.Tensor
-    num_spans: int
-    num_rows: int
-    max_rows: int  # of one span
-    max_tiles: int  # BLOCK_N key tiles of the longest span
-    logits_size: int
-    lse_size: int
-
-    @classmethod
-    def pack(
-        cls,
-        spans: list[ScoredSpan],
-        group: int,
-        num_kv_heads: int,
-        block_tables: torch.Tensor,
-        device: torch.device,
-    ) -> _SpanTable:
-        rows = [group * span.q_len for span in spans]
-        info, row_requests, logits_size, rows_start, lse_size = [], [], 0, 0, 0
-        for index, (span, num_rows) in enumerate(zip(spans, rows, strict=True)):
-            info.append([span.q_start, span.q_len, span.seq_len, span.causal, logits_size,
-                         rows_start, span.key_offset, lse_size])  # fmt: skip
-            logits_size += num_kv_heads * num_rows * span.seq_len
-            lse_size += num_kv_heads * num_rows * triton.cdiv(span.seq_len, BLOCK_N)
-            rows_start += num_rows
-            row_requests.extend([index] * num_rows)
-        table_rows = [span.table_row for span in spans]
-        # One host-to-device copy: the per-request table, then each row's request.
-        packed_host = np.concatenate(
-            [np.asarray(info, dtype=np.int64).ravel(), np.asarray(row_requests, dtype=np.int64)]
-        )
-        packed = _upload(torch.from_numpy(packed_host), device)
-        tables = block_tables
-        if table_rows != list(range(len(spans))):
-            selected = _upload(torch.tensor(table_rows, dtype=torch.int64), device)
-            tables = block_tables.index_select(0, selected)
-        max_tiles = triton.cdiv(max(span.seq_len for span in spans), BLOCK_N)
-        requests, row_request = packed[: 8 * len(spans)], packed[8 * len(spans) :]
-        return cls(
-            requests=requests,
-            row_request=row_request,
-            tables=tables,
-            num_spans=len(spans),
-            num_rows=rows_start,
-            max_rows=max(rows),
-            max_tiles=max_tiles,
-            logits_size=logits_size,
-            lse_size=lse_size,
-        )
-
-
-@dataclass(frozen=True, slots=True)
 class _Launch:
     """The three launches of one :func:`triton_span_scores` call: their shared arguments
     and the tiling and code paths chosen for this call's shapes and dtypes."""
@@ -376,7 +284,7 @@ class _Launch:
     scale: float
     group: int  # query heads per KV head
     num_kv_heads: int
-    spans: _SpanTable
+    spans: SpanTable
     block_r: int
     block_d: int
     row_tiles: int
@@ -398,16 +306,11 @@ class _Launch:
         num_q_heads, head_dim = query.shape[1], query.shape[2]
         num_kv_heads = layout.num_kv_heads(kv_cache)
         group = num_q_heads // num_kv_heads
-        table = _SpanTable.pack(spans, group, num_kv_heads, block_tables, query.device)
+        table = SpanTable.pack(spans, group, num_kv_heads, block_tables, query.device)
         # Keep the float32 logits for the second pass when writing and reading them back
         # costs less than reading the keys again (decode: a few rows per KV head); else
         # recompute.
         store_logits = 8 * table.max_rows < head_dim * kv_cache.element_size()
-        native_dot = query.dtype in (torch.bfloat16, torch.float16) and (
-            kv_cache.dtype == query.dtype or kv_cache.element_size() == 1
-        )
-        if query.dtype == torch.bfloat16 and _INTERPRETED:
-            native_dot = False  # the interpreter's dot reads bf16 as raw integers
         # tl.dot needs >= 16 rows; 64 keys x head_dim keeps a bf16 K tile at 16 KB.
         block_r = min(64, max(16, triton.next_power_of_2(table.max_rows)))
         block_d = max(16, triton.next_power_of_2(head_dim))
@@ -430,7 +333,7 @@ class _Launch:
             block_d=block_d,
             row_tiles=row_tiles,
             store_logits=store_logits,
-            native_dot=native_dot,
+            native_dot=native_dot(query, kv_cache),
             align=align,
         )
 
@@ -516,11 +419,3 @@ class _Launch:
             ALIGN=self.align,
             num_warps=4,
         )
-
-
-def _upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``tensor`` on ``device`` without the host waiting: from pinned memory on CUDA (a
-    ``non_blocking`` copy from pageable memory synchronises)."""
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)

@@ -30,8 +30,13 @@ import torch
 from kernels import score_spans
 from kernels._decode_batch import DecodeBatch
 from kernels._decode_batch import decode_batches as _decode_batches
-from kernels.intmath import cdiv
-from kernels.layout import KVLayout, indexable, same_geometry
+from kernels.layout import KVLayout, same_geometry
+from kernels.row_probabilities import (
+    attention_probabilities,
+    causal_logits,
+    grouped_queries,
+    keys_transposed,
+)
 from kernels.score_spans import ScoredSpan
 
 
@@ -39,42 +44,6 @@ class ScoresBackend(StrEnum):
     TRITON = "triton"
     TORCH = "torch"
     REFERENCE = "reference"
-
-
-def _slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
-    positions = torch.arange(seq_len, device=block_table.device)
-    return block_table.long()[positions // block_size] * block_size + positions % block_size
-
-
-def attention_probabilities(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_len: int,
-    layout: KVLayout,
-    *,
-    scale: float | None = None,
-) -> torch.Tensor:
-    """Every query's softmax over the request's keys: float32 ``[num_q_heads, q_len,
-    seq_len]`` on the cache's device, with the module's causal rule and head grouping.
-
-    Arguments as ``attention_scores`` (not checked). Each row sums to 1; the hidden keys of
-    a row are 0. Plain torch, one gather and one einsum: for what needs more than the mass
-    per key (a query window, per-head statistics), and the reference of the scores.
-    """
-    q_len, num_q_heads, head_dim = query.shape
-    group = num_q_heads // layout.num_kv_heads(kv_cache)
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    slots = _slots(block_table, seq_len, layout.block_size(kv_cache))
-    keys = layout.gather(kv_cache, slots)[:, 0].float()  # [seq_len, kv_heads, head_dim]
-    keys = keys.repeat_interleave(group, dim=1)  # [seq_len, q_heads, head_dim]
-    logits = torch.einsum("qhd,shd->hqs", query.float(), keys) * scale
-    device = logits.device  # the mask made there: a host copy would stall the host
-    visible = torch.arange(seq_len, device=device).view(1, -1) <= (
-        seq_len - q_len + torch.arange(q_len, device=device).view(-1, 1)
-    )
-    logits = logits.masked_fill(~visible, float("-inf"))
-    return logits.softmax(dim=-1)
 
 
 def reference_attention_scores(
@@ -130,26 +99,6 @@ def _check_key_dtype(kv_cache: torch.Tensor) -> None:
         )
 
 
-def _keys_transposed(
-    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, layout: KVLayout
-) -> torch.Tensor:
-    """Keys of the request as float32 ``[num_kv_heads, head_dim, seq_len]`` (one copy).
-
-    Whole blocks are gathered (one contiguous chunk per block and head in cpu_attn, whose K
-    is already ``[head_dim, block_size]``), so there is no per-token indexing.
-    """
-    block_size = layout.block_size(kv_cache)
-    num_blocks = cdiv(seq_len, block_size)
-    blocks = block_table[:num_blocks].long()
-    if layout is KVLayout.CPU_ATTN_AMX:
-        keys = layout.gather(kv_cache, _slots(block_table, seq_len, block_size))[:, 0]
-        return keys.permute(1, 2, 0).float()
-    # [num_blocks, block_size, kv_heads, dim] -> [kv_heads, dim, num_blocks * block_size]
-    keys = layout.keys_values(indexable(kv_cache))[0][blocks].view(kv_cache.dtype)
-    keys = keys.permute(2, 3, 0, 1).float().reshape(keys.shape[2], keys.shape[3], -1)
-    return keys[:, :, :seq_len]
-
-
 def torch_attention_scores(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -159,26 +108,15 @@ def torch_attention_scores(
     scale: float,
 ) -> torch.Tensor:
     """Vectorised torch path (the CPU backend); arguments as ``attention_scores``."""
-    q_len, num_q_heads, head_dim = query.shape
+    q_len, num_q_heads = query.shape[:2]
     num_kv_heads = layout.num_kv_heads(kv_cache)
-    group = num_q_heads // num_kv_heads
-    keys_t = _keys_transposed(kv_cache, block_table, seq_len, layout)
-    # [kv_heads, group, q_len, head_dim]: the rows that share one KV head, scaled once.
-    queries = query.float().permute(1, 0, 2).reshape(num_kv_heads, group, q_len, head_dim) * scale
+    keys_t = keys_transposed(kv_cache, block_table, seq_len, layout)
+    queries = grouped_queries(query, num_kv_heads, scale)  # scaled once
     out = torch.zeros(num_kv_heads, seq_len, dtype=torch.float32, device=query.device)
     chunk = max(1, score_spans.MAX_LOGITS // (num_q_heads * seq_len))
-    keys_index = torch.arange(seq_len, device=query.device)
     for start in range(0, q_len, chunk):
-        stop = min(q_len, start + chunk)
-        rows = queries[:, :, start:stop].reshape(num_kv_heads, -1, head_dim)
-        logits = torch.bmm(rows, keys_t)  # [kv_heads, group * rows, seq_len]
-        first_hidden = seq_len - q_len + torch.arange(start, stop, device=query.device) + 1
-        if int(first_hidden[0]) < seq_len:  # the last queries of a step see every key
-            hidden = keys_index.view(1, -1) >= first_hidden.view(-1, 1)  # [rows, seq_len]
-            logits = logits.view(num_kv_heads, group, stop - start, seq_len)
-            logits.masked_fill_(hidden, float("-inf"))
-            logits = logits.view(num_kv_heads, -1, seq_len)
-        out += logits.softmax(dim=-1).sum(dim=1)
+        logits = causal_logits(queries[:, :, start : start + chunk], keys_t, start, q_len)
+        out += logits.view(num_kv_heads, -1, seq_len).softmax(dim=-1).sum(dim=1)
     return out
 
 

@@ -213,7 +213,8 @@ def fused_decode_mass(
         (1.0 / math.sqrt(head_dim) if s is None else float(s)) * float(k)
         for s, k in zip(scales, k_scales, strict=True)
     ]
-    from kernels._fused_scores_triton import BLOCK_N, INTERPRETED, launch_fused_decode_mass
+    from kernels._fused_scores_triton import launch_fused_decode_mass
+    from kernels._score_tiles_triton import BLOCK_N, native_dot
 
     group = num_q_heads // num_kv_heads
     layers, scale_table = _layer_table(query_offsets, cache_offsets, layer_scales, device)
@@ -223,11 +224,6 @@ def fused_decode_mass(
     programs = num_programs or _default_programs(device, per_program)
     programs = max(1, min(programs, num_items))
     scratch = torch.empty(programs * group * scratch_keys, dtype=torch.float32, device=device)
-    native_dot = query.dtype in (torch.bfloat16, torch.float16) and (
-        cache.dtype == query.dtype or cache.element_size() == 1
-    )
-    if query.dtype == torch.bfloat16 and INTERPRETED:
-        native_dot = False  # the interpreter's dot reads bf16 as raw integers
     keys = parts[0]
     align = vector_alignment(
         [cache],
@@ -243,7 +239,7 @@ def fused_decode_mass(
     )  # fmt: skip
     launch_fused_decode_mass(
         programs, args, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
-        native_dot=native_dot, align=align,
+        native_dot=native_dot(query, cache), align=align,
     )  # fmt: skip
     return out
 

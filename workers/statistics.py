@@ -9,7 +9,7 @@ paged keys).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -52,33 +52,93 @@ def reduce_attention_tensors(layers: Iterable[torch.Tensor], needs: ScoreNeeds) 
 
     ``layers`` yields one ``[num_q_heads, q_len, n_live]`` tensor per scored layer (each
     query row sums to 1; keys in the request's slot order). Layers are taken one at a time
-    and summed in float32, so only one layer's probabilities need exist at once: a long
-    prefill scored over every layer would not fit otherwise. Returns (``ScoreNeeds``):
+    (``AttentionSums``), so only one layer's probabilities need exist at once. Returns
+    ``AttentionSums.reduced``; no layer raises ``ValueError``.
+    """
+    sums: AttentionSums | None = None
+    for probabilities in layers:
+        if sums is None:
+            sums = AttentionSums(needs, probabilities.shape[1])
+        sums.add_layer([(0, probabilities)])
+    if sums is None:
+        raise ValueError("no attention layer to reduce")
+    return sums.reduced()
+
+
+@dataclass(slots=True)
+class AttentionSums:
+    """The statistics ``needs`` asks for, summed over layers whose probabilities come in
+    slices of query rows (``kernels.row_probabilities.probability_slices``) or whole.
+
+    A step has ``q_len`` query rows; the window is its last ``w = min(max(query_window,
+    1), q_len)`` rows. Only rows ``[first_row, q_len)`` are read: every row with
+    ``step_scores``, else the window's (rows before it change no statistic asked for).
+    ``reduced`` gives (float32, on the probabilities' device):
 
     - ``step_scores`` ``[n_live]``: mean over heads and layers, summed over the queries;
-    - ``window_rows`` ``[min(w, q_len), n_live]``: the last ``w`` query rows, same mean;
+    - ``window_rows`` ``[w, n_live]``: the window's rows, same mean;
     - ``head_scores`` ``[num_layers, num_q_heads, n_live]``: summed over the window rows.
 
-    Statistics ``needs`` does not ask for are ``None``; no layer raises ``ValueError``.
+    A row's values do not depend on how the rows were sliced; sums over rows (step and
+    head scores) add the slices' partial sums, equal to one slice's to float32 rounding.
     """
-    window = max(needs.query_window, 1)
+
+    needs: ScoreNeeds
+    q_len: int
+    num_layers: int = 0
     step: torch.Tensor | None = None
     window_rows: torch.Tensor | None = None
-    heads = []
-    num_layers = 0
-    for probabilities in layers:
-        probabilities = probabilities.float()
-        mean = probabilities.mean(0)  # [q_len, n_live]
-        step = mean.sum(0) if step is None else step + mean.sum(0)
-        last = mean[-window:]
-        window_rows = last if window_rows is None else window_rows + last
-        if needs.per_head:
-            heads.append(probabilities[:, -window:].sum(1))
-        num_layers += 1
-    if step is None or window_rows is None:
-        raise ValueError("no attention layer to reduce")
-    return ReducedAttention(
-        step_scores=step / num_layers if needs.step_scores else None,
-        window_rows=window_rows / num_layers if needs.query_window else None,
-        head_scores=torch.stack(heads) if needs.per_head else None,
-    )
+    heads: list[torch.Tensor] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.q_len < 1:
+            raise ValueError(f"need at least one query row, got q_len {self.q_len}")
+
+    @property
+    def window_start(self) -> int:
+        return self.q_len - min(max(self.needs.query_window, 1), self.q_len)
+
+    @property
+    def first_row(self) -> int:
+        """The first query row a statistic asked for reads."""
+        return 0 if self.needs.step_scores else self.window_start
+
+    def add_layer(self, slices: Iterable[tuple[int, torch.Tensor]]) -> None:
+        """One layer's rows ``[first_row, q_len)`` (at least), as ``(first row, float32
+        [num_q_heads, rows, n_live])`` slices in any order, each row once."""
+        window_start = self.window_start
+        head_sums: torch.Tensor | None = None
+        for first, probabilities in slices:
+            probabilities = probabilities.float()
+            low, high = max(first, window_start), first + probabilities.shape[1]
+            rows = slice(low - first, high - first)
+            if self.needs.step_scores:
+                mean = probabilities.mean(0)  # [rows, n_live]
+                part = mean.sum(0)
+                self.step = part if self.step is None else self.step + part
+                mean = mean[rows]
+            elif low < high:
+                mean = probabilities[:, rows].mean(0)
+            if low >= high:
+                continue
+            if self.needs.query_window:
+                if self.window_rows is None:
+                    self.window_rows = mean.new_zeros(self.q_len - window_start, mean.shape[1])
+                self.window_rows[low - window_start : high - window_start] += mean
+            if self.needs.per_head:
+                part = probabilities[:, rows].sum(1)
+                head_sums = part if head_sums is None else head_sums + part
+        if self.needs.per_head:
+            if head_sums is None:
+                raise ValueError("the slices of a layer lack its window rows")
+            self.heads.append(head_sums)
+        self.num_layers += 1
+
+    def reduced(self) -> ReducedAttention:
+        if not self.num_layers:
+            raise ValueError("no attention layer to reduce")
+        return ReducedAttention(
+            step_scores=None if self.step is None else self.step / self.num_layers,
+            window_rows=None if self.window_rows is None else self.window_rows / self.num_layers,
+            head_scores=torch.stack(self.heads) if self.needs.per_head else None,
+        )

@@ -38,14 +38,15 @@ import torch
 import kernels
 from kernels import KVLayout
 from kernels.async_repack import SideStreamRepacker
-from kernels.attention_scores import attention_probabilities, summed_attention_mass
+from kernels.attention_scores import summed_attention_mass
 from kernels.layout import distinct_layer_caches
 from kernels.repack_cpu import load_library
+from kernels.row_probabilities import MAX_SLICE_BYTES, probability_slices
 from vtoken.policy import ScoreNeeds, StepAttention
 from workers.config import VTokenConfig
 from workers.messages import StepOps, StepScores
 from workers.query_capture import QueryCapture, RecordedLayer, to_device
-from workers.statistics import ReducedAttention, reduce_attention_tensors
+from workers.statistics import AttentionSums, ReducedAttention
 from workers.tensor_parallel import RankReduction
 
 
@@ -81,11 +82,14 @@ class VTokenWorker:
         layout: KVLayout,
         capture: QueryCapture,
         ranks: RankReduction | None = None,
+        *,
+        max_slice_bytes: int = MAX_SLICE_BYTES,
     ) -> None:
         self.config = config
         self.layout = layout
         self.capture = capture
         self.ranks = ranks or RankReduction()  # one rank unless tensor-parallel
+        self.max_slice_bytes = max_slice_bytes  # window and per-head scores' temporary
         self.num_evicted: dict[str, int] = {}
         self.score_needs: dict[str, ScoreNeeds] = {}
         self.num_moves = 0
@@ -293,24 +297,29 @@ class VTokenWorker:
         self, layers: list[RecordedLayer], request: ScoredRequest
     ) -> ReducedAttention:
         """Window rows and per-head statistics from per-query probabilities, reduced on the
-        device one layer at a time (``[num_q_heads, q_len, seq_len]`` each: a long prefill
-        scored over every layer would not fit at once), then copied to the host."""
+        device, then copied to the host. Each layer's logits of the rows a statistic reads
+        are computed once, in slices of rows whose float32 logits and probabilities stay
+        under ``max_slice_bytes`` (``kernels/row_probabilities.py``), each reduced
+        (``AttentionSums``) before the next is computed: a long prefill scored over every
+        layer never holds more than one slice."""
         rows = slice(request.query_start, request.query_start + request.query_len)
         device = layers[0].kv_cache.device
         block_table = to_device(request.block_ids.astype(np.int64), device)
-        probabilities = (
-            attention_probabilities(
-                layer.query[rows],
-                layer.kv_cache,
-                block_table,
-                request.seq_len,
-                self.layout,
-                scale=layer.scale,
+        sums = AttentionSums(self.score_needs[request.request_id], request.query_len)
+        for layer in layers:
+            sums.add_layer(
+                probability_slices(
+                    layer.query[rows],
+                    layer.kv_cache,
+                    block_table,
+                    request.seq_len,
+                    self.layout,
+                    scale=layer.scale,
+                    first_row=sums.first_row,
+                    max_bytes=self.max_slice_bytes,
+                )
             )
-            for layer in layers
-        )
-        reduced = reduce_attention_tensors(probabilities, self.score_needs[request.request_id])
-        return reduced.map(_to_host)
+        return sums.reduced().map(_to_host)
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:

@@ -2,9 +2,10 @@
 
 The engine records which logical tokens it evicted at each step; the reference engine
 (``workers/hf_sim.py``: transformers, evicted tokens removed from its cache, positions
-logical) replays exactly those evictions. Greedy outputs must be equal. For H2O the
-reference engine's own H2O decisions (from its eager attention) must also equal the
-engine's (from the captured queries and the score kernel).
+logical) replays exactly those evictions. Greedy outputs must be equal. For H2O and
+SnapKV the reference engine's own decisions (from its eager attention) must also equal the
+engine's (from the captured queries: H2O's mass from the score kernel, SnapKV's window
+rows from the row slices).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ NUM_NEW_TOKENS = 24
 CONFIGS = {
     "streaming_llm": {"policy": "streaming_llm", "policy_args": {"sinks": 4, "recent": 60}},
     "h2o": {"policy": "h2o", "keep_ratio": 0.5},
+    # the window path: the last 32 query rows of the prompt, computed once per layer
+    "snapkv": {"policy": "snapkv", "keep_ratio": 0.5},
 }
 
 

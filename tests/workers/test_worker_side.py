@@ -46,7 +46,7 @@ def _step(max_slice_bytes: int | None, needs: ScoreNeeds):
     for layer_id in (0, 1):
         cache = LAYOUT.new_cache(6, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE).normal_()
         batch = torch.randn(FIRST_ROW + Q_LEN, NUM_HEADS, HEAD_SIZE)
-        worker.record(layer_id, batch, cache, 0.3)
+        worker.capture.record(layer_id, batch, cache, 0.3)
         layers.append((batch[FIRST_ROW:], cache))
     worker.launch_scores([ScoredRequest("r", FIRST_ROW, Q_LEN, SEQ_LEN, block_ids)])
     scores = worker.take_scores()

@@ -161,3 +161,4 @@ def probability_slices(
         probabilities = logits.view(num_q_heads, -1, seq_len).softmax(dim=-1)
         del logits, queries
         yield start, probabilities
+        del probabilities  # before the next slice's logits: one slice alive at a time

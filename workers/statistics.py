@@ -105,34 +105,42 @@ class AttentionSums:
 
     def add_layer(self, slices: Iterable[tuple[int, torch.Tensor]]) -> None:
         """One layer's rows ``[first_row, q_len)`` (at least), as ``(first row, float32
-        [num_q_heads, rows, n_live])`` slices in any order, each row once."""
-        window_start = self.window_start
+        [num_q_heads, rows, n_live])`` slices in any order, each row once. A slice is
+        dropped before the next is pulled, so a generator of slices holds one at a time."""
         head_sums: torch.Tensor | None = None
         for first, probabilities in slices:
-            probabilities = probabilities.float()
-            low, high = max(first, window_start), first + probabilities.shape[1]
-            rows = slice(low - first, high - first)
-            if self.needs.step_scores:
-                mean = probabilities.mean(0)  # [rows, n_live]
-                part = mean.sum(0)
-                self.step = part if self.step is None else self.step + part
-                mean = mean[rows]
-            elif low < high:
-                mean = probabilities[:, rows].mean(0)
-            if low >= high:
-                continue
-            if self.needs.query_window:
-                if self.window_rows is None:
-                    self.window_rows = mean.new_zeros(self.q_len - window_start, mean.shape[1])
-                self.window_rows[low - window_start : high - window_start] += mean
-            if self.needs.per_head:
-                part = probabilities[:, rows].sum(1)
-                head_sums = part if head_sums is None else head_sums + part
+            head_sums = self._add_slice(first, probabilities.float(), head_sums)
+            del probabilities
         if self.needs.per_head:
             if head_sums is None:
                 raise ValueError("the slices of a layer lack its window rows")
             self.heads.append(head_sums)
         self.num_layers += 1
+
+    def _add_slice(
+        self, first: int, probabilities: torch.Tensor, head_sums: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """One slice into the sums; returns the layer's per-head sums so far."""
+        window_start = self.window_start
+        low, high = max(first, window_start), first + probabilities.shape[1]
+        rows = slice(low - first, high - first)
+        if self.needs.step_scores:
+            mean = probabilities.mean(0)  # [rows, n_live]
+            part = mean.sum(0)
+            self.step = part if self.step is None else self.step + part
+            mean = mean[rows]
+        elif low < high:
+            mean = probabilities[:, rows].mean(0)
+        if low >= high:
+            return head_sums
+        if self.needs.query_window:
+            if self.window_rows is None:
+                self.window_rows = mean.new_zeros(self.q_len - window_start, mean.shape[1])
+            self.window_rows[low - window_start : high - window_start] += mean
+        if self.needs.per_head:
+            part = probabilities[:, rows].sum(1)
+            head_sums = part if head_sums is None else head_sums + part
+        return head_sums
 
     def reduced(self) -> ReducedAttention:
         if not self.num_layers:

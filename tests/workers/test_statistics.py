@@ -76,3 +76,37 @@ def test_no_layer_or_no_row_is_refused() -> None:
     sums = AttentionSums(ScoreNeeds(query_window=1, per_head=True), q_len=5)
     with pytest.raises(ValueError, match="window rows"):
         sums.add_layer([(0, _layers(1, q_len=5)[0][:, :2])])  # rows 0 and 1, not row 4
+
+
+def test_a_layer_holds_one_slice_at_a_time(monkeypatch) -> None:
+    """The slice budget counts one slice's logits and probabilities: the previous slice's
+    probabilities must be dropped before the next slice is computed."""
+    import weakref
+
+    from kernels import row_probabilities
+    from kernels.layout import KVLayout
+
+    torch.manual_seed(0)
+    layout, heads, seq_len, q_len = KVLayout.BHNC, 4, 40, 12
+    cache = layout.new_cache(4, 16, 2, 32).normal_()
+    query = torch.randn(q_len, heads, 32)
+    computed: list[weakref.ref] = []
+    alive_when_computing: list[int] = []
+    softmax = torch.Tensor.softmax
+
+    def spy(self, *args, **kwargs):
+        alive_when_computing.append(sum(ref() is not None for ref in computed))
+        out = softmax(self, *args, **kwargs)
+        computed.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "softmax", spy)
+    sums = AttentionSums(ScoreNeeds(step_scores=True, query_window=4, per_head=True), q_len)
+    two_rows = 8 * heads * seq_len * 2
+    sums.add_layer(
+        row_probabilities.probability_slices(
+            query, cache, torch.arange(3), seq_len, layout, max_bytes=two_rows
+        )
+    )
+    assert len(computed) == 6
+    assert alive_when_computing == [0] * 6

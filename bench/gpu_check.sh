@@ -59,12 +59,14 @@ print(open(sys.argv[1]).read())
 PY
 STAGES="kernel-tests repack repack-variants scores fused-scores cuda-graph runner-harness"
 echo "== probe (limit 60s)"
-probe="$(timeout --kill-after=5 60 "$PY" bench/gpu_probe.py 2>&1)"
+probe="$(timeout --kill-after=5 60 "$PY" -m bench.gpu_probe 2>&1)"
 rc=$?
 printf '%s\n' "$probe"
 if [ $rc -ne 0 ]; then
   reason="$(printf '%s\n' "$probe" | tail -1)"
-  [ $rc -eq 124 ] || [ $rc -eq 137 ] && reason="the probe (bench/gpu_probe.py) timed out after 60s"
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+    reason="the probe (python -m bench.gpu_probe) timed out or was killed (exit $rc)"
+  fi
   for name in $STAGES; do not_run "$name" "${reason:-the probe exited $rc}"; done
   finish
 fi

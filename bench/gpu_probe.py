@@ -1,9 +1,9 @@
 """What every stage of ``bench/gpu_check.sh`` needs before it can say anything about the
 product: Python >= 3.11 (the code uses ``enum.StrEnum``), numpy, torch and Triton, a CUDA
 device, and Triton able to build and run a kernel (its launcher needs a C compiler and
-Python's headers). Run as a script (``python bench/gpu_probe.py``: Triton reads a kernel's
-source from its file), it prints one line, what is missing or what was found, and exits 1
-or 0. Plain syntax, standard library first: it must run, and say why, on an old Python.
+Python's headers). ``python -m bench.gpu_probe`` prints one line, what is missing or what
+was found, and exits 1 or 0. Plain syntax (Python 3.6's), standard library first: it must
+run, and say why, on an old Python.
 """
 
 import sys
@@ -15,12 +15,13 @@ def missing() -> str:
     """Why the GPU stages cannot run here; empty when they can."""
     if sys.version_info < MIN_PYTHON:
         found = ".".join(str(part) for part in sys.version_info[:3])
-        return "Python %s; the checkout needs Python >= %d.%d" % ((found,) + MIN_PYTHON)
+        wanted = ".".join(str(part) for part in MIN_PYTHON)
+        return f"Python {found}; the checkout needs Python >= {wanted}"
     for module in ("numpy", "torch", "triton"):
         try:
             __import__(module)
         except Exception as error:  # noqa: BLE001 - any import failure is the reason
-            return "cannot import %s: %s" % (module, error)
+            return f"cannot import {module}: {error}"
     import torch
 
     if not torch.cuda.is_available():
@@ -29,7 +30,7 @@ def missing() -> str:
         return run_triton_kernel()
     except Exception as error:  # noqa: BLE001 - a build or launch failure is the reason
         text = " ".join(str(error).split())[-300:]
-        return "Triton cannot build or run a kernel (%s): %s" % (type(error).__name__, text)
+        return f"Triton cannot build or run a kernel ({type(error).__name__}): {text}"
 
 
 def run_triton_kernel(device: str = "cuda") -> str:
@@ -63,15 +64,10 @@ def main() -> int:
     import torch
     import triton
 
+    python = ".".join(str(part) for part in sys.version_info[:3])
     print(
-        "Python %s, numpy %s, torch %s, Triton %s, %s: a Triton kernel ran"
-        % (
-            ".".join(str(part) for part in sys.version_info[:3]),
-            numpy.__version__,
-            torch.__version__,
-            triton.__version__,
-            torch.cuda.get_device_name(),
-        )
+        f"Python {python}, numpy {numpy.__version__}, torch {torch.__version__}, Triton "
+        f"{triton.__version__}, {torch.cuda.get_device_name()}: a Triton kernel ran"
     )
     return 0
 

@@ -108,8 +108,9 @@ def test_begin_removes_the_outputs_it_lists(tmp_path):
     out.mkdir()
     for name in ("env.json", "tests.xml", "kept.txt"):
         (out / name).write_text("stale")
+    script = 'source bench/gpu_stages.sh && begin "$1" env.json tests.xml'
     subprocess.run(
-        ["bash", "-c", 'source bench/gpu_stages.sh && begin "$1" env.json tests.xml', "_", str(out)],
+        ["bash", "-c", script, "_", str(out)],
         check=True, cwd=ROOT, env=ENV, timeout=60,
     )  # fmt: skip
     assert sorted(path.name for path in out.iterdir()) == ["kept.txt", "summary.txt"]
@@ -180,7 +181,7 @@ def test_the_engine_check_without_vllms_cuda_build_is_not_run(tmp_path):
 
 def _probe(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "bench/gpu_probe.py"],
+        [sys.executable, "-m", "bench.gpu_probe"],
         capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
     )  # fmt: skip
 

@@ -29,6 +29,7 @@
 set -uo pipefail
 # shellcheck source=bench/gpu_stages.sh
 source "$(dirname "$0")/gpu_stages.sh"
+DEADLINE_S="${DEADLINE_S:-450}"
 begin "${1:?usage: bench/gpu_check.sh OUTDIR}" env.json tests.txt tests.xml repack-gpu.json \
   repack-variant.json repack-gpu-variants.json scores-gpu.json fused-scores-gpu.json \
   cuda-graph.json runner-harness.json

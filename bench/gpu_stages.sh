@@ -3,9 +3,10 @@
 # begin OUTDIR [OUTPUT...]: create OUTDIR, remove the OUTPUT files listed there (no stale
 #   output survives a run), set OUT (its absolute path), ROOT (the checkout, put first on
 #   PYTHONPATH and made the working directory), PY ($PYTHON or python3), start an empty
-#   OUT/summary.txt and `failed=0`. DEADLINE_S (default 450) bounds the whole check, counted
-#   from the shell's start ($SECONDS): each stage runs under the lesser of its limit and
-#   what is left (a stage cut short says so; one with no time left is NOT RUN).
+#   OUT/summary.txt and `failed=0`. DEADLINE_S, where set (gpu_check.sh: 450), bounds the
+#   whole check, counted from the shell's start ($SECONDS): each stage runs under the lesser
+#   of its limit and what is left (a stage cut short says so; one with no time left is NOT
+#   RUN). Unset or 0: each stage's own limit alone.
 # stage NAME LIMIT_S KIND DOCUMENT COMMAND...: run COMMAND under LIMIT_S seconds. With a
 #   KIND other than "-", the verdict `python -m bench.gpu_verdict KIND DOCUMENT` decides
 #   in the time the command left of LIMIT_S (DOCUMENT is removed first, so a stale one
@@ -28,7 +29,10 @@ begin() {
   local output
   for output in "$@"; do rm -f "$OUT/$output"; done
   PY="${PYTHON:-python3}"
-  DEADLINE_S="${DEADLINE_S:-450}"
+  DEADLINE_S="${DEADLINE_S:-0}"
+  case "$DEADLINE_S" in
+    *[!0-9]*) echo "DEADLINE_S must be a whole number of seconds, not '$DEADLINE_S'" >&2; exit 2 ;;
+  esac
   export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
   unset TRITON_INTERPRET PYTEST_ADDOPTS
   cd "$ROOT" || exit 1
@@ -51,11 +55,11 @@ stage() {
   shift 4
   [ "$document" = - ] || rm -f "$document"
   local left=$((DEADLINE_S - SECONDS)) cut=""
-  if [ "$left" -lt 1 ]; then
+  if [ "$DEADLINE_S" -gt 0 ] && [ "$left" -lt 1 ]; then
     not_run "$name" "not started: the check's ${DEADLINE_S}s deadline was reached"
     return
   fi
-  if [ "$left" -lt "$limit" ]; then
+  if [ "$DEADLINE_S" -gt 0 ] && [ "$left" -lt "$limit" ]; then
     cut=" (cut from ${limit}s by the check's ${DEADLINE_S}s deadline)"
     limit=$left
   fi

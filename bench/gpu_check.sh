@@ -4,8 +4,8 @@
 # One command, under 8 minutes: every stage runs under the lesser of its limit and what is
 # left of the check's deadline (DEADLINE_S, 450 s from the start, probes included; a stage
 # cut short by it says so, one with no time left is NOT RUN). Limits (expected time on one
-# H100/H200 when everything passes, estimated from the runs before the case lists were
-# trimmed): env 20 s (5 s), probe 60 s (15 s: Triton builds its launcher once),
+# H100/H200 when everything passes: estimates, not yet timed with these case lists):
+# env 20 s (5 s), probe 60 s (15 s: Triton builds its launcher once),
 # kernel-tests 150 s (90 s), repack 40 s (15 s), repack-variants 30 s (10 s), scores 45 s
 # (20 s), fused-scores 35 s (15 s), cuda-graph 30 s (10 s), runner-harness 40 s (15 s).
 # The probe (bench/gpu_probe.py) first checks what every stage needs and is not the

@@ -152,6 +152,7 @@ def test_a_test_stage_in_which_every_test_skipped_is_not_run(tmp_path):
 
 
 def test_the_gpu_check_without_cuda_fails_with_every_gpu_stage_not_run(tmp_path):
+    (tmp_path / "scores-gpu.json").write_text("stale")  # from an earlier run: removed
     result = subprocess.run(
         ["bash", "bench/gpu_check.sh", str(tmp_path)],
         capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=300,
@@ -163,7 +164,12 @@ def test_the_gpu_check_without_cuda_fails_with_every_gpu_stage_not_run(tmp_path)
     stages += ["cuda-graph", "runner-harness"]
     assert [line.split()[0] for line in summary[1:]] == stages
     assert all(line.split()[1:3] == ["NOT", "RUN"] for line in summary[1:])
-    assert json.loads((tmp_path / "env.json").read_text())["device"] is None
+    assert all(line.endswith("NOT RUN  no CUDA device visible to PyTorch") for line in summary[1:])
+    env = json.loads((tmp_path / "env.json").read_text())
+    assert env["device"] is None
+    assert env["python"] == ".".join(map(str, sys.version_info[:3]))
+    assert env["numpy"] and env["pytest"] and env["torch"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["env.json", "summary.txt"]
 
 
 def test_the_engine_check_without_vllms_cuda_build_is_not_run(tmp_path):

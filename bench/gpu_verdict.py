@@ -7,8 +7,10 @@ passes when its figures say so, not merely when its command exits 0.
 prints one line (why) and exits 0 (PASS), 1 (FAIL) or 3 (NOT RUN: a test run in which no
 test ran, none collected or every one skipped). KIND, what PATH holds and what passes:
 
-- ``kernel-tests``: pytest's JUnit XML; no failure or error, at least one test passed
-  (skips allowed: the CPU-only kernel tests skip on CUDA);
+- ``kernel-tests``: pytest's JUnit XML; no failure or error, at least one test passed,
+  and every skip for a reason in ``KERNEL_SKIPS_ON_CUDA`` (the CPU-only kernel tests and
+  those needing vLLM skip on a bare CUDA machine; any other skip, e.g. Triton unusable,
+  fails);
 - ``engine-tests``: the same, and no test skipped;
 - ``repack`` (``vtoken bench repack``), ``repack-variants`` (a JSON list of such runs),
   ``scores``: every case with a target met it (``target_met``), at least one case judged;
@@ -32,6 +34,7 @@ import json
 import math
 import sys
 import xml.etree.ElementTree as ElementTree
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +45,15 @@ CASE_LABEL_KEYS = (
     "shape", "kv_cache_layout", "dtype", "block_size", "pattern", "batch", "seq_len", "q_len",
 )  # fmt: skip
 CASE_FIGURE_KEYS = ("ratio", "device_ratio")
+# Why a kernel test may skip on a CUDA machine with torch and Triton but no vLLM (the skip
+# messages pytest records, matched at their start): a CPU-only test, or one that needs vLLM.
+KERNEL_SKIPS_ON_CUDA = (
+    "this CPU has no AMX tiles",
+    "the probe runs vLLM's kernel under the Triton interpreter",
+    "could not import 'vllm",  # pytest.importorskip
+    "vLLM is not installed",
+    "not the CPU build of vLLM",
+)
 
 
 class State(enum.Enum):
@@ -134,6 +146,33 @@ def junit_verdict(counts: JunitCounts, allow_skips: bool) -> Verdict:
     if counts.skipped and not allow_skips:
         return Verdict(State.FAIL, f"{counts.skipped} of {counts.tests} tests skipped")
     return Verdict(State.PASS, f"{counts.passed} passed, {counts.skipped} skipped")
+
+
+def junit_skip_messages(path: Path) -> list[str]:
+    """The message of every skipped ``<testcase>`` of pytest's JUnit XML."""
+    root = ElementTree.parse(path).getroot()
+    return [skipped.get("message", "") for skipped in root.iter("skipped")]
+
+
+def kernel_tests_verdict(path: Path) -> Verdict:
+    """``junit_verdict`` with skips allowed, then every skip's reason among
+    ``KERNEL_SKIPS_ON_CUDA``."""
+    counts = junit_counts(path)
+    verdict = junit_verdict(counts, allow_skips=True)
+    if verdict.state is not State.PASS:
+        return verdict
+    messages = junit_skip_messages(path)
+    if len(messages) != counts.skipped:
+        raise DocumentError(f"{counts.skipped} tests skipped but {len(messages)} <skipped>")
+    unexpected = Counter(m for m in messages if not m.startswith(KERNEL_SKIPS_ON_CUDA))
+    if unexpected:
+        named = _named([f"{count}x {message!r}" for message, count in unexpected.most_common()])
+        return Verdict(
+            State.FAIL,
+            f"{unexpected.total()} of {counts.tests} tests skipped for a reason not expected "
+            f"on a CUDA machine: {named}",
+        )
+    return verdict
 
 
 # ---------------------------------------------------------------- benchmarks
@@ -279,7 +318,7 @@ def runner_harness_verdict(document: Any) -> Verdict:
 
 
 KINDS: dict[str, Callable[[Path], Verdict]] = {
-    "kernel-tests": lambda path: junit_verdict(junit_counts(path), allow_skips=True),
+    "kernel-tests": kernel_tests_verdict,
     "engine-tests": lambda path: junit_verdict(junit_counts(path), allow_skips=False),
     "repack": lambda path: targets_verdict(_runs(_load_json(path), listed=False)),
     "repack-variants": lambda path: targets_verdict(_runs(_load_json(path), listed=True)),

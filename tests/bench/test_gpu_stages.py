@@ -19,13 +19,15 @@ ENV = os.environ | {
 }
 
 
-def _stages(tmp_path: Path, script: str) -> tuple[int, str, list[str]]:
-    """Run ``script`` after sourcing the helpers and ``begin OUT``; the exit status, the
-    output and OUT/summary.txt's lines."""
+def _stages(tmp_path: Path, script: str, deadline: int | None = None) -> tuple[int, str, list[str]]:
+    """Run ``script`` after sourcing the helpers and ``begin OUT`` (the check's deadline
+    ``deadline`` seconds, else the default); the exit status, the output and
+    OUT/summary.txt's lines."""
     out = tmp_path / "out"
     result = subprocess.run(
         ["bash", "-c", f'source bench/gpu_stages.sh && begin "$1" && {script}', "_", str(out)],
-        capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=300,
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+        env=ENV | ({} if deadline is None else {"DEADLINE_S": str(deadline)}),
     )  # fmt: skip
     summary = (out / "summary.txt").read_text().splitlines()
     return result.returncode, result.stdout + result.stderr, summary
@@ -75,6 +77,45 @@ def test_a_stage_passes_only_when_its_output_does(tmp_path):
     assert output.rstrip().endswith(summary[-1])  # the summary printed last
 
 
+def test_the_deadline_cuts_stages_and_a_kill_is_not_a_timeout(tmp_path):
+    code, output, summary = _stages(
+        tmp_path,
+        """
+        stage oom 10 - - bash -c 'kill -9 $$'
+        stage long 10 - - sleep 30
+        stage late 10 - - true
+        finish
+        """,
+        deadline=3,
+    )
+    assert code == 1, output
+    assert re.fullmatch(
+        r"oom +FAIL +killed \(exit 137: SIGKILL, out of memory\?\) after \ds", summary[0]
+    )
+    assert re.fullmatch(
+        r"long +FAIL +timed out after [23]s \(cut from 10s by the check's 3s deadline\)", summary[1]
+    )
+    assert summary[2].split(None, 3) == [
+        "late",
+        "NOT",
+        "RUN",
+        "not started: the check's 3s deadline was reached",
+    ]
+
+
+def test_begin_removes_the_outputs_it_lists(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("env.json", "tests.xml", "kept.txt"):
+        (out / name).write_text("stale")
+    script = 'source bench/gpu_stages.sh && begin "$1" env.json tests.xml'
+    subprocess.run(
+        ["bash", "-c", script, "_", str(out)],
+        check=True, cwd=ROOT, env=ENV, timeout=60,
+    )  # fmt: skip
+    assert sorted(path.name for path in out.iterdir()) == ["kept.txt", "summary.txt"]
+
+
 def test_every_stage_passing_exits_zero(tmp_path):
     met = _doc(tmp_path, "met.json", _run(True))
     code, output, summary = _stages(
@@ -111,6 +152,7 @@ def test_a_test_stage_in_which_every_test_skipped_is_not_run(tmp_path):
 
 
 def test_the_gpu_check_without_cuda_fails_with_every_gpu_stage_not_run(tmp_path):
+    (tmp_path / "scores-gpu.json").write_text("stale")  # from an earlier run: removed
     result = subprocess.run(
         ["bash", "bench/gpu_check.sh", str(tmp_path)],
         capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=300,
@@ -122,7 +164,12 @@ def test_the_gpu_check_without_cuda_fails_with_every_gpu_stage_not_run(tmp_path)
     stages += ["cuda-graph", "runner-harness"]
     assert [line.split()[0] for line in summary[1:]] == stages
     assert all(line.split()[1:3] == ["NOT", "RUN"] for line in summary[1:])
-    assert json.loads((tmp_path / "env.json").read_text())["device"] is None
+    assert all(line.endswith("NOT RUN  no CUDA device visible to PyTorch") for line in summary[1:])
+    env = json.loads((tmp_path / "env.json").read_text())
+    assert env["device"] is None
+    assert env["python"] == ".".join(map(str, sys.version_info[:3]))
+    assert env["numpy"] and env["pytest"] and env["torch"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["env.json", "summary.txt"]
 
 
 def test_the_engine_check_without_vllms_cuda_build_is_not_run(tmp_path):
@@ -136,3 +183,41 @@ def test_the_engine_check_without_vllms_cuda_build_is_not_run(tmp_path):
         ["engine-flash_attn", "NOT", "RUN"],
         ["engine-triton_attn", "NOT", "RUN"],
     ]
+
+
+def _probe(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "bench.gpu_probe"],
+        capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
+    )  # fmt: skip
+
+
+def test_the_probe_names_what_is_missing(tmp_path, monkeypatch):
+    """Each precondition that is not the product, one at a time: the probe's one line."""
+    no_cuda = _probe(ENV)
+    assert (no_cuda.returncode, no_cuda.stdout) == (1, "no CUDA device visible to PyTorch\n")
+    broken = tmp_path / "site"
+    broken.mkdir()
+    (broken / "numpy.py").write_text("raise ImportError('numpy is broken here')\n")
+    no_numpy = _probe(ENV | {"PYTHONPATH": f"{broken}:{ROOT}"})
+    assert no_numpy.returncode == 1
+    assert no_numpy.stdout == "cannot import numpy: numpy is broken here\n"
+    from bench import gpu_probe
+
+    monkeypatch.setattr(gpu_probe, "MIN_PYTHON", (99, 0))
+    assert gpu_probe.missing().endswith("the checkout needs Python >= 99.0")
+
+
+def test_the_probes_triton_kernel_runs_and_checks_what_it_wrote():
+    """The kernel the probe builds on CUDA, run here by Triton's interpreter."""
+    code = (
+        "import os; os.environ['TRITON_INTERPRET'] = '1'\n"
+        "from bench.gpu_probe import run_triton_kernel\n"
+        "print(repr(run_triton_kernel('cpu')))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=ENV,
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "''\n"

@@ -215,7 +215,10 @@ def _pytest_junit(tmp_path: Path, source: str) -> tuple[int, Path]:
     return result.returncode, report
 
 
-SKIPPING = "import pytest\n\n@pytest.mark.skip(reason='CPU only')\ndef test_a():\n    pass\n"
+SKIPPING = (
+    "import pytest\n\n@pytest.mark.skip(reason='this CPU has no AMX tiles')\n"
+    "def test_a():\n    pass\n"
+)
 
 
 @pytest.mark.parametrize(
@@ -257,6 +260,66 @@ def test_junit_counts_add_every_suite(tmp_path):
     path.write_text("<testsuite")
     assert judge("kernel-tests", path).state is State.FAIL
     assert junit_verdict(JunitCounts(4, 0, 0, 4), allow_skips=True).state is State.NOT_RUN
+
+
+def _junit(*cases: str) -> str:
+    """Hand-made JUnit XML as pytest writes it: one suite of ``cases`` (``<testcase>``)."""
+    skipped = sum("<skipped" in case for case in cases)
+    return (
+        f'<testsuites><testsuite tests="{len(cases)}" failures="0" errors="0" '
+        f'skipped="{skipped}">{"".join(cases)}</testsuite></testsuites>'
+    )
+
+
+def _skipped(message: str) -> str:
+    return (
+        f'<testcase classname="tests.kernels.t" name="test_x"><skipped type="pytest.skip" '
+        f'message="{message}">tests/kernels/t.py:9: {message}</skipped></testcase>'
+    )
+
+
+PASSED = '<testcase classname="tests.kernels.t" name="test_ok" time="0.1"/>'
+
+
+def test_kernel_tests_fail_on_a_skip_not_expected_on_a_cuda_machine(tmp_path):
+    """Skips of CPU-only and vLLM-needing tests pass; any other reason (Triton unusable, a
+    CUDA-only test skipped) fails and is named, with its count."""
+    path = tmp_path / "tests.xml"
+    expected = [
+        "this CPU has no AMX tiles",
+        "could not import &apos;vllm._custom_ops&apos;: No module named &apos;vllm&apos;",
+        "vLLM is not installed",
+        "not the CPU build of vLLM",
+        "the probe runs vLLM&apos;s kernel under the Triton interpreter",
+    ]
+    path.write_text(_junit(PASSED, *(_skipped(message) for message in expected)))
+    verdict = judge("kernel-tests", path)
+    assert (verdict.state, verdict.reason) == (State.PASS, "1 passed, 5 skipped")
+    unexpected = ["Triton kernels cannot run here"] * 3 + ["stream ordering needs CUDA"]
+    path.write_text(_junit(PASSED, _skipped(expected[0]), *map(_skipped, unexpected)))
+    verdict = judge("kernel-tests", path)
+    assert verdict.state is State.FAIL
+    assert verdict.reason == (
+        "4 of 6 tests skipped for a reason not expected on a CUDA machine: "
+        "3x 'Triton kernels cannot run here'; 1x 'stream ordering needs CUDA'"
+    )
+    # The engine tests allow no skip at all, whatever the reason.
+    path.write_text(_junit(PASSED, _skipped(expected[0])))
+    assert judge("engine-tests", path).reason == "1 of 2 tests skipped"
+    # Counts that disagree with the skipped test cases: the document is wrong.
+    path.write_text(
+        _junit(PASSED, PASSED, _skipped(expected[0])).replace('skipped="1"', 'skipped="2"')
+    )
+    verdict = judge("kernel-tests", path)
+    assert verdict.state is State.FAIL and "2 tests skipped but 1 <skipped>" in verdict.reason
+
+
+def test_a_real_pytest_skip_reason_is_read_from_the_xml(tmp_path):
+    skipping = SKIPPING.replace("this CPU has no AMX tiles", "no GPU").replace("test_a", "test_b")
+    code, report = _pytest_junit(tmp_path, "def test_a():\n    pass\n" + skipping)
+    assert code == 0
+    verdict = judge("kernel-tests", report)
+    assert verdict.state is State.FAIL and verdict.reason.endswith("1x 'no GPU'")
 
 
 # ---------------------------------------------------------------- command line

@@ -227,9 +227,11 @@ class QueuedAdmission:
                 "for fewer prompt or output tokens, or fewer choices (n)"
             )
         if reason == "exceeds_max_concurrent_requests":
+            limit = quota.max_concurrent_requests
             return (
                 f"the request asks for {ask.n} choices (n), more than tenant "
-                f"{quota.tenant_id!r} may run at once ({quota.max_concurrent_requests})"
+                f"{quota.tenant_id!r} may run at once"
+                + ("" if limit is None else f" (max_concurrent_requests: {limit})")
             )
         return f"request cannot be admitted: {reason}"
 

@@ -59,6 +59,7 @@ class AdmissionOutcome(enum.Enum):
 
 
 DEFAULT_RESERVATION_TTL_S = 600.0
+MAX_QUEUE_TICKET_TTL_S = 3600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +116,11 @@ class AdmissionConfig:
             raise ValueError("prefill_chunk_tokens must be >= 1")
         if self.cluster_kv_blocks is not None and self.cluster_kv_blocks < 1:
             raise ValueError("cluster_kv_blocks must be >= 1 (None: no cluster bound)")
+        if not 0 < self.queue_ticket_ttl_s <= MAX_QUEUE_TICKET_TTL_S:
+            raise ValueError(
+                f"queue_ticket_ttl_s must be in (0, {MAX_QUEUE_TICKET_TTL_S:g}] s: a ticket "
+                "whose ingress died holds its tenant's place in the queue that long"
+            )
         if not 0 < self.queue_poll_s < self.queue_ticket_ttl_s / 2:
             raise ValueError("queue_poll_s must be positive and under half queue_ticket_ttl_s")
 
@@ -132,7 +138,8 @@ class Reservation:
 @dataclass(frozen=True, slots=True)
 class AdmissionDecision:
     """`reservation` is set iff admitted; `retry_after_s` > 0 iff throttled. `reason`:
-    ok, unknown_tenant, exceeds_budget, exceeds_max_concurrent_requests (``n`` above the
+    ok, unknown_tenant, exceeds_budget, exceeds_cluster_capacity (its peak above
+    ``cluster_kv_blocks``), exceeds_max_concurrent_requests (``n`` above the
     tenant's limit), duplicate_request, max_concurrent_requests, kv_budget,
     prompt_token_rate, and for the fair queue queued, cluster_full, ticket_lost.
     `queue_position`: for `queued`, how many of its tenant's tickets are ahead of it."""
@@ -192,6 +199,9 @@ class Admission:
         empty for a request not queued. A request waits (throttled ``queued``) while a
         ticket of its tenant is ahead of it, and ``cluster_full`` while the cluster's
         capacity or another tenant's turn holds it back; a ticket admitted leaves the queue.
+        A request that can never be admitted as asked (its peak above its tenant's budget or
+        the cluster's capacity, ``n`` above its concurrency limit) is rejected at once,
+        queued or not: waiting would not make it fit.
 
         `quota` is the caller's (possibly cached) copy; the script re-reads the stored one,
         so an admin change applies at once and a deleted tenant is rejected.
@@ -218,7 +228,6 @@ class Admission:
                     n,
                     ticket,
                     self.config.cluster_kv_blocks or 0,
-                    quota.weight,
                     int(self.config.queue_ticket_ttl_s * 1000),
                 ],
             )

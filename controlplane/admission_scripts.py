@@ -16,6 +16,15 @@ local function now_ms()
 end
 """
 
+# The cluster's reservation total less `by`, never below 0: a total that started after
+# reservations were taken (an upgrade) would otherwise stay negative and over-admit until
+# the lapse sweep sets it again (`controlplane.lapse_sweep`).
+LOWER_CLUSTER_TOTAL = """
+local function lower_cluster_total(key, by)
+  if redis.call('DECRBY', key, by) < 0 then redis.call('SET', key, 0) end
+end
+"""
+
 # A tenant's prompt-token bucket: `capacity` tokens (rate x burst seconds, the same for
 # every request) refilled at `rate` per second from its last state. A prompt is taken when
 # the bucket holds it, or when the bucket is full: a prompt larger than the bucket leaves
@@ -97,7 +106,7 @@ if #expired > 0 then
   redis.call('PEXPIRE', KEYS[10], tonumber(ARGV[4]))
   redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
   redis.call('DECRBY', KEYS[7], freed)
-  redis.call('DECRBY', KEYS[11], freed)
+  lower_cluster_total(KEYS[11], freed)
   redis.call('SET', KEYS[8], math.max(sequences, 0))
 end
 """
@@ -107,12 +116,15 @@ end
 # their leases, active tenants, contending tenants, tenant leases, counters, virtual time).
 # ARGV: tenant, request id, blocks, lease_ms, prompt_tokens, rate burst seconds,
 # max_tokens, steady blocks, n (sequences), ticket ('' for a request not queued),
-# cluster capacity in blocks (0: none), the tenant's weight, ticket lease_ms.
-# Returns {outcome, reason, retry_after_ms}. A request queued behind its tenant's tickets
+# cluster capacity in blocks (0: none), ticket lease_ms.
+# Returns {outcome, reason, retry_after_ms}. A request that can never be admitted as asked
+# (over its tenant's budget or the cluster's capacity, `n` over its concurrency limit) is
+# rejected before anything else. A request queued behind its tenant's tickets
 # is throttled `queued` (a fourth value: how many are ahead of it); one the cluster's
 # capacity or another tenant's turn holds back, `cluster_full` (`fair_queue_scripts`).
 ADMIT = (
     NOW_MS
+    + LOWER_CLUSTER_TOTAL
     + TAKE_PROMPT_TOKENS
     + SEQUENCES_OF
     + QUEUE_FUNCTIONS
@@ -122,7 +134,18 @@ if not raw then return {'rejected', 'unknown_tenant', 0} end
 local quota = cjson.decode(raw)
 local blocks = tonumber(ARGV[3])
 local now = now_ms()
+-- A request that could never be admitted as asked is refused before it queues: waiting
+-- would not make it fit, and a ticket of it would hold its tenant's turn for good.
 if blocks > quota['kv_budget_blocks'] then return {'rejected', 'exceeds_budget', 0} end
+local capacity = tonumber(ARGV[11])
+if capacity > 0 and blocks > capacity then
+  return {'rejected', 'exceeds_cluster_capacity', 0}
+end
+local max_concurrent = quota['max_concurrent_requests']
+local n = tonumber(ARGV[9])
+if max_concurrent ~= cjson.null and n > max_concurrent then
+  return {'rejected', 'exceeds_max_concurrent_requests', 0}
+end
 """
     + PURGE_LAPSED
     + """
@@ -140,18 +163,15 @@ end
 local tenant, ticket = ARGV[1], ARGV[10]
 local queue, contending = {KEYS[12], KEYS[13], KEYS[14], KEYS[15], KEYS[16]}, KEYS[15]
 purge_tickets(queue, tenant, now)
-local turn, ahead = take_turn(queue, tenant, ticket, now + tonumber(ARGV[13]))
+local turn, ahead = take_turn(queue, tenant, ticket, now + tonumber(ARGV[12]))
 if turn then return {'throttled', turn, -1, ahead} end
 -- A ticket held back by its tenant's own limits leaves the contention for the cluster.
 local function wait(reason, ms)
   if ticket ~= '' then redis.call('ZREM', contending, tenant) end
   return {'throttled', reason, ms}
 end
-local max_concurrent = quota['max_concurrent_requests']
-local n = tonumber(ARGV[9])
-if max_concurrent ~= cjson.null then
-  if n > max_concurrent then return {'rejected', 'exceeds_max_concurrent_requests', 0} end
-  if sequences + n > max_concurrent then return wait('max_concurrent_requests', -1) end
+if max_concurrent ~= cjson.null and sequences + n > max_concurrent then
+  return wait('max_concurrent_requests', -1)
 end
 local reserved = tonumber(redis.call('GET', KEYS[7]))
 local reported = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
@@ -159,7 +179,7 @@ if math.max(reserved, reported) + blocks > quota['kv_budget_blocks'] then
   return wait('kv_budget', -1)
 end
 local counter = counter_of(KEYS[17], tenant)
-if not cluster_turn(KEYS[11], contending, tenant, ticket, counter, blocks, tonumber(ARGV[11])) then
+if not cluster_turn(KEYS[11], contending, tenant, ticket, counter, blocks, capacity) then
   return {'throttled', 'cluster_full', -1}
 end
 local rate = quota['prompt_tokens_per_s']
@@ -170,7 +190,10 @@ if rate ~= cjson.null then
   if wait_ms > 0 then return wait('prompt_token_rate', wait_ms) end
 end
 if ticket ~= '' then
-  served(queue, KEYS[17], KEYS[18], tenant, ticket, counter, blocks / tonumber(ARGV[12]))
+  -- Charged at the stored weight: an ingress's cached quota may predate an admin change.
+  local weight = quota['weight']
+  if type(weight) ~= 'number' or weight <= 0 then weight = 1 end
+  served(queue, KEYS[17], KEYS[18], tenant, ticket, counter, blocks / weight)
 end
 redis.call('HSET', KEYS[3], ARGV[2], blocks)
 redis.call('INCRBY', KEYS[7], blocks)
@@ -187,6 +210,7 @@ return {'admitted', 'ok', 0}
 # reservations as an admission would (`controlplane.lapse_sweep`); returns how many lapsed.
 SWEEP_LAPSED = (
     NOW_MS
+    + LOWER_CLUSTER_TOTAL
     + SEQUENCES_OF
     + """
 local now = now_ms()
@@ -200,21 +224,25 @@ return #expired
 
 # KEYS: reservations, total, cluster total. ARGV: request id, steady blocks. Shrinks only
 # a held one. The cluster's total moves with every tenant total.
-SETTLE = """
+SETTLE = (
+    LOWER_CLUSTER_TOTAL
+    + """
 local held = redis.call('HGET', KEYS[1], ARGV[1])
 if not held then return 0 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 if redis.call('EXISTS', KEYS[2]) == 1 then
   redis.call('INCRBY', KEYS[2], tonumber(ARGV[2]) - tonumber(held))
-  redis.call('INCRBY', KEYS[3], tonumber(ARGV[2]) - tonumber(held))
+  lower_cluster_total(KEYS[3], tonumber(held) - tonumber(ARGV[2]))
 end
 return 1
 """
+)
 
 # KEYS: reservations, deadlines, starts, total, sequences, lapsed, lapsed-at, cluster total.
 # ARGV: request id. 1 iff it was held.
 RELEASE = (
     SEQUENCES_OF
+    + LOWER_CLUSTER_TOTAL
     + """
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[6], ARGV[1])
@@ -226,7 +254,7 @@ if not held then return 0 end
 redis.call('HDEL', KEYS[1], ARGV[1])
 if redis.call('EXISTS', KEYS[4]) == 1 then
   redis.call('DECRBY', KEYS[4], held)
-  redis.call('DECRBY', KEYS[8], held)
+  lower_cluster_total(KEYS[8], held)
 end
 if redis.call('EXISTS', KEYS[5]) == 1 then redis.call('DECRBY', KEYS[5], sequences_of(start)) end
 return 1

@@ -14,14 +14,18 @@ client left. The state every ingress must agree on lives in Redis (:class:`KeySp
   its weight. When the cluster is full, the tenant whose first ticket passed its own
   limits with the smallest counter is admitted next (ties by tenant id); no other request
   takes capacity before it, queued or not. A tenant that becomes active (its first ticket)
-  starts at the smallest counter of the active tenants (or, with none, the counter the last
-  ticket was admitted at): idling earns no credit, and a tenant arriving while another
-  floods the queue waits for at most one of its requests.
+  starts at the smallest counter of the contending tenants (with none, at the smallest of
+  the active ones but not below the virtual time, the counter the latest ticket was
+  admitted at, which never moves back): idling earns no credit, and a tenant arriving while
+  another floods the queue waits for at most one of its requests.
 - **Liveness**: a ticket's lease is renewed by each poll; a ticket whose ingress died lapses
   after ``queue_ticket_ttl_s`` and is dropped by the next script touching its tenant, and a
   tenant whose tickets all lapsed leaves the contention for the cluster. A ticket that
   passes its tenant's limits but not the cluster's contends; one its own limits hold back
-  does not, so a tenant over its budget never holds up the others.
+  does not, so a tenant over its budget never holds up the others. A tenant whose ticket
+  was admitted leaves the contention until its next ticket polls and passes its limits.
+  A request that could never be admitted (over its tenant's budget or the cluster's
+  capacity, ``n`` over its concurrency limit) is rejected before it queues.
 """
 
 from __future__ import annotations

@@ -71,18 +71,21 @@ local function cluster_turn(total, contending, tenant, ticket, counter, blocks, 
 end
 
 -- The tenant's first ticket is admitted: it leaves the queue, the tenant's counter grows
--- by `cost` (blocks / weight), and the virtual time is the counter it was served at.
+-- by `cost` (blocks / weight), and the virtual time moves up to the counter it was served
+-- at (never down). The tenant leaves the contention: its next ticket has not passed its
+-- own limits yet, and rejoins at its own poll once it does.
 local function served(queue, counters, vtime, tenant, ticket, counter, cost)
   local after = counter + cost
   redis.call('HSET', counters, tenant, string.format('%.17g', after))
-  redis.call('SET', vtime, string.format('%.17g', counter))
+  local before = tonumber(redis.call('GET', vtime) or '0') or 0
+  redis.call('SET', vtime, string.format('%.17g', math.max(before, counter)))
   redis.call('ZREM', queue[1], ticket)
   redis.call('ZREM', queue[2], ticket)
+  redis.call('ZREM', queue[4], tenant)
   if redis.call('ZCARD', queue[1]) == 0 then
     retire(queue, tenant)
   else
     redis.call('ZADD', queue[3], 'XX', after, tenant)
-    redis.call('ZADD', queue[4], 'XX', after, tenant)
   end
 end
 """
@@ -90,7 +93,9 @@ end
 # KEYS: tickets, leases, active, contending, tenant leases, counters, virtual time.
 # ARGV: tenant, ticket, max depth, lease_ms. Returns {1 if queued else 0, depth, now_ms}.
 # A tenant that becomes active (its first ticket) starts at the smallest counter of the
-# active tenants, or at the virtual time when none is: idling earns no credit (VTC).
+# contending tenants: idling earns no credit (VTC). With none contending, at the smallest
+# counter of the active ones but not below the virtual time: an active tenant held back by
+# its own limits is not served, so its counter may lag behind the others'.
 ENQUEUE = (
     "local NOW_TIME = redis.call('TIME')\n"
     + QUEUE_FUNCTIONS
@@ -101,8 +106,12 @@ purge_tickets(queue, tenant, now)
 local depth = redis.call('ZCARD', KEYS[1])
 if depth >= tonumber(ARGV[3]) then return {0, depth, now} end
 if depth == 0 then
-  local least = redis.call('ZRANGE', KEYS[3], 0, 0, 'WITHSCORES')[2]
-  local floor = tonumber(least or redis.call('GET', KEYS[7]) or '0') or 0
+  local floor = tonumber(redis.call('ZRANGE', KEYS[4], 0, 0, 'WITHSCORES')[2] or '')
+  if floor == nil then
+    local vtime = tonumber(redis.call('GET', KEYS[7]) or '0') or 0
+    local least = tonumber(redis.call('ZRANGE', KEYS[3], 0, 0, 'WITHSCORES')[2] or '')
+    floor = math.max(least or vtime, vtime)
+  end
   local lifted = math.max(counter_of(KEYS[6], tenant), floor)
   redis.call('HSET', KEYS[6], tenant, string.format('%.17g', lifted))
   redis.call('ZADD', KEYS[3], lifted, tenant)

@@ -122,8 +122,9 @@ class KeySpace:
     @property
     def cluster_reservation_total(self) -> str:
         """String: the sum of every tenant's reservation total (blocks), kept by admission
-        with them: what the cluster's capacity (``AdmissionConfig.cluster_kv_blocks``)
-        bounds."""
+        with them (never below 0) and set again from them by the controller's sweep
+        (``controlplane.lapse_sweep``): what the cluster's capacity
+        (``AdmissionConfig.cluster_kv_blocks``) bounds."""
         return f"{self.prefix}:resv-total"
 
     def queue_tickets(self, tenant_id: str) -> str:
@@ -158,8 +159,8 @@ class KeySpace:
 
     @property
     def queue_virtual_time(self) -> str:
-        """String: the counter the last ticket was admitted at (where a tenant that
-        becomes active while none is starts)."""
+        """String: the largest counter a ticket was admitted at (never moves back): the
+        least a tenant that becomes active while none contends starts at."""
         return f"{self.prefix}:queue:vtime"
 
     def rate_bucket(self, tenant_id: str) -> str:

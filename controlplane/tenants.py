@@ -8,7 +8,9 @@ same id, and a ``PUT`` that saw the tenant before a ``DELETE`` re-created it wit
 Keys go first inside the script, and the script is atomic, so no moment exists where the
 quota is gone but a key still maps to the tenant id: re-creating the id later never revives
 an old key. Reservations (and their start times, deadlines and the prompt-token bucket)
-would otherwise stay in Redis without a TTL. The per-tenant ``usage`` entry belongs to the
+would otherwise stay in Redis without a TTL; the tenant's fair-queue state goes too, so
+its tickets stop contending for the cluster at once and a tenant later created under the
+same id starts with no counter. The per-tenant ``usage`` entry belongs to the
 controller's plan and is rewritten by it.
 """
 
@@ -21,7 +23,7 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel
 
 from controlplane.auth import digest, key_id
-from controlplane.keys import KeySpace
+from controlplane.keys import KeySpace, queue_keys
 from controlplane.models import TenantQuota
 
 # KEYS: quotas, quotas version, api keys, the tenant's key ids.
@@ -48,7 +50,9 @@ return {'no_key', existed}
 
 # KEYS: quotas, quotas version, api keys, the tenant's key ids, reservations, reservation
 # starts, reservation deadlines, rate bucket, reservation total, lapsed, lapsed-at, the
-# cluster's reservation total (less the tenant's). ARGV: tenant id.
+# cluster's reservation total (less the tenant's, never below 0), then the fair queue's:
+# the tenant's tickets and their leases, the active, contending and tenant-lease sets and
+# the counters (the tenant leaves each). ARGV: tenant id.
 # Returns {quota existed (0/1), keys revoked, reservations removed}.
 # The scan of every key digest also catches keys stored before key ids existed; it runs
 # once per tenant deletion (an admin action), O(all keys).
@@ -70,8 +74,12 @@ for i = 1, #all, 2 do
   end
 end
 local reservations = redis.call('HLEN', KEYS[5])
-redis.call('DECRBY', KEYS[12], tonumber(redis.call('GET', KEYS[9]) or '0'))
+local held = tonumber(redis.call('GET', KEYS[9]) or '0')
+if redis.call('DECRBY', KEYS[12], held) < 0 then redis.call('SET', KEYS[12], 0) end
 redis.call('DEL', KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10], KEYS[11])
+redis.call('DEL', KEYS[13], KEYS[14])
+for i = 15, 17 do redis.call('ZREM', KEYS[i], tenant) end
+redis.call('HDEL', KEYS[18], tenant)
 local existed = redis.call('HDEL', KEYS[1], tenant)
 redis.call('INCR', KEYS[2])
 return {existed, revoked, reservations}
@@ -134,9 +142,10 @@ class TenantRemoval(BaseModel):
 
 
 async def remove_tenant(redis: aioredis.Redis, keys: KeySpace, tenant_id: str) -> TenantRemoval:
-    """Revoke every key of ``tenant_id``, drop its reservations and rate bucket, then its
-    quota, atomically. Leftovers are cleaned even when the quota is already gone
-    (``existed`` is then ``False``); running requests' later releases find nothing to free."""
+    """Revoke every key of ``tenant_id``, drop its reservations, rate bucket and place in
+    the fair queue (its tickets and counter), then its quota, atomically. Leftovers are
+    cleaned even when the quota is already gone (``existed`` is then ``False``); running
+    requests' later releases find nothing to free."""
     script = redis.register_script(_REMOVE_TENANT)
     names = [
         keys.quotas,
@@ -151,6 +160,8 @@ async def remove_tenant(redis: aioredis.Redis, keys: KeySpace, tenant_id: str) -
         keys.reservation_lapsed(tenant_id),
         keys.reservation_lapsed_at(tenant_id),
         keys.cluster_reservation_total,
+        *queue_keys(keys, tenant_id),
+        keys.queue_counters,
     ]
     existed, revoked, reservations = await script(keys=names, args=[tenant_id])
     return TenantRemoval(

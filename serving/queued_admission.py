@@ -7,8 +7,9 @@ ticket in its tenant's queue and asks again every ``queue_poll_s`` with it, in t
 ``max_queue_depth`` (at joining) or ``max_queue_wait_s`` it is today's 429, with the
 ``Retry-After`` admission computes; a request that can never fit is a 400 at once, and a
 prompt-token rate throttle a 429 at once. A client that leaves while queued takes its
-ticket with it (the leave is shielded from the cancellation); an admission that completes
-after its caller was cancelled is released.
+ticket with it (the leave is shielded from the cancellation; so is the enqueue, whose
+ticket is taken away once it is in); an admission that completes after its caller was
+cancelled is released.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from opentelemetry import trace
 
 from controlplane import telemetry
 from controlplane.admission import Admission, AdmissionDecision, AdmissionOutcome, Reservation
-from controlplane.fair_queue import QUEUEABLE_REASONS, FairQueue
+from controlplane.fair_queue import QUEUEABLE_REASONS, Enqueued, FairQueue
 from controlplane.metrics import IngressMetrics
 from controlplane.models import TenantQuota
 from controlplane.otel_metrics import RequestMetrics
@@ -87,7 +88,14 @@ class QueuedAdmission:
         """Queue ``ask`` and poll until admitted, refused for good, or out of time; the
         last decision (throttled when it never got in) and whether it came from a poll."""
         quota, ticket = ask.quota, ask.request_id
-        joined = await redis_or_503(self.queue.enqueue(quota, ticket))
+        # Shielded like an admission: a client that leaves while the ticket is being taken
+        # must not leave it queued (it would hold its tenant's turn until its lease lapses).
+        enqueue = asyncio.ensure_future(self.queue.enqueue(quota, ticket))
+        try:
+            joined = await redis_or_503(asyncio.shield(enqueue))
+        except asyncio.CancelledError:
+            enqueue.add_done_callback(lambda done: self._leave_if_queued(done, quota, ticket))
+            raise
         span.set_attribute(telemetry.ATTR_QUEUE_DEPTH, joined.depth)
         if not joined.queued:
             span.set_attribute(telemetry.ATTR_QUEUE_OUTCOME, "full")
@@ -138,6 +146,13 @@ class QueuedAdmission:
             del held[ticket]
             if not held:
                 del self.waiting[tenant_id]
+
+    def _leave_if_queued(
+        self, enqueue: asyncio.Future[Enqueued], quota: TenantQuota, ticket: str
+    ) -> None:
+        """Done callback of an enqueue whose caller was cancelled."""
+        if not enqueue.cancelled() and enqueue.exception() is None and enqueue.result().queued:
+            self._leave_soon(quota.tenant_id, ticket)
 
     def _leave_soon(self, tenant_id: str, ticket: str) -> None:
         """Leave the queue in the background (the caller is being cancelled); a ticket
@@ -192,10 +207,33 @@ class QueuedAdmission:
             retry = max(1, math.ceil(retry_after_s))  # never before it fits
             raise throttled(tenant_id, decision.reason, retry)
         if decision.reservation is None:
-            raise HTTPError(
-                400, f"request cannot be admitted: {decision.reason}", "invalid_request"
-            )
+            raise HTTPError(400, self._rejection(ask, decision.reason), "invalid_request")
         return decision.reservation
+
+    def _rejection(self, ask: AdmitAsk, reason: str) -> str:
+        """Why a request can never be admitted as asked, with the limit it exceeds."""
+        quota = ask.quota
+        peak = self.admission.bounds(quota, ask.prompt_tokens, ask.max_tokens, ask.n).peak
+        if reason == "exceeds_cluster_capacity":
+            return (
+                f"the request needs {peak} KV blocks at its peak, more than the cluster's "
+                f"capacity of {self.admission.config.cluster_kv_blocks} blocks: ask for "
+                "fewer prompt or output tokens, or fewer choices (n)"
+            )
+        if reason == "exceeds_budget":
+            return (
+                f"the request needs {peak} KV blocks at its peak, more than tenant "
+                f"{quota.tenant_id!r}'s KV budget of {quota.kv_budget_blocks} blocks: ask "
+                "for fewer prompt or output tokens, or fewer choices (n)"
+            )
+        if reason == "exceeds_max_concurrent_requests":
+            limit = quota.max_concurrent_requests
+            return (
+                f"the request asks for {ask.n} choices (n), more than tenant "
+                f"{quota.tenant_id!r} may run at once"
+                + ("" if limit is None else f" (max_concurrent_requests: {limit})")
+            )
+        return f"request cannot be admitted: {reason}"
 
     def _release_if_admitted(self, call: asyncio.Future[AdmissionDecision]) -> None:
         """Done callback of an admission whose caller was cancelled."""

@@ -689,3 +689,11 @@ async def test_lapsed_entries_are_forgotten_after_a_ttl(
     assert (await admission.admit(tenant, "purge-again", 1, 1)).admitted
     assert len(await redis.hkeys(keys.reservation_lapsed("acme"))) <= 2
     assert await redis.zcard(keys.reservation_lapsed_at("acme")) <= 2
+
+
+def test_a_queue_ticket_lease_must_be_finite_and_at_most_an_hour() -> None:
+    """A ticket whose ingress died holds its tenant's place until its lease ends."""
+    assert AdmissionConfig(queue_ticket_ttl_s=3600.0).queue_ticket_ttl_s == 3600.0
+    for ttl_s in (math.inf, 1e300, 3601.0, 0.0, math.nan):
+        with pytest.raises(ValueError, match=r"queue_ticket_ttl_s must be in \(0, 3600\] s"):
+            AdmissionConfig(queue_ticket_ttl_s=ttl_s)

@@ -76,6 +76,9 @@ async def test_weights_one_to_two_get_one_to_two_of_the_releases(
                 admitted.append((tenant, tickets[tenant.tenant_id].pop(0)))
         assert len(admitted) == 1, (round_number, admitted)
         served.append(admitted[0][0].tenant_id)
+        for tenant in order:  # it runs longer than a poll period: every head polls again
+            if tickets[tenant.tenant_id]:
+                assert await ask(admission, tenant, tickets[tenant.tenant_id][0]) == "cluster_full"
         await release(admission, *admitted[0])
         await queue.check_invariants()
     assert abs(served.count("heavy") - 20) <= 1, served
@@ -96,8 +99,9 @@ async def test_the_smallest_counter_goes_first_and_a_newcomer_starts_at_the_smal
     flood_tickets = [f"flood-{i}" for i in range(8)]
     for ticket in flood_tickets:
         await queue.enqueue(flood, ticket)
-    for ticket in flood_tickets[:4]:  # four admitted and finished while alone
-        assert await ask(admission, flood, ticket) == "admitted"
+    for ticket, following in zip(flood_tickets[:4], flood_tickets[1:5], strict=True):
+        assert await ask(admission, flood, ticket) == "admitted"  # four served while alone,
+        assert await ask(admission, flood, following) == "cluster_full"  # the next polling
         await release(admission, flood, ticket)
     flood_counter = await queue.counter("a-flood")
     assert flood_counter == 4 * one_request_blocks(admission)
@@ -243,3 +247,129 @@ async def test_the_cluster_total_follows_every_reservation_change(
     assert await cluster_total() == await admission.reserved_blocks("one")
     await admission.release(held[1])
     assert await cluster_total() == 0
+
+
+async def test_a_request_larger_than_the_cluster_is_rejected_and_holds_up_nobody(
+    redis: aioredis.Redis, keys: KeySpace, store: RedisStore
+) -> None:
+    """A peak above ``cluster_kv_blocks`` (within its tenant's budget) could never be
+    admitted: it is rejected at once, even with a ticket, and never contends, so another
+    tenant's request is admitted on the empty cluster."""
+    admission, queue = await make(redis, keys, requests_fit=2)
+    capacity = admission.config.cluster_kv_blocks
+    assert capacity is not None
+    big, small = quota("a-big", 10_000), quota("b-small", 10_000)
+    for tenant in (big, small):
+        await store.put_quota(tenant)
+    prompt_at_capacity = capacity * 16 - MAX_TOKENS
+    assert admission.bounds(big, prompt_at_capacity, MAX_TOKENS, 1).peak == capacity
+    huge = await admission.admit(big, "huge", prompt_at_capacity + 16, MAX_TOKENS)
+    assert (huge.outcome, huge.reason) == (AdmissionOutcome.REJECTED, "exceeds_cluster_capacity")
+    assert (await queue.enqueue(big, "huge")).queued  # say, taken before a smaller capacity
+    queued = await admission.admit(big, "huge", prompt_at_capacity + 16, MAX_TOKENS, ticket="huge")
+    assert queued.reason == "exceeds_cluster_capacity"
+    assert await redis.zcard(keys.queue_contending) == 0
+    assert (await admission.admit(small, "s-0", PROMPT, MAX_TOKENS)).admitted
+    await release(admission, small, "s-0")
+    assert await queue.leave("a-big", "huge")
+    at_capacity = await admission.admit(big, "whole", prompt_at_capacity, MAX_TOKENS)
+    assert at_capacity.reservation is not None  # exactly the capacity fits
+    await admission.release(at_capacity.reservation)
+    await queue.check_invariants()
+
+
+async def test_n_above_the_concurrency_limit_is_rejected_even_behind_queued_tickets(
+    redis: aioredis.Redis, keys: KeySpace, store: RedisStore
+) -> None:
+    admission, queue = await make(redis, keys, requests_fit=4)
+    tenant = quota("acme", 10_000, max_concurrent_requests=1)
+    await store.put_quota(tenant)
+    await queue.enqueue(tenant, "waiting")
+    never = await admission.admit(tenant, "never", PROMPT, MAX_TOKENS, n=2)
+    assert (never.outcome, never.reason) == (
+        AdmissionOutcome.REJECTED,
+        "exceeds_max_concurrent_requests",
+    )
+    assert await queue.leave("acme", "waiting")
+
+
+async def test_a_tenant_served_leaves_the_contention_until_its_next_ticket_passes_its_limits(
+    redis: aioredis.Redis, keys: KeySpace, store: RedisStore
+) -> None:
+    """``a-limited`` (one request at a time) has the smallest counter; once its first
+    ticket is admitted its second one cannot run, so it must not hold the free room from
+    ``b-other`` until that ticket polls."""
+    admission, queue = await make(redis, keys, requests_fit=4)
+    limited = quota("a-limited", 10_000, max_concurrent_requests=1)
+    other = quota("b-other", 10_000)
+    for tenant in (limited, other):
+        await store.put_quota(tenant)
+    for ticket in ("l-0", "l-1"):
+        await queue.enqueue(limited, ticket)
+    await queue.enqueue(other, "o-0")
+    assert await ask(admission, other, "o-0") == "admitted"  # b-other's counter is above 0
+    await release(admission, other, "o-0")
+    await queue.enqueue(other, "o-1")
+    assert await ask(admission, limited, "l-0") == "admitted"
+    assert await redis.zrange(keys.queue_contending, 0, -1) == []
+    assert await ask(admission, other, "o-1") == "admitted"  # three requests' room is free
+    assert await ask(admission, limited, "l-1") == "max_concurrent_requests"
+    for tenant, ticket in ((limited, "l-0"), (other, "o-1")):
+        await release(admission, tenant, ticket)
+    assert await ask(admission, limited, "l-1") == "admitted"
+    await release(admission, limited, "l-1")
+    assert await queue.queues() == {}
+    await queue.check_invariants()
+
+
+async def test_a_newcomer_starts_at_the_contenders_counter_not_a_held_back_tenants(
+    redis: aioredis.Redis, keys: KeySpace, store: RedisStore
+) -> None:
+    """``stuck`` waits active at counter 0, held back by its own budget, while ``a`` and
+    ``b`` take turns: a tenant arriving then starts at the smallest counter of the
+    contenders (``stuck``'s would let it jump ahead of them), and the virtual time never
+    moves back when ``stuck`` is served at its old counter."""
+    admission, queue = await make(redis, keys, requests_fit=2)
+    stuck = quota("stuck", one_request_blocks(admission))  # its budget holds one request
+    a, b, late = quota("a", 10_000), quota("b", 10_000), quota("late", 10_000)
+    for tenant in (stuck, a, b, late):
+        await store.put_quota(tenant)
+    assert (await admission.admit(stuck, "stuck-running", PROMPT, MAX_TOKENS)).admitted
+    await queue.enqueue(stuck, "stuck-0")
+    assert await ask(admission, stuck, "stuck-0") == "kv_budget"
+    for i in range(10):  # the cluster holds one request besides stuck's
+        for tenant in (a, b):
+            ticket = f"{tenant.tenant_id}-{i}"
+            await queue.enqueue(tenant, ticket)
+            assert await ask(admission, tenant, ticket) == "admitted"
+            await release(admission, tenant, ticket)
+    assert (await admission.admit(a, "a-running", PROMPT, MAX_TOKENS)).admitted  # now full
+    for tenant in (a, b):
+        await queue.enqueue(tenant, f"{tenant.tenant_id}-keep")
+        assert await ask(admission, tenant, f"{tenant.tenant_id}-keep") == "cluster_full"
+    floor = min(await queue.counter("a"), await queue.counter("b"))
+    assert floor >= 9 * one_request_blocks(admission)
+    await queue.enqueue(late, "late-0")
+    assert await queue.counter("late") == floor
+    virtual_time = float(await redis.get(keys.queue_virtual_time))
+    assert virtual_time > 0
+    for tenant, request_id in ((stuck, "stuck-running"), (a, "a-running")):
+        await release(admission, tenant, request_id)
+    assert await ask(admission, stuck, "stuck-0") == "admitted"  # at its old counter, 0
+    assert float(await redis.get(keys.queue_virtual_time)) == virtual_time
+    await release(admission, stuck, "stuck-0")
+    for tenant, ticket in ((a, "a-keep"), (b, "b-keep"), (late, "late-0")):
+        await queue.leave(tenant.tenant_id, ticket)
+    await queue.check_invariants()
+
+
+async def test_the_counter_grows_at_the_stored_weight_not_the_ingresss_copy(
+    redis: aioredis.Redis, keys: KeySpace, store: RedisStore
+) -> None:
+    admission, queue = await make(redis, keys)
+    cached = quota("acme", 10_000, weight=1.0)
+    await store.put_quota(quota("acme", 10_000, weight=4.0))  # an admin changed it since
+    await queue.enqueue(cached, "t-0")
+    assert await ask(admission, cached, "t-0") == "admitted"
+    assert await queue.counter("acme") == one_request_blocks(admission) / 4
+    await release(admission, cached, "t-0")

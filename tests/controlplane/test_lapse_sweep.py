@@ -1,5 +1,6 @@
 """The lapse sweep on a real redis-server: a tenant that sends nothing more stops holding
-the cluster's capacity once its reservations lapse; a late renewal still re-reserves."""
+the cluster's capacity once its reservations lapse; a late renewal still re-reserves; the
+cluster's total is set again from the tenants' totals."""
 
 from __future__ import annotations
 
@@ -7,11 +8,15 @@ import asyncio
 
 import redis.asyncio as aioredis
 
-from controlplane.admission import Admission, AdmissionConfig, Renewal
+from controlplane.admission import Admission, AdmissionConfig, Renewal, Reservation
 from controlplane.clock import SystemClock
 from controlplane.controller import Controller, ControllerConfig
 from controlplane.keys import KeySpace
-from controlplane.lapse_sweep import sweep_lapsed
+from controlplane.lapse_sweep import (
+    RECONCILE_CLUSTER_TOTAL,
+    reconcile_cluster_total,
+    sweep_lapsed,
+)
 from controlplane.lease import ControllerLease
 from controlplane.store import RedisStore
 from tests.controlplane.builders import quota
@@ -62,3 +67,50 @@ async def test_the_leader_sweeps_every_few_cycles(
     assert await cluster_total(redis, keys) > 0  # the first cycle does not sweep
     await controller.step()
     assert await cluster_total(redis, keys) == 0
+
+
+async def test_a_cluster_total_lost_or_started_late_is_never_negative_and_the_sweep_sets_it(
+    redis: aioredis.Redis, keys: KeySpace, store: RedisStore
+) -> None:
+    """Reservations taken before the cluster's total existed (an upgrade) are in their
+    tenant's total only: their releases leave the cluster's total at 0, not below (it
+    would over-admit for good), and the sweep sets it to the tenants' sum."""
+    config = AdmissionConfig(block_size=16, cluster_kv_blocks=6)  # two requests of 3 blocks
+    admission = Admission(redis, config, keys)
+    acme, globex = quota("acme", 100), quota("globex", 100)
+    for tenant in (acme, globex):
+        await store.put_quota(tenant)
+    held = [await admission.admit(acme, f"old-{i}", 32, 16) for i in range(2)]
+    assert [d.reservation.blocks for d in held if d.reservation] == [3, 3]
+    await redis.delete(keys.cluster_reservation_total)  # what the earlier version left
+    assert held[0].reservation is not None
+    await admission.release(held[0].reservation)
+    assert await cluster_total(redis, keys) == 0
+    assert (await admission.admit(globex, "new-0", 32, 16)).admitted  # 6 held, 3 counted
+    assert await sweep_lapsed(redis, keys, ["acme", "globex"], 600.0) == 0
+    assert await cluster_total(redis, keys) == 6
+    refused = await admission.admit(globex, "new-1", 32, 16)
+    assert refused.reason == "cluster_full"
+    for request_id, tenant_id in (("old-1", "acme"), ("new-0", "globex")):
+        await admission.release(Reservation(tenant_id, request_id, 3, 3))
+    assert await cluster_total(redis, keys) == 0
+    for tenant_id in ("acme", "globex"):
+        await admission.check_invariants(tenant_id)
+
+
+async def test_the_reconciliation_writes_nothing_when_the_tenants_changed_under_it(
+    redis: aioredis.Redis, keys: KeySpace, store: RedisStore
+) -> None:
+    """The script names every tenant's total; a tenant created since the list was read
+    (its total unnamed) makes it refuse, and the caller reads the tenants again."""
+    await store.put_quota(quota("acme", 100))
+    await store.put_quota(quota("globex", 100))
+    await redis.set(keys.reservation_total("acme"), 4)
+    await redis.set(keys.reservation_total("globex"), 5)
+    await redis.set(keys.cluster_reservation_total, 1)
+    script = redis.register_script(RECONCILE_CLUSTER_TOTAL)
+    stale = [keys.quotas, keys.cluster_reservation_total, keys.reservation_total("acme")]
+    assert await script(keys=stale, args=["acme"]) == [0, 0]
+    assert await cluster_total(redis, keys) == 1
+    assert await reconcile_cluster_total(redis, keys) == 9
+    assert await cluster_total(redis, keys) == 9

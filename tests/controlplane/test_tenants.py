@@ -1,11 +1,14 @@
 """Removing a tenant in one script: keys (indexed or stored before key ids existed),
-reservations and the rate bucket go with the quota; other tenants keep theirs."""
+reservations, the rate bucket and its place in the fair queue go with the quota; other
+tenants keep theirs."""
 
 from __future__ import annotations
 
 import redis.asyncio as aioredis
 
+from controlplane.admission import Admission, AdmissionConfig
 from controlplane.auth import TenantKeys, digest, new_api_key
+from controlplane.fair_queue import FairQueue
 from controlplane.keys import KeySpace
 from controlplane.models import TenantQuota
 from controlplane.store import RedisStore
@@ -106,3 +109,30 @@ async def test_writing_a_tenant_gives_a_generated_key_to_a_new_tenant_only(
     conflict = await write_tenant(redis, keys, "globex", other, second, chosen=True)
     assert conflict.outcome is TenantWriteOutcome.KEY_CONFLICT
     assert await store.get_quota("globex") is None  # nothing written
+
+
+async def test_remove_tenant_takes_its_place_in_the_fair_queue(
+    redis: aioredis.Redis, store: RedisStore, keys: KeySpace
+) -> None:
+    """A deleted tenant's tickets stop contending for the cluster at once (not after their
+    lease), and a tenant later created under its id starts without its counter."""
+    config = AdmissionConfig(block_size=16, cluster_kv_blocks=3, queue_ticket_ttl_s=60.0)
+    admission, queue = Admission(redis, config, keys), FairQueue(redis, config, keys)
+    acme, globex = (TenantQuota(tenant_id=t, kv_budget_blocks=100) for t in ("acme", "globex"))
+    for tenant in (acme, globex):
+        await store.put_quota(tenant)
+    await queue.enqueue(acme, "a-0")
+    assert (await admission.admit(acme, "a-0", 32, 16, ticket="a-0")).admitted
+    await queue.enqueue(acme, "a-1")
+    assert (await admission.admit(acme, "a-1", 32, 16, ticket="a-1")).reason == "cluster_full"
+    assert await queue.counter("acme") == 3
+
+    await remove_tenant(redis, keys, "acme")
+
+    assert await queue.queues() == {}
+    assert await queue.counter("acme") == 0
+    assert not await redis.exists(keys.queue_tickets("acme"), keys.queue_leases("acme"))
+    for sorted_set in (keys.queue_active, keys.queue_contending, keys.queue_tenant_leases):
+        assert await redis.zscore(sorted_set, "acme") is None
+    assert (await admission.admit(globex, "g-0", 32, 16)).admitted  # acme's room is free
+    await queue.check_invariants()

@@ -134,6 +134,22 @@ async def test_a_model_not_served_here_is_404(ingress: Ingress) -> None:
     assert [m["id"] for m in models.json()["data"]] == [MODEL]
 
 
+async def test_a_request_that_can_never_fit_is_a_400_naming_the_limit(ingress: Ingress) -> None:
+    """Over its tenant's budget, or more choices than it may run at once: a 400 at once,
+    though the tenant has a queue to wait in (waiting would not make it fit)."""
+    api_key = await ingress.add_tenant("acme", kv_budget_blocks=1, max_concurrent_requests=1)
+    too_big = await ingress.complete(api_key, max_tokens=64)
+    assert too_big.status_code == 400, too_big.text
+    message = too_big.json()["error"]["message"]
+    assert "KV blocks at its peak, more than tenant 'acme''s KV budget of 1 blocks" in message
+    api_key = await ingress.add_tenant("globex", kv_budget_blocks=100, max_concurrent_requests=1)
+    too_many = await ingress.complete(api_key, n=2)
+    assert too_many.status_code == 400, too_many.text
+    message = too_many.json()["error"]["message"]
+    assert "2 choices (n), more than tenant 'globex' may run at once" in message
+    assert "(max_concurrent_requests: 1)" in message
+
+
 async def test_over_the_kv_budget_is_429_until_the_first_request_finishes(
     ingress: Ingress,
 ) -> None:

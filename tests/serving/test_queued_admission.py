@@ -12,10 +12,13 @@ from typing import Any
 
 import httpx
 import pytest
+from opentelemetry import trace
 
 from controlplane import telemetry
 from controlplane.admission import AdmissionConfig
+from controlplane.fair_queue import Enqueued
 from controlplane.kv_bounds import kv_bounds
+from serving.queued_admission import AdmitAsk
 from tests.redis_server import RedisServer
 from tests.serving.ingress_harness import BLOCK_SIZE, PROMPT, Ingress, admin, running_ingress
 
@@ -159,6 +162,52 @@ async def test_a_client_that_leaves_while_queued_takes_its_ticket(queued: Ingres
     queued.replicas.gate.set()
     assert (await first).status_code == 200
     assert await queued.state.admission.reserved_blocks("acme") == 0
+
+
+async def test_a_client_that_leaves_while_its_ticket_is_being_taken_takes_it(
+    queued: Ingress,
+) -> None:
+    """The client leaves after Redis queued its ticket but before the reply arrived: the
+    ticket is taken away once the reply is in, not held until its lease lapses."""
+    await queued.add_tenant("acme", kv_budget_blocks=1)
+    quota = await queued.state.store.get_quota("acme")
+    assert quota is not None
+    running = await queued.state.admission.admit(quota, "running", 8, MAX_TOKENS)
+    assert running.reservation is not None  # the tenant's budget is full
+    admitter, replied, reply_late = queued.state.admitter, asyncio.Event(), asyncio.Event()
+    enqueue = admitter.queue.enqueue
+
+    async def slow_reply(*args: Any) -> Enqueued:
+        joined = await enqueue(*args)  # in Redis now
+        replied.set()
+        await reply_late.wait()
+        return joined
+
+    admitter.queue.enqueue = slow_reply  # type: ignore[method-assign]
+    ask = AdmitAsk(quota, "leaving", 8, MAX_TOKENS)
+    leaving = asyncio.create_task(admitter.admit(ask, trace.INVALID_SPAN))
+    await replied.wait()
+    assert await depth(queued, "acme") == 1
+    leaving.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await leaving
+    reply_late.set()
+    await until(lambda: _is(depth(queued, "acme"), 0), timeout_s=0.5)  # not its lease: left
+    await queued.state.admission.release(running.reservation)
+
+
+async def test_a_request_larger_than_the_cluster_is_a_400_naming_its_capacity(
+    queued: Ingress,
+) -> None:
+    api_key = await queued.add_tenant("acme", kv_budget_blocks=1000)
+    capacity = queued.state.admission.config.cluster_kv_blocks
+    started = time.monotonic()
+    refused = await queued.complete(api_key, max_tokens=64)
+    assert time.monotonic() - started < queued.state.queue.config.queue_ticket_ttl_s
+    assert refused.status_code == 400, refused.text
+    message = refused.json()["error"]["message"]
+    assert f"more than the cluster's capacity of {capacity} blocks" in message
+    assert await depth(queued, "acme") == 0
 
 
 async def test_a_flooding_tenant_delays_another_by_at_most_one_release(queued: Ingress) -> None:

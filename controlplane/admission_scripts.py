@@ -193,7 +193,9 @@ if ticket ~= '' then
   -- Charged at the stored weight: an ingress's cached quota may predate an admin change.
   local weight = quota['weight']
   if type(weight) ~= 'number' or weight <= 0 then weight = 1 end
-  served(queue, KEYS[17], KEYS[18], tenant, ticket, counter, blocks / weight)
+  local held = (max_concurrent ~= cjson.null and sequences + 2 * n > max_concurrent)
+    or math.max(reserved, reported) + 2 * blocks > quota['kv_budget_blocks']
+  served(queue, KEYS[17], KEYS[18], tenant, ticket, counter, blocks / weight, held)
 end
 redis.call('HSET', KEYS[3], ARGV[2], blocks)
 redis.call('INCRBY', KEYS[7], blocks)

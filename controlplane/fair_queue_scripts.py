@@ -72,16 +72,23 @@ end
 
 -- The tenant's first ticket is admitted: it leaves the queue, the tenant's counter grows
 -- by `cost` (blocks / weight), and the virtual time moves up to the counter it was served
--- at (never down). The tenant leaves the contention: its next ticket has not passed its
--- own limits yet, and rejoins at its own poll once it does.
-local function served(queue, counters, vtime, tenant, ticket, counter, cost)
+-- at (never down). A tenant that its own limits will hold back (`held`: at its concurrency
+-- limit, or no room in its budget for another request of this size) leaves the contention
+-- and rejoins at its next ticket's poll, so it does not stall the others meanwhile; any
+-- other tenant stays in it at its new counter, so the weights hold when room frees faster
+-- than tickets poll.
+local function served(queue, counters, vtime, tenant, ticket, counter, cost, held)
   local after = counter + cost
   redis.call('HSET', counters, tenant, string.format('%.17g', after))
   local before = tonumber(redis.call('GET', vtime) or '0') or 0
   redis.call('SET', vtime, string.format('%.17g', math.max(before, counter)))
   redis.call('ZREM', queue[1], ticket)
   redis.call('ZREM', queue[2], ticket)
-  redis.call('ZREM', queue[4], tenant)
+  if held then
+    redis.call('ZREM', queue[4], tenant)
+  else
+    redis.call('ZADD', queue[4], 'XX', after, tenant)
+  end
   if redis.call('ZCARD', queue[1]) == 0 then
     retire(queue, tenant)
   else

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +96,9 @@ def policy_names(value: str, allow_none: bool = True) -> list[str]:
     return names
 
 
+MAX_LAYER_ID = 10_000  # a range past any model's depth is a typo, not a layer list
+
+
 def score_layer_ids(value: str) -> ScoreLayers:
     """The ``--score-layers`` option as ``VTokenConfig.score_layers``: ``all``;
     ``spread:N`` (N layers evenly spaced, the last included); or comma-separated layer ids
@@ -105,19 +109,18 @@ def score_layer_ids(value: str) -> ScoreLayers:
         return "all"
     if value.strip().startswith("spread:"):
         count = value.strip().removeprefix("spread:")
-        if not count.isdigit() or int(count) < 1:
+        if not (count.isascii() and count.isdigit()) or int(count) < 1:
             raise typer.BadParameter(f"score-layers: {value!r} is not spread:N with N >= 1")
         return int(count)
     ids: set[int] = set()
     for item in csv_items(value):
-        span, _, step = item.partition("/")
-        first, _, last = span.partition("-")
-        try:
-            start, stop, stride = int(first), int(last or first), int(step or 1)
-        except ValueError:
-            raise typer.BadParameter(f"score-layers: {item!r} is not N, A-B or A-B/S") from None
-        if start < 0 or stop < start or stride < 1:
-            raise typer.BadParameter(f"score-layers: {item!r} is not an ascending range")
+        match = re.fullmatch(r"(\d+)(?:-(\d+)(?:/(\d+))?)?", item)
+        if match is None:
+            raise typer.BadParameter(f"score-layers: {item!r} is not N, A-B or A-B/S")
+        first, last, step = match.groups()
+        start, stop, stride = int(first), int(last or first), int(step or 1)
+        if stop < start or stride < 1 or stop >= MAX_LAYER_ID:
+            raise typer.BadParameter(f"score-layers: {item!r} is not an ascending range of ids")
         ids.update(range(start, stop + 1, stride))
     if not ids:
         raise typer.BadParameter("score-layers: give 'all' or at least one layer id")

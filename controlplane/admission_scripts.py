@@ -195,6 +195,8 @@ if ticket ~= '' then
   if type(weight) ~= 'number' or weight <= 0 then weight = 1 end
   local held = (max_concurrent ~= cjson.null and sequences + 2 * n > max_concurrent)
     or math.max(reserved, reported) + 2 * blocks > quota['kv_budget_blocks']
+    or (rate ~= cjson.null and tonumber(redis.call('HGET', KEYS[5], 'tokens') or '0')
+      < math.min(tonumber(ARGV[5]), rate * tonumber(ARGV[6])))
   served(queue, KEYS[17], KEYS[18], tenant, ticket, counter, blocks / weight, held)
 end
 redis.call('HSET', KEYS[3], ARGV[2], blocks)

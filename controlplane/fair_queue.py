@@ -23,7 +23,9 @@ client left. The state every ingress must agree on lives in Redis (:class:`KeySp
   tenant whose tickets all lapsed leaves the contention for the cluster. A ticket that
   passes its tenant's limits but not the cluster's contends; one its own limits hold back
   does not, so a tenant over its budget never holds up the others. A tenant whose ticket
-  was admitted leaves the contention until its next ticket polls and passes its limits.
+  was admitted keeps contending at its new counter, unless its own limits (concurrency,
+  budget, prompt-token rate, judged for another request of the same size) will hold its
+  next one back: then it leaves the contention until its next ticket polls and passes them.
   A request that could never be admitted (over its tenant's budget or the cluster's
   capacity, ``n`` over its concurrency limit) is rejected before it queues.
 """

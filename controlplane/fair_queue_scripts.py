@@ -6,7 +6,8 @@ A queue is the Lua table ``{tickets, leases, active, contending, tenant_leases}`
 the tenant's tickets (sorted set, ticket -> enqueued ms: its FIFO order), their leases
 (ticket -> ms after which it is dead), the active tenants (tenant -> virtual counter:
 every tenant with a ticket), the contending tenants (tenant -> virtual counter: those whose
-first ticket passed its own limits and waits for the cluster) and the tenants' leases
+first ticket passed its own limits and waits for the cluster, and those just served whose
+own limits will not hold their next ticket) and the tenants' leases
 (tenant -> the latest lease of its tickets).
 """
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -131,8 +131,8 @@ class VTokenConfig(PolicySpec):
       budget (its policy still keeps its sinks and pinned prefix; the policy chooses which
       tokens stay, among them a recent window sized on the smaller budget);
     - ``score_layers``: which layers feed the attention statistics of scored policies:
-      ``all``, a list of layer ids, or a count N (N layers evenly spaced, the last
-      included: :func:`spread_layers`);
+      ``all``, a list of layer ids, or a count N (N layers evenly spaced, the first and
+      last included: :func:`spread_layers`);
     - ``prefix_pin_tokens``: the leading tokens of every request that eviction never takes
       (added to its policy's sinks); with vLLM's prefix caching on, their full blocks stay
       in the cache however hard the request is squeezed (a tenant's system prompt,
@@ -158,7 +158,7 @@ class VTokenConfig(PolicySpec):
     eviction: Literal["eager", "on_demand"] = "eager"
     squeeze_below_budget: bool = True
     squeeze_floor: float = Field(default=0.5, ge=0.0, le=1.0)
-    score_layers: Literal["all"] | Annotated[StrictInt, Field(ge=1)] | list[int] = "all"
+    score_layers: Literal["all"] | StrictInt | list[StrictInt] = "all"
     prefix_pin_tokens: int = Field(default=0, ge=0)
     pin_cache_hits: bool = False
     fair_share: bool = True
@@ -167,16 +167,22 @@ class VTokenConfig(PolicySpec):
     record_evictions: bool = False
     check_invariants: bool = False
 
-    @field_validator("score_layers")
+    @field_validator("score_layers", mode="before")
     @classmethod
-    def _layers_non_negative(
-        cls, value: Literal["all"] | int | list[int]
-    ) -> Literal["all"] | int | list[int]:
-        if isinstance(value, list) and (
-            not value or min(value) < 0 or len(set(value)) != len(value)
+    def _score_layers(cls, value: Any) -> Any:
+        if not (
+            (isinstance(value, str) and value == "all")
+            or (type(value) is int and value >= 1)
+            or (
+                isinstance(value, list)
+                and value
+                and all(type(i) is int and i >= 0 for i in value)
+                and len(set(value)) == len(value)
+            )
         ):
             raise ValueError(
-                "score_layers must be 'all', a count >= 1 or a non-empty list of distinct ids >= 0"
+                "score_layers must be 'all', a count >= 1 or a non-empty list of distinct "
+                f"layer ids >= 0, got {value!r}"
             )
         return value
 
@@ -322,14 +328,14 @@ def parse_config(additional_config: dict[str, Any] | None) -> VTokenConfig | Non
 
 
 def spread_layers(count: int, num_layers: int) -> list[int]:
-    """``count`` layer ids evenly spaced over ``num_layers``, the last layer included (4 of
-    30: 2, 11, 20, 29); every layer where ``count >= num_layers``."""
+    """``count`` layer ids evenly spaced over ``num_layers``, the first and last included
+    (4 of 30: 0, 10, 19, 29); every layer where ``count >= num_layers``."""
     if count >= num_layers:
         return list(range(num_layers))
     if count == 1:
         return [num_layers - 1]
-    step = (num_layers - 1) // (count - 1)
-    return sorted(num_layers - 1 - step * k for k in range(count))
+    stride = (num_layers - 1) / (count - 1)  # >= 1: the rounded ids are distinct
+    return sorted(num_layers - 1 - round(k * stride) for k in range(count))
 
 
 ScoreLayers = Literal["all"] | int | list[int]

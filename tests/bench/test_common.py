@@ -58,7 +58,19 @@ def test_score_layers_option_reads_all_spread_ids_and_ranges():
     assert score_layer_ids("spread:4") == 4
     assert score_layer_ids("0-29/9, 29") == [0, 9, 18, 27, 29]
     assert score_layer_ids("5,2-3") == [2, 3, 5]
-    for bad in ("x", "3-1", "", "0-4/0", "spread:0", "spread:x", "-1"):
+    for bad in (
+        "x",
+        "3-1",
+        "",
+        "0-4/0",
+        "spread:0",
+        "spread:x",
+        "-1",
+        "spread:\u00b2",
+        "3-",
+        "3/2",
+        "0-1000000000",
+    ):
         with pytest.raises(typer.BadParameter, match="score-layers"):
             score_layer_ids(bad)
 

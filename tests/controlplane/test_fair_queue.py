@@ -376,3 +376,27 @@ async def test_the_counter_grows_at_the_stored_weight_not_the_ingresss_copy(
     assert await ask(admission, cached, "t-0") == "admitted"
     assert await queue.counter("acme") == one_request_blocks(admission) / 4
     await release(admission, cached, "t-0")
+
+
+async def test_a_served_tenant_its_prompt_rate_will_hold_leaves_the_contention(
+    redis: aioredis.Redis, keys: KeySpace, store: RedisStore
+) -> None:
+    """``a-rated``'s token bucket holds one prompt: once served it cannot take the next
+    room for about a second, so it must not keep the head from ``b-other``."""
+    admission, queue = await make(redis, keys, requests_fit=1)
+    rated = quota("a-rated", 10_000, prompt_tokens_per_s=PROMPT)
+    other = quota("b-other", 10_000)
+    for tenant in (rated, other):
+        await store.put_quota(tenant)
+    for i in range(2):  # b-other's counter: two requests ahead of a-rated's
+        await queue.enqueue(other, f"o-{i}")
+        assert await ask(admission, other, f"o-{i}") == "admitted"
+        await release(admission, other, f"o-{i}")
+    for ticket in ("a-0", "a-1"):
+        await queue.enqueue(rated, ticket)
+    await queue.enqueue(other, "o-x")
+    assert await ask(admission, rated, "a-0") == "admitted"  # its bucket is now empty
+    await release(admission, rated, "a-0")
+    assert await ask(admission, other, "o-x") == "admitted"
+    await release(admission, other, "o-x")
+    assert await queue.leave("a-rated", "a-1")

@@ -55,6 +55,8 @@ def test_valid_section():
         ({"policy": "none", "score_layers": []}, "score_layers"),
         ({"policy": "none", "score_layers": 0}, "score_layers"),
         ({"policy": "none", "score_layers": True}, "score_layers"),
+        ({"policy": "none", "score_layers": "4"}, "score_layers must be 'all', a count"),
+        ({"policy": "none", "score_layers": ["1"]}, "score_layers"),
         ({"policy": "none", "unknown_field": 1}, "unknown_field"),
         ("h2o", "must be a dict"),
     ],
@@ -102,7 +104,8 @@ def test_score_layers_checked_against_the_model():
 @pytest.mark.parametrize(
     ("count", "num_layers", "expected"),
     [
-        (4, 30, [2, 11, 20, 29]),
+        (4, 30, [0, 10, 19, 29]),
+        (16, 30, [0, 2, 4, 6, 8, 10, 12, 14, 15, 17, 19, 21, 23, 25, 27, 29]),
         (1, 30, [29]),
         (2, 30, [0, 29]),
         (3, 7, [0, 3, 6]),
@@ -114,6 +117,7 @@ def test_a_count_of_score_layers_spreads_them_ending_with_the_last(count, num_la
     ids = spread_layers(count, num_layers)
     assert ids == sorted(set(ids)) and ids[-1] == num_layers - 1
     assert len(ids) == min(count, num_layers)
+    assert count == 1 or ids[0] == 0  # spread over the whole depth, not packed at the top
 
 
 @pytest.mark.parametrize(

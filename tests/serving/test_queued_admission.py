@@ -88,11 +88,15 @@ async def test_over_budget_waits_in_the_queue_and_is_served_when_room_frees(
     metrics = (await queued.client.get("/metrics", headers=admin())).text
     assert 'vtoken_ingress_queue_depth{tenant="acme"} 1.0' in metrics
     queued.replicas.gate.set()
-    assert (await first).status_code == 200
-    assert (await second).status_code == 200
+    unqueued, waited = await first, await second
+    assert unqueued.status_code == 200 and waited.status_code == 200
     [span] = queue_spans(queued)
     assert span[telemetry.ATTR_QUEUE_OUTCOME] == "admitted"
     assert span[telemetry.ATTR_QUEUE_DEPTH] == 1 and span[telemetry.ATTR_QUEUE_WAIT_S] > 0
+    # The answer says how long it waited; one that never queued says nothing.
+    assert "x-vtoken-queue-wait" not in unqueued.headers
+    wait_s = float(waited.headers["x-vtoken-queue-wait"])
+    assert wait_s == pytest.approx(span[telemetry.ATTR_QUEUE_WAIT_S], abs=1e-3)
     assert (
         'vtoken_ingress_queue_wait_seconds_count{tenant="acme"} 1.0'
         in (await queued.client.get("/metrics", headers=admin())).text

@@ -34,7 +34,6 @@ from serving.errors import HTTPError, redis_or_503
 from serving.stream_progress import TokenPace
 from serving.tenant_gate import throttled
 
-
 QUEUE_WAIT_HEADER = "X-VToken-Queue-Wait"
 """Response header of an answer whose request waited in its tenant's queue: the seconds
 it waited (absent when it was admitted without queueing)."""

@@ -45,7 +45,6 @@ from controlplane.retry_after import (
     HeldSchedule,
 )
 
-
 PRESENT_FOR_S = 10.0
 """A tenant admitted this recently counts as present in the weighted shares of a full
 cluster even before the replicas' reports (the plan's ``usage``) show its KV."""

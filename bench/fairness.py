@@ -413,7 +413,7 @@ def cli(
         Path | None, typer.Option("--plot", help="PNG of weighted service")
     ] = None,
     duration_s: Annotated[float, typer.Option(min=10, help="arrival window of each load")] = 120,
-    warmup_s: Annotated[float, typer.Option(min=0, help="windows before this are not judged")] = 20,
+    warmup_s: Annotated[float, typer.Option(min=0, help="windows before this are not judged")] = 30,
     overhead_s: Annotated[float, typer.Option(min=5, help="one tenant's load per side")] = 45,
     modes: Annotated[
         str, typer.Option(help="of fair,fcfs,priority,solo,overhead")

@@ -12,7 +12,8 @@ Jain's index of the backlogged tenants' weighted service, ``(sum x)^2 / (n * sum
 (1: equal; ``1/n``: one tenant got everything), is computed per window after the warm-up
 and up to the end of the arrivals (afterwards the tenants are no longer backlogged);
 ``jain_index`` is the smallest of those windows' values (every window must meet the
-target), ``jain_mean`` their mean.
+target), ``jain_mean`` their mean. ``requests`` lists every request's outcome (one row
+each, ``REQUEST_FIELDS``), to find out why a figure is what it is.
 """
 
 from __future__ import annotations
@@ -195,7 +196,21 @@ def mode_summary(
         "failed": sum(r.outcome == "failed" for r in records),
         "waits_past_max": sum(row["waits_past_max"] for row in rows),
         "tenants": rows,
+        "requests_fields": list(REQUEST_FIELDS),
+        "requests": [request_row(r) for r in sorted(records, key=lambda r: r.sent_s)],
     }
+
+
+REQUEST_FIELDS = (
+    "tenant", "outcome", "sent_s", "first_token_s", "done_s", "queue_wait_s",
+    "prompt_tokens", "completion_tokens", "throttle_responses",
+)  # fmt: skip
+
+
+def request_row(record: Record) -> list[Any]:
+    """One request's outcome as a compact row (``REQUEST_FIELDS``; times rounded)."""
+    row = [getattr(record, name) for name in REQUEST_FIELDS]
+    return [round(v, 3) if isinstance(v, float) else v for v in row]
 
 
 def throughput(records: Sequence[Record]) -> dict[str, Any]:

@@ -24,7 +24,11 @@ def test_every_mode_runs_on_the_real_stack_and_reports_what_was_served(tmp_path)
     for mode, result in summary["modes"].items():
         assert result["failed"] == 0, (mode, result)
         assert len(result["jain_per_window"]) == 2  # 20 s of arrivals, no warm-up
-        assert result["jain_index"] is not None and 0.5 <= result["jain_index"] <= 1.0
+        # Both windows may pass before a slow machine serves a backlogged tenant: then
+        # its index is unknown (None), never made up.
+        known = [j for j in result["jain_per_window"] if j is not None]
+        assert result["jain_index"] == (min(known) if known else None)
+        assert all(0.5 <= j <= 1.0 for j in known)
         rows = {row["id"]: row for row in result["tenants"]}
         assert list(rows) == ["A", "B", "C"]
         for tenant in TENANTS:
@@ -32,7 +36,12 @@ def test_every_mode_runs_on_the_real_stack_and_reports_what_was_served(tmp_path)
             assert set(row) >= ROW_FIELDS and row["weight"] == tenant.weight
             assert row["requests_ok"] > 0 and row["output_tokens"] > 0, (mode, row)
             assert row["ttft_p99_s"] >= row["ttft_p50_s"] > 0
-            assert len(row["service_per_window"]) == 2 and sum(row["service_per_window"]) > 0
+            assert len(row["service_per_window"]) == 2
+        assert sum(sum(row["service_per_window"]) for row in rows.values()) > 0
+        # Every figure comes from the requests listed, one row each.
+        assert len(result["requests"]) == sum(row["requests"] for row in rows.values())
+        served = [r for r in result["requests"] if r[1] == "ok"]
+        assert sum(r[7] for r in served) == sum(row["output_tokens"] for row in rows.values())
         if mode == "fair":  # A floods a full cluster: its requests wait in its queue
             assert rows["A"]["requests_queued"] > 0 and rows["A"]["queue_wait_p99_s"] > 0
             assert result["waits_past_max"] == 0

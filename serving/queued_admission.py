@@ -5,8 +5,9 @@ the cluster cannot admit now (:data:`controlplane.fair_queue.QUEUEABLE_REASONS`)
 ticket in its tenant's queue and asks again every ``queue_poll_s`` with it, in the order
 :mod:`controlplane.fair_queue` keeps between ingresses. Past the tenant's
 ``max_queue_depth`` (at joining) or ``max_queue_wait_s`` it is today's 429, with the
-``Retry-After`` admission computes; a request that can never fit is a 400 at once, and a
-prompt-token rate throttle a 429 at once. A client that leaves while queued takes its
+``Retry-After`` admission computes (a ticket whose lease lapsed while its ingress still
+polls joins again at the back of its queue: a late poll loses no request); a request
+that can never fit is a 400 at once, and a prompt-token rate throttle a 429 at once. A client that leaves while queued takes its
 ticket with it (the leave is shielded from the cancellation; so is the enqueue, whose
 ticket is taken away once it is in); an admission that completes after its caller was
 cancelled is released.
@@ -123,7 +124,7 @@ class QueuedAdmission:
                     if decision.outcome is not AdmissionOutcome.THROTTLED:
                         outcome = decision.outcome.value
                         break
-                    if decision.reason == "ticket_lost":
+                    if decision.reason == "ticket_lost" and not await self._rejoin(ask):
                         outcome = "lost"
                         break
             except BaseException:  # the client left (or Redis failed): no ticket stays
@@ -139,6 +140,14 @@ class QueuedAdmission:
         if not decision.admitted:
             await redis_or_503(self.queue.leave(quota.tenant_id, ticket))
         return decision, waited_s
+
+    async def _rejoin(self, ask: AdmitAsk) -> bool:
+        """Take a new ticket for a request whose lease lapsed while this ingress still
+        waits for it (its poll came a whole lease late: a starved event loop, a Redis
+        failover): the request is not lost, it queues again at the back of its tenant's
+        queue. False when the queue is full now (then it is the 429 of a full queue)."""
+        rejoined = await redis_or_503(self.queue.enqueue(ask.quota, ask.request_id))
+        return rejoined.queued
 
     def _pause_s(self, decision: AdmissionDecision) -> float:
         """Until the next poll: ``queue_poll_s``, times the tickets ahead of this one when

@@ -90,6 +90,8 @@ async def one(http: httpx.AsyncClient, stack: Any, key: str, index: int) -> tupl
     headers = {"Authorization": f"Bearer {key}"}
     response = await http.post(f"{stack.url}/v1/completions", json=body, headers=headers)
     outcome = classify(response.status_code, stream, response.text, dict(response.headers))
+    if outcome is not Outcome.OK:  # why, in the failure's message
+        return outcome, f"{response.status_code} {response.text[-300:]}"
     return outcome, response.headers.get("x-vtoken-queue-wait", "")
 
 
@@ -122,7 +124,8 @@ async def burst_then_kill(stack: Any, tenant_id: str, kill: Any) -> dict[str, An
         await redis.aclose()
     return {
         "outcomes": Counter(outcome for outcome, _ in results),
-        "queued": sum(1 for _, waited in results if waited),
+        "queued": sum(1 for outcome, waited in results if waited and outcome is Outcome.OK),
+        "errors": [detail for outcome, detail in results if outcome is not Outcome.OK],
         "depth_at_kill": depth,
         "killed": killed,
         "reserved_after": reserved,

@@ -7,10 +7,10 @@ ticket in its tenant's queue and asks again every ``queue_poll_s`` with it, in t
 ``max_queue_depth`` (at joining) or ``max_queue_wait_s`` it is today's 429, with the
 ``Retry-After`` admission computes (a ticket whose lease lapsed while its ingress still
 polls joins again at the back of its queue: a late poll loses no request); a request
-that can never fit is a 400 at once, and a prompt-token rate throttle a 429 at once. A client that leaves while queued takes its
-ticket with it (the leave is shielded from the cancellation; so is the enqueue, whose
-ticket is taken away once it is in); an admission that completes after its caller was
-cancelled is released.
+that can never fit is a 400 at once, and a prompt-token rate throttle a 429 at once. A
+client that leaves while queued takes its ticket with it (the leave is shielded from the
+cancellation; so is the enqueue, whose ticket is taken away once it is in); an admission
+that completes after its caller was cancelled is released.
 """
 
 from __future__ import annotations

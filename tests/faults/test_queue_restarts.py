@@ -37,7 +37,13 @@ REQUESTS = 12
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     folder = Path(tmp_path_factory.mktemp("queue-restarts"))
-    with local_stack("tiny", folder, app_args={"cluster_kv_blocks": CLUSTER_KV_BLOCKS}) as up:
+    app_args = {
+        "cluster_kv_blocks": CLUSTER_KV_BLOCKS,
+        # The burst is tokenized at once (the default refuses a tenant's fifth with a 429
+        # before it could queue): every request must reach the queue.
+        "limits": {"max_tokenizing_per_tenant": REQUESTS},
+    }
+    with local_stack("tiny", folder, app_args=app_args) as up:
         yield up
 
 

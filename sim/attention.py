@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from vtoken.policy import ScoreNeeds, StepAttention
-from workers.messages import SCORES_ATTRIBUTE, StepScores
+from workers.messages import StepScores
 from workers.scheduler_side import VTokenScheduler
 
 

@@ -13,8 +13,8 @@ prefix cache the token values never reach a scheduling decision. So:
 
 The real side calls the benches' own code (``bench.preemption.run_engine``,
 ``bench.concurrency.TrialRunner`` and ``max_concurrency``; the preemption engine runs
-without a tokenizer, the concurrency engine detokenizes, so it needs one); the simulated side mirrors them on an ``ExactReplica`` with the same
-engine settings.
+without a tokenizer, the concurrency engine detokenizes, so it needs one); the simulated
+side mirrors them on an ``ExactReplica`` with the same engine settings.
 """
 
 from __future__ import annotations

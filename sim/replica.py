@@ -70,6 +70,7 @@ class StepRecord:
     context_tokens: int
     live_tokens: int
     held_blocks: int
+    attention_pairs: int
     num_moves: int
     scored_tokens: int
     finished: tuple[str, ...]
@@ -190,20 +191,12 @@ class ExactReplica:
         requests = self.scheduler.requests
         state = self.state
         req_ids = list(scheduled)
+        counts = step_counts(self.scheduler, state, scheduled, ops)
         sampled: list[list[int]] = []
-        prefill = decode = context = live = held = 0
         first: list[str] = []
         for request_id in req_ids:
             request = requests[request_id]
-            count = scheduled[request_id]
-            done = request.num_computed_tokens  # already advanced by schedule()
-            context += done
-            in_prompt = done - count < request.num_prompt_tokens
-            prefill += count if in_prompt else 0
-            decode += 0 if in_prompt else count
-            live += _live_tokens(state, request_id, done)
-            held += len(self.scheduler.kv_cache_manager.get_block_ids(request_id)[0])
-            if done >= request.num_tokens:  # the runner's discard_request_mask
+            if request.num_computed_tokens >= request.num_tokens:  # discard_request_mask
                 sampled.append([self.attention.token(request_id, request.num_tokens)])
                 if request.num_output_tokens == 0:
                     first.append(request_id)
@@ -214,32 +207,22 @@ class ExactReplica:
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled,
         )
-        scored_tokens = 0
         if state is not None and ops is not None:
-            attention = {}
-            for request_id, needs in ops.score_needs.items():
-                if request_id not in scheduled:
-                    continue
-                num_live = _live_tokens(state, request_id, requests[request_id].num_computed_tokens)
-                attention[request_id] = self.attention.statistics(
+            attention = {
+                request_id: self.attention.statistics(
                     request_id,
                     state,
                     needs,
-                    num_live,
+                    _live_tokens(state, request_id, requests[request_id].num_computed_tokens),
                     scheduled[request_id],
                     self.num_steps,
                 )
-                scored_tokens += num_live
+                for request_id, needs in ops.score_needs.items()
+                if request_id in scheduled
+            }
             setattr(runner_output, SCORES_ATTRIBUTE, StepScores(attention))
         record = {
-            "prefill_tokens": prefill,
-            "decode_tokens": decode,
-            "num_requests": len(req_ids),
-            "context_tokens": context,
-            "live_tokens": live,
-            "held_blocks": held,
-            "num_moves": ops.num_moves if ops is not None else 0,
-            "scored_tokens": scored_tokens,
+            **counts,
             "first_tokens": tuple(first),
             "num_output_tokens": {
                 r: requests[r].num_output_tokens + len(s)
@@ -247,6 +230,44 @@ class ExactReplica:
             },
         }
         return record, runner_output
+
+
+def step_counts(
+    scheduler: Any, state: VTokenScheduler | None, scheduled: dict[str, int], ops: StepOps | None
+) -> dict[str, int]:
+    """``StepRecord``'s counts of a step vLLM's ``scheduler`` has just scheduled (after
+    ``schedule()``, before ``update_from_output()``): the same for a simulated replica
+    and a real engine (``sim/cpu_profile.py`` times real steps against them)."""
+    prefill = decode = context = live = held = pairs = 0
+    for request_id, count in scheduled.items():
+        request = scheduler.requests[request_id]
+        done = request.num_computed_tokens  # already advanced by schedule()
+        context += done
+        in_prompt = done - count < request.num_prompt_tokens
+        prefill += count if in_prompt else 0
+        decode += 0 if in_prompt else count
+        reads = _live_tokens(state, request_id, done)
+        live += reads
+        pairs += count * reads
+        held += len(scheduler.kv_cache_manager.get_block_ids(request_id)[0])
+    scored = 0
+    if state is not None and ops is not None:
+        scored = sum(
+            _live_tokens(state, r, scheduler.requests[r].num_computed_tokens)
+            for r in ops.score_needs
+            if r in scheduled
+        )
+    return {
+        "prefill_tokens": prefill,
+        "decode_tokens": decode,
+        "num_requests": len(scheduled),
+        "context_tokens": context,
+        "live_tokens": live,
+        "held_blocks": held,
+        "attention_pairs": pairs,
+        "num_moves": ops.num_moves if ops is not None else 0,
+        "scored_tokens": scored,
+    }
 
 
 def _live_tokens(state: VTokenScheduler | None, request_id: str, logical: int) -> int:

@@ -75,6 +75,7 @@ class StepRecord:
     scored_tokens: int
     finished: tuple[str, ...]
     first_tokens: tuple[str, ...]  # requests whose first output token this step made
+    cached_tokens: dict[str, int] = field(default_factory=dict)  # of those: prefix hits
     num_output_tokens: dict[str, int] = field(default_factory=dict)
 
 
@@ -88,6 +89,7 @@ class ExactReplica:
         self.attention = attention or SyntheticAttention()
         self.block_hasher = _block_hasher(self.scheduler.vllm_config, config.block_size)
         self.num_steps = 0
+        self.outputs: dict[str, tuple[int, ...]] = {}  # the tokens a request will emit
         self.num_preemptions = 0
         self.recomputed_tokens = 0
         original = self.scheduler._preempt_request
@@ -127,10 +129,14 @@ class ExactReplica:
         max_tokens: int,
         extra_args: dict[str, Any] | None = None,
         arrival_time: float = 0.0,
+        output_tokens: Sequence[int] | None = None,
+        cache_salt: str | None = None,
     ) -> None:
-        """Queue a request that generates exactly ``max_tokens`` tokens (``ignore_eos``);
-        ``extra_args`` as the engine takes them (``vtoken_policy``, ``tenant_weight``...),
-        checked as the engine core checks them."""
+        """Queue a request that generates exactly ``max_tokens`` tokens (``ignore_eos``):
+        ``output_tokens`` if given (a chat's next turn then finds them in the prefix
+        cache), else the attention source's. ``extra_args`` as the engine takes them
+        (``vtoken_policy``, ``tenant_weight``...), checked as the engine core checks them;
+        ``cache_salt``: vLLM's, blocks are shared only within one salt."""
         from vllm import SamplingParams
         from vllm.v1.request import Request
 
@@ -144,6 +150,10 @@ class ExactReplica:
                 f"request {request_id}: {len(prompt)} + {max_tokens} tokens exceed"
                 f" max_model_len {self.config.max_model_len}"
             )
+        if output_tokens is not None:
+            if len(output_tokens) != max_tokens:
+                raise ValueError(f"request {request_id}: {len(output_tokens)} output tokens")
+            self.outputs[request_id] = tuple(output_tokens)
         if self.state is not None:
             request_policy_spec(extra_args)
             tenant_weight(extra_args)
@@ -156,6 +166,7 @@ class ExactReplica:
             params,
             None,
             arrival_time=arrival_time,
+            cache_salt=cache_salt,
             block_hasher=self.block_hasher,
         )
         self.scheduler.add_request(request)
@@ -181,7 +192,15 @@ class ExactReplica:
             for o in outputs.outputs
             if o.finish_reason is not None
         )
+        for request_id in finished:
+            self.outputs.pop(request_id, None)
         return StepRecord(**{**record, "finished": finished})
+
+    def _token(self, request_id: str, request: Any) -> int:
+        planned = self.outputs.get(request_id)
+        if planned is not None and request.num_output_tokens < len(planned):
+            return planned[request.num_output_tokens]
+        return self.attention.token(request_id, request.num_tokens)
 
     def _execute(self, output: Any, ops: StepOps | None) -> tuple[dict[str, Any], Any]:
         """The fake executor: what the V1 runner would return for ``output``."""
@@ -197,7 +216,7 @@ class ExactReplica:
         for request_id in req_ids:
             request = requests[request_id]
             if request.num_computed_tokens >= request.num_tokens:  # discard_request_mask
-                sampled.append([self.attention.token(request_id, request.num_tokens)])
+                sampled.append([self._token(request_id, request)])
                 if request.num_output_tokens == 0:
                     first.append(request_id)
             else:
@@ -224,6 +243,7 @@ class ExactReplica:
         record = {
             **counts,
             "first_tokens": tuple(first),
+            "cached_tokens": {r: _cached_tokens(requests[r]) for r in first},
             "num_output_tokens": {
                 r: requests[r].num_output_tokens + len(s)
                 for r, s in zip(req_ids, sampled, strict=True)
@@ -268,6 +288,12 @@ def step_counts(
         "num_moves": ops.num_moves if ops is not None else 0,
         "scored_tokens": scored,
     }
+
+
+def _cached_tokens(request: Any) -> int:
+    """Prompt tokens vLLM's prefix cache served at the request's first scheduling."""
+    stats = request.prefill_stats
+    return int(stats.num_local_cached_tokens) if stats is not None else 0
 
 
 def _live_tokens(state: VTokenScheduler | None, request_id: str, logical: int) -> int:

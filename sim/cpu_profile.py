@@ -1,6 +1,6 @@
 """A CPU step-time profile fitted from a real vLLM CPU engine's per-step timings.
 
-``record_steps`` wraps a real engine's ``Scheduler`` (on the instance) and times each step
+``timing_steps`` wraps vLLM's ``Scheduler`` while open and times each step
 from ``schedule()`` to the end of ``update_from_output()`` (scheduling, the forward,
 vToken's evictions, vLLM's update: what ``workers.step_times.StepTimes`` times), with the
 step's counts taken as an exact replica takes them (``sim.replica.step_counts``). The
@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -58,32 +59,42 @@ class StepSample:
     seconds: float
 
 
-def record_steps(scheduler: Any) -> list[StepSample]:
-    """Time every step of a real engine's ``scheduler`` from now on (module docstring)."""
+@contextmanager
+def timing_steps() -> Iterator[list[StepSample]]:
+    """While open, every vLLM engine stepping in this process (its ``Scheduler``, with
+    or without vToken) appends each step's ``StepSample`` to the yielded list."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from workers.plugin import register
     from workers.vllm_patches import scheduler_state
 
+    register()  # vToken's wrappers first: restoring must not take them off
     samples: list[StepSample] = []
-    original_schedule = scheduler.schedule
-    original_update = scheduler.update_from_output
-    started: list[float] = []
+    original_schedule = Scheduler.schedule
+    original_update = Scheduler.update_from_output
+    started: dict[int, float] = {}
 
-    def schedule(*args: Any, **kwargs: Any) -> Any:
-        started.append(time.perf_counter())
-        return original_schedule(*args, **kwargs)
+    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        started[id(self)] = time.perf_counter()
+        return original_schedule(self, *args, **kwargs)
 
-    def update_from_output(scheduler_output: Any, model_runner_output: Any) -> Any:
+    def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
         scheduled = dict(scheduler_output.num_scheduled_tokens)
         ops = getattr(scheduler_output, OPS_ATTRIBUTE, None)
-        counts = step_counts(scheduler, scheduler_state(scheduler), scheduled, ops)
-        result = original_update(scheduler_output, model_runner_output)
-        if scheduled and started:
-            samples.append(StepSample(counts, time.perf_counter() - started.pop()))
-        started.clear()
+        counts = step_counts(self, scheduler_state(self), scheduled, ops)
+        result = original_update(self, scheduler_output, model_runner_output)
+        began = started.pop(id(self), None)
+        if scheduled and began is not None:
+            samples.append(StepSample(counts, time.perf_counter() - began))
         return result
 
-    scheduler.schedule = schedule
-    scheduler.update_from_output = update_from_output
-    return samples
+    Scheduler.schedule = schedule  # type: ignore[method-assign]
+    Scheduler.update_from_output = update_from_output  # type: ignore[method-assign]
+    try:
+        yield samples
+    finally:
+        Scheduler.schedule = original_schedule  # type: ignore[method-assign]
+        Scheduler.update_from_output = original_update  # type: ignore[method-assign]
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,3 +146,25 @@ def _non_negative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     coefficients = np.zeros(x.shape[1])
     coefficients[active] = solution
     return coefficients
+
+
+def fit_from_preemption_runs(
+    model_dir: str,
+    prompts: list[list[int]],
+    num_blocks: int,
+    new_tokens: int,
+    keep: float,
+    policy: str,
+    engines: Sequence[str],
+) -> CpuCostModel:
+    """Run ``bench preemption``'s engines (``bench.preemption.run_engine``) on real CPU
+    engines, time every step, and fit the profile to all of them together."""
+    from bench.preemption import run_engine
+
+    with timing_steps() as samples:
+        for engine in engines:
+            run_engine(
+                model_dir, engine, prompts, num_blocks, new_tokens, keep, policy,
+                skip_tokenizer_init=True,
+            )  # fmt: skip
+    return fit_cpu_profile(samples)

@@ -141,8 +141,12 @@ def run_cluster(spec: ClusterSpec, cost: CostModel, requests: list[SimRequest]) 
         tick = time.perf_counter()
         record = replica.step()
         run.scheduler_s += time.perf_counter() - tick
-        if record is None:
+        if record is None or (record.num_requests == 0 and not replica.num_running):
+            # Nothing left, or nothing that fits: the next arrival restarts the replica.
             stepping[index] = False
+            continue
+        if record.num_requests == 0:  # vLLM's step that only reports finished requests
+            heapq.heappush(events, (now, STEP, index, None))
             continue
         step = cost.step(record, reads)
         end = now + step.total_s

@@ -76,6 +76,7 @@ class ClusterRun:
     wall_s: float = 0.0
     scheduler_s: float = 0.0  # wall time in vLLM's scheduler and vToken (host, measured)
     replicas: list[ExactReplica] = field(default_factory=list)
+    admission: Admission | None = None
 
 
 def unloaded_slo(cost: CostModel, engine: str, chunk: int, block_size: int) -> Slo:
@@ -119,7 +120,7 @@ def run_cluster(spec: ClusterSpec, cost: CostModel, requests: list[SimRequest]) 
         spec.tenant_budget_blocks,
     )
     reads = ENGINE_READS[spec.engine]
-    run = ClusterRun(replicas=replicas)
+    run = ClusterRun(replicas=replicas, admission=admission)
     events: list[tuple[float, int, int, Any]] = []
     for index, request in enumerate(requests):
         heapq.heappush(events, (request.arrival_s, ARRIVAL, index, request))

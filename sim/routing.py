@@ -121,6 +121,7 @@ class Admission:
         default_factory=dict
     )  # id -> (tenant, now, steady)
     refused: dict[str, int] = field(default_factory=dict)
+    peak_held: dict[str, int] = field(default_factory=dict)  # tenant -> most ever counted
 
     def _bounds(self, request: SimRequest) -> tuple[int, int]:
         config = self.config
@@ -150,6 +151,7 @@ class Admission:
             self.refused[request.tenant] = self.refused.get(request.tenant, 0) + 1
             return False
         self.held[request.tenant] = held + peak
+        self.peak_held[request.tenant] = max(self.peak_held.get(request.tenant, 0), held + peak)
         self.counted[request.request_id] = (request.tenant, peak, steady)
         return True
 

@@ -52,13 +52,14 @@ def _deployment(
 
         if cpu_profile is None or fields.get("num_blocks") is None:
             raise typer.BadParameter("--gpu cpu needs --cpu-profile and --num-blocks")
-        cost = CpuCostModel.from_json(cpu_profile)
+        profile = CpuCostModel.from_json(cpu_profile)
         defaults = {
             "duration_s": 60.0, "num_tenants": 8, "block_size": 32, "max_model_len": 2048,
             "max_num_seqs": 64, "max_num_batched_tokens": 2048, "length_scale": 0.1,
         }  # fmt: skip
         settings = defaults | {k: v for k, v in fields.items() if v is not None}
-        return Deployment(model, CPU, cost, policy, model_dir=str(resolve_model(model)), **settings)
+        folder = str(resolve_model(model))
+        return Deployment(model, CPU, profile, policy, model_dir=folder, **settings)
     try:
         cost = gpu_cost_model(gpu, model, dtype, tp)
     except ValueError as error:

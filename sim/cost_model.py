@@ -210,8 +210,8 @@ class GpuCostModel:
         if not record.scored_tokens:
             return 0.0
         layers = self.score_layers or self.model.num_layers
-        per_layer_mb = record.scored_tokens * self.model.num_kv_heads * self.model.head_dim
-        per_layer_mb *= self.kv_bytes / 1e6
+        keys = record.scored_tokens * self.model.num_kv_heads * self.model.head_dim
+        per_layer_mb = keys * self.kv_bytes / 1e6
         ms = SCORE_FIXED_MS + SCORE_MS_PER_MB * per_layer_mb * self._scale()
         return layers * ms / 1e3
 

@@ -41,7 +41,10 @@ FEATURES = (
 
 def features(counts: dict[str, int] | StepRecord) -> list[float]:
     """``[1, *FEATURES]`` of one step."""
-    get = counts.get if isinstance(counts, dict) else lambda name: getattr(counts, name)
+
+    def get(name: str) -> int:
+        return int(counts[name] if isinstance(counts, dict) else getattr(counts, name))
+
     scheduled = get("prefill_tokens") + get("decode_tokens")
     return [
         1.0,

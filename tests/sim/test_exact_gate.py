@@ -16,7 +16,6 @@ PREEMPTION = {"num_blocks": 16, "new_tokens": 48, "keep": 0.5}
     ("engine", "policy"),
     [
         ("vanilla", "streaming_llm"),
-        ("eager", "streaming_llm"),
         ("on_demand", "random"),
         ("on_demand", "h2o"),
     ],

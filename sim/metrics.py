@@ -49,6 +49,7 @@ def summarise(
         "arrived": arrived,
         "admitted": len(run.requests),
         "refused_429": run.refused,
+        "refused_429_by_tenant": dict(run.admission.refused) if run.admission else {},
         "completed": completed,
         "goodput_rps": round(met / duration_s, 4),
         "slo_attainment": round(met / arrived, 4) if arrived else None,

@@ -2,8 +2,8 @@
 
 Gate (a), ``exact_counts``: real CPU engines against exact replicas on ``bench
 preemption``'s workload (every engine; StreamingLLM and Random need no statistics, H2O
-replays the real run's) and ``bench concurrency``'s search (vToken, Random). Passed
-when every count is equal. Gates (b) (a fitted CPU profile predicting held-out
+replays the real run's) and ``bench concurrency``'s search (vToken with Random; H2O,
+replayed, in the vtoken, naive and block modes). Passed when every count is equal. Gates (b) (a fitted CPU profile predicting held-out
 ``bench serve`` runs) and (c) (published GPU serving tables) are not built.
 """
 
@@ -15,6 +15,7 @@ from typing import Any
 from bench.common import PROMPT_TOPICS, model_prompts
 from sim.exact_gate import Comparison, compare_concurrency, compare_preemption
 
+CONCURRENCY_CASES = (("vtoken", "random"), ("naive", "h2o"), ("block", "h2o"), ("vtoken", "h2o"))
 PREEMPTION_CASES = (
     ("vanilla", "streaming_llm"),
     ("eager", "streaming_llm"),
@@ -34,10 +35,11 @@ def exact_counts_gate(
         compare_preemption(path, engine, prompts, num_blocks, new_tokens, 0.5, policy)
         for engine, policy in PREEMPTION_CASES
     ]
-    rows.append(
-        compare_concurrency(path, "vtoken", prompts, num_blocks, new_tokens, 4 * requests,
-                            "random", 0.5)
-    )  # fmt: skip
+    rows += [
+        compare_concurrency(path, mode, prompts, num_blocks, new_tokens, 4 * requests, policy,
+                            0.5)
+        for mode, policy in CONCURRENCY_CASES
+    ]  # fmt: skip
     return {
         "passed": all(row.equal for row in rows),
         "rows": [asdict(row) | {"equal": row.equal} for row in rows],

@@ -86,7 +86,7 @@ class ExactReplica:
     def __init__(self, config: ReplicaConfig, attention: AttentionSource | None = None) -> None:
         self.config = config
         self.scheduler = build_scheduler(config)
-        self.attention = attention or SyntheticAttention()
+        self.attention = attention or self._synthetic()
         self.block_hasher = _block_hasher(self.scheduler.vllm_config, config.block_size)
         self.num_steps = 0
         self.outputs: dict[str, tuple[int, ...]] = {}  # the tokens a request will emit
@@ -100,6 +100,17 @@ class ExactReplica:
             return original(request, *args, **kwargs)
 
         self.scheduler._preempt_request = counting
+
+    def _synthetic(self) -> SyntheticAttention:
+        """Synthetic statistics shaped as this model's: scored layers x query heads."""
+        vllm_config = self.scheduler.vllm_config
+        model, parallel = vllm_config.model_config, vllm_config.parallel_config
+        state = self.state
+        num_layers = model.get_num_layers(parallel)
+        layers = len(state.config.layer_ids(num_layers)) if state is not None else num_layers
+        return SyntheticAttention(
+            num_layers=layers, num_heads=model.get_num_attention_heads(parallel)
+        )
 
     @property
     def state(self) -> VTokenScheduler | None:

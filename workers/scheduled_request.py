@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from vtoken.groups import GroupedMoves
 from vtoken.manager import RequestKV
 from vtoken.policy import ScoreNeeds
 from vtoken.reports import RequestReport
@@ -38,6 +39,7 @@ class ScheduledRequest:
     pressure_anchor: int | None = None  # live tokens when its tenant's pressure reached it
     pending_src: np.ndarray = field(default_factory=lambda: EMPTY_SLOTS)
     pending_dst: np.ndarray = field(default_factory=lambda: EMPTY_SLOTS)
+    pending_grouped: GroupedMoves = field(default_factory=GroupedMoves.empty)  # per group
     pending_num_blocks: int | None = None
     pending_block_row: np.ndarray | None = None  # block mode: its whole new block list
     evictions: list[np.ndarray] = field(default_factory=list)
@@ -113,6 +115,7 @@ def take_ops(
         if needs.any:
             score_needs[request_id] = needs
     src, dst, num_blocks, block_rows = [EMPTY_SLOTS], [EMPTY_SLOTS], {}, {}
+    grouped: list[GroupedMoves] = []
     for request_id, record in records.items():
         if record.pending_block_row is not None:
             block_rows[request_id] = record.pending_block_row
@@ -120,8 +123,10 @@ def take_ops(
         if record.pending_num_blocks is not None:
             src.append(record.pending_src)
             dst.append(record.pending_dst)
+            grouped.append(record.pending_grouped)
             num_blocks[request_id] = record.pending_num_blocks
             record.pending_src = record.pending_dst = EMPTY_SLOTS
+            record.pending_grouped = GroupedMoves.empty()
             record.pending_num_blocks = None
     return StepOps(
         src_slots=np.concatenate(src),
@@ -130,6 +135,7 @@ def take_ops(
         block_rows=block_rows,
         num_evicted=num_evicted,
         score_needs=score_needs,
+        grouped=GroupedMoves.concatenate(grouped),
     )
 
 

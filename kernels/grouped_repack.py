@@ -85,12 +85,37 @@ def grouped_repack(
     for layer, count in zip(layer_ids.tolist(), counts.tolist(), strict=True):
         pick = order[start : start + count]
         start += count
-        cache = kv_caches[layer]
-        rows, head = torch.arange(count), heads[pick]
-        src = layout.element_offsets(cache, src_slots[pick])[rows, :, head]  # [m, 2, dim]
-        dst = layout.element_offsets(cache, dst_slots[pick])[rows, :, head]
+        cache, head = kv_caches[layer], heads[pick]
+        src = head_offsets(cache, src_slots[pick], head, layout)
+        dst = head_offsets(cache, dst_slots[pick], head, layout)
         flat = flat_view(indexable(cache))
         flat[dst] = flat[src]
+
+
+def head_offsets(
+    cache: torch.Tensor, slots: torch.Tensor, heads: torch.Tensor, layout: KVLayout
+) -> torch.Tensor:
+    """Element offsets int64 ``[len(slots), 2, head_dim]`` (K then V) of head ``heads[i]``
+    of global slot ``slots[i]`` (what ``layout.element_offsets`` gives for every head,
+    computed for the one head only where the layout is affine)."""
+    parts = layout.part_strides(cache)
+    if parts is None:  # cpu_attn_amx: through the layout's offset tables
+        return layout.element_offsets(cache, slots)[torch.arange(slots.numel()), :, heads]
+    block_size, dims = layout.block_size(cache), torch.arange(layout.head_dim(cache))
+    blocks, offsets = slots // block_size, slots % block_size
+    return torch.stack(
+        [
+            (
+                part.base
+                + blocks * part.block_stride
+                + offsets * part.offset_stride
+                + heads * part.head_stride
+            ).view(-1, 1)
+            + dims * part.dim_stride
+            for part in parts
+        ],
+        dim=1,
+    )
 
 
 def reference_grouped_repack(

@@ -64,7 +64,8 @@ class SnapKV(EvictionPolicy):
         scores = np.full(votes.shape, np.inf)
         if not before.size:  # a prompt no longer than the window: nothing to pool
             return scores
-        pad = np.full((*votes.shape[:-1], self.kernel_size // 2), 0.0 if self.pooling == "avg" else -np.inf)
+        fill = 0.0 if self.pooling == "avg" else -np.inf
+        pad = np.full((*votes.shape[:-1], self.kernel_size // 2), fill)
         padded = np.concatenate([pad, votes[..., before], pad], axis=-1)
         windows = sliding_window_view(padded, self.kernel_size, axis=-1)
         pooled = windows.mean(axis=-1) if self.pooling == "avg" else windows.max(axis=-1)

@@ -210,7 +210,7 @@ class TokenTable:
     def live_mask(self) -> np.ndarray:
         """``[num_slots]`` bool: which local slots hold a live token (in every group)."""
         live = self._live_at_slot[:, : self.num_slots]
-        return live[0] if self.num_groups == 1 else live.all(axis=0)
+        return live[0] if self.num_groups == 1 else np.asarray(live.all(axis=0))
 
     def live_slots(self) -> np.ndarray:
         """Local slots of the live tokens, ascending (the order engines store keys in)."""

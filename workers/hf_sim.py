@@ -3,9 +3,10 @@
 The evicted tokens are really removed from the model's cache and the survivors are kept in
 the order of the token table's slots (the order a paged engine stores them in after a
 repack); positions stay logical. A policy that keeps a set per layer or per (layer, KV
-head) (``vtoken/groups.py``) has each layer's (and head's) cache cut to its own set. So the attention a policy sees, and therefore its
-decisions, are the ones a real engine running vToken would produce. Used by
-``vtoken bench fragmentation --engine sim`` and as the oracle for the vLLM plugin's tests.
+head) (``vtoken/groups.py``) has each layer's (and head's) cache cut to its own set. So the
+attention a policy sees, and therefore its decisions, are the ones a real engine running
+vToken would produce. Used by ``vtoken bench fragmentation --engine sim`` and as the
+oracle for the vLLM plugin's tests.
 """
 
 from __future__ import annotations

@@ -160,12 +160,15 @@ class VTokenWorker:
             raise RuntimeError("vToken: per-layer or per-head repacks run on CPU caches only")
         moves = ops.grouped
         started = time.perf_counter()
-        tensors = (moves.layers, moves.heads, moves.src_slots, moves.dst_slots)
-        grouped_repack(kv_caches, *(torch.from_numpy(a) for a in tensors), self.layout)
+        layers, heads, src, dst = (
+            torch.from_numpy(a)
+            for a in (moves.layers, moves.heads, moves.src_slots, moves.dst_slots)
+        )
+        grouped_repack(kv_caches, layers, heads, src, dst, self.layout)
         self.repack_s += time.perf_counter() - started
         self.num_moves += moves.num_moves
-        heads = self.layout.num_kv_heads(kv_caches[0]) * len(kv_caches)
-        self.repack_bytes += moves.num_moves * self.slot_bytes(kv_caches) // heads
+        num_parts = self.layout.num_kv_heads(kv_caches[0]) * len(kv_caches)  # of one slot
+        self.repack_bytes += moves.num_moves * self.slot_bytes(kv_caches) // num_parts
 
     def slot_bytes(self, kv_caches: Sequence[torch.Tensor]) -> int:
         """Bytes one move copies: a slot's K and V in every distinct layer cache."""

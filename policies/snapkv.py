@@ -29,19 +29,14 @@ class SnapKV(EvictionPolicy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if (
-            self.pooling not in ("avg", "max")
-            or self.window < 1
-            or self.kernel_size < 1
-            or self.kernel_size % 2 != 1
-        ):
+        odd_kernel = self.kernel_size >= 1 and self.kernel_size % 2 == 1
+        if self.pooling not in ("avg", "max") or self.window < 1 or not odd_kernel:
             raise ValueError("snapkv: pooling is 'avg' or 'max', window >= 1, kernel_size odd")
 
     def score_needs(self) -> ScoreNeeds:
         # It decides once, at the end of prefill: no statistics are needed after that.
-        if self.decided:
-            return ScoreNeeds()
-        return ScoreNeeds(query_window=self.window, groups=self.granularity)
+        needs = ScoreNeeds(query_window=self.window, groups=self.granularity)
+        return ScoreNeeds() if self.decided else needs
 
     def num_to_evict(self, view: PolicyView, budget: int) -> int:
         if not view.prefill_done_now:
@@ -54,9 +49,8 @@ class SnapKV(EvictionPolicy):
         return super().protected(view, budget) | window
 
     def score(self, view: PolicyView) -> np.ndarray:
-        # Pooled over the live tokens before the window, in logical order: the window's own
-        # votes take no part (it is protected, so its scores do not matter). It decides
-        # once, before any eviction, so every group holds the same ids: the first's order.
+        # Pooled over the live tokens before the window, in logical order (the window is
+        # protected); decided before any eviction, so every group holds the first's ids.
         ids = view.logical_ids.reshape(-1, view.num_live)[0]
         before = np.flatnonzero(ids < view.num_logical - self.window)
         before = before[np.argsort(ids[before], kind="stable")]
@@ -68,6 +62,5 @@ class SnapKV(EvictionPolicy):
         pad = np.full((*votes.shape[:-1], self.kernel_size // 2), fill)
         padded = np.concatenate([pad, votes[..., before], pad], axis=-1)
         windows = sliding_window_view(padded, self.kernel_size, axis=-1)
-        pooled = windows.mean(axis=-1) if self.pooling == "avg" else windows.max(axis=-1)
-        scores[..., before] = pooled
+        scores[..., before] = windows.mean(-1) if self.pooling == "avg" else windows.max(-1)
         return scores

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from vtoken.groups import GroupedMoves
+from vtoken.groups import GroupedMoves, ModelGeometry
 from vtoken.manager import RequestKV
 from vtoken.policy import ScoreNeeds
 from vtoken.reports import RequestReport
@@ -49,6 +49,24 @@ class ScheduledRequest:
     def paid_blocks(self) -> int:
         """Blocks it holds (ballast included) less those another request pays for."""
         return self.kv.num_held_blocks - self.shared_elsewhere
+
+    def queue_moves(
+        self,
+        src: np.ndarray,
+        dst: np.ndarray,
+        group_ids: np.ndarray | None,
+        geometry: ModelGeometry | None,
+    ) -> None:
+        """Add a committed repack's KV moves to what the workers apply next step: whole
+        slots, or (``group_ids``: a set per layer or head) each group's on its own map."""
+        if group_ids is not None:
+            assert geometry is not None, "a grouped table in an engine without geometry"
+            shape = self.kv.table.group_shape
+            moves = GroupedMoves.of_groups(group_ids, src, dst, shape, geometry.num_kv_heads)
+            self.pending_grouped = GroupedMoves.concatenate([self.pending_grouped, moves])
+        elif src.size:
+            self.pending_src = np.concatenate([self.pending_src, src])
+            self.pending_dst = np.concatenate([self.pending_dst, dst])
 
     def check_invariants(self, vllm_block_ids: list[int], naive: bool) -> None:
         """Its table holds vLLM's block list (``vllm_block_ids``), repacked, with exactly

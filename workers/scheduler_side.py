@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from kernels.intmath import cdiv
-from vtoken.groups import GroupedMoves, ModelGeometry
+from vtoken.groups import ModelGeometry
 from vtoken.manager import VTokenManager
 from vtoken.policy import StepAttention
 from vtoken.repack_planner import ReclaimMode
@@ -92,8 +92,7 @@ class VTokenScheduler:
         max_step_tokens: int | None = None,
         geometry: ModelGeometry | None = None,
     ) -> None:
-        """``geometry``: the model's layers and KV heads where the engine can keep a set
-        per layer or (layer, KV head) (``vtoken/groups.py``); ``None``: one per request."""
+        """``geometry``: where the engine can keep a set per layer or (layer, KV head)."""
         self.config = config
         self.max_step_tokens = max_step_tokens  # vLLM's token budget of one step
         self.pool = VLLMBlockPool(block_pool)
@@ -350,16 +349,7 @@ class VTokenScheduler:
         if not plan.touches_blocks and not record.copied:
             return  # at most dead tail tokens: the physical count dropped, nothing to ship
         src, dst, groups = self.prefix.copy_moves(record, plan)  # copied blocks from shared
-        if groups is not None:  # a set per layer or head: each group moves on its own map
-            geometry = self.manager.geometry
-            assert geometry is not None
-            moves = GroupedMoves.of_groups(
-                groups, src, dst, record.kv.table.group_shape, geometry.num_kv_heads
-            )
-            record.pending_grouped = GroupedMoves.concatenate([record.pending_grouped, moves])
-        elif src.size:
-            record.pending_src = np.concatenate([record.pending_src, src])
-            record.pending_dst = np.concatenate([record.pending_dst, dst])
+        record.queue_moves(src, dst, groups, self.manager.geometry)
         dropped = set(plan.free_block_indices.tolist())
         blocks = self.stm.req_to_blocks[request_id]
         blocks[:] = [block for index, block in enumerate(blocks) if index not in dropped]

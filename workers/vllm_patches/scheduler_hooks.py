@@ -21,7 +21,7 @@ import workers.vllm_patches.fair_hooks as fair_hooks
 from workers.config import parse_config
 from workers.messages import OPS_ATTRIBUTE, SCORES_ATTRIBUTE
 from workers.scheduler_side import VTokenScheduler
-from workers.vllm_patches.support import check_engine
+from workers.vllm_patches.support import check_engine, grouping_geometry
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,11 @@ def scheduler_init(original: Callable[..., Any]) -> Callable[..., Any]:
                 f"({single_type_manager.block_size})"
             )
         manager.vtoken = VTokenScheduler(
-            config, manager.block_pool, single_type_manager, self.max_num_scheduled_tokens
+            config,
+            manager.block_pool,
+            single_type_manager,
+            self.max_num_scheduled_tokens,
+            grouping_geometry(vllm_config, config),
         )
         fair_hooks.install_queues(self, manager.vtoken)
         logger.info("vToken active: %s", config.model_dump_json())

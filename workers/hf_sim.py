@@ -5,6 +5,10 @@ the order of the token table's slots (the order a paged engine stores them in af
 repack); positions stay logical. So the attention a policy sees, and therefore its
 decisions, are the ones a real engine running vToken would produce. Used by
 ``vtoken bench fragmentation --engine sim`` and as the oracle for the vLLM plugin's tests.
+
+A hybrid model (Gemma 3: ``config.layer_types`` with sliding-window layers) is driven as
+vToken drives it in vLLM: eviction and scores on the full-attention layers only; the
+sliding-window layers keep their window (transformers' sliding cache layers, logical).
 """
 
 from __future__ import annotations
@@ -47,10 +51,12 @@ class HFSimEngine:
             model_path, attn_implementation="eager", dtype=torch.float32
         ).eval()
         num_layers = self.model.config.num_hidden_layers
+        kinds = getattr(self.model.config, "layer_types", None) or ["full_attention"] * num_layers
+        full = [i for i, kind in enumerate(kinds) if kind != "sliding_attention"]
+        self.hybrid = len(full) < num_layers
         default = VTokenConfig.model_fields["score_layers"].default
-        self.score_layers = score_layer_ids(
-            default if score_layers is None else score_layers, num_layers
-        )
+        chosen = score_layer_ids(default if score_layers is None else score_layers, len(full))
+        self.score_layers = [full[i] for i in chosen]  # full-attention layers only
 
     @torch.inference_mode()
     def generate(
@@ -135,7 +141,8 @@ class _Session:
             shadow.add_request(request_id, prompt_len)
         self.needs = policy.score_needs() if policy is not None else ScoreNeeds()
         self.evicts_during_prefill = policy is not None and policy.evicts_during_prefill
-        self.cache = DynamicCache()
+        # With the config, a hybrid model's sliding layers get window caches (transformers').
+        self.cache = DynamicCache(config=engine.model.config if engine.hybrid else None)
         self.cache_ids = np.zeros(0, dtype=np.int64)  # logical ids in the cache's order
         self.last_evicted = np.zeros(0, dtype=np.int64)
 
@@ -144,6 +151,10 @@ class _Session:
         observe the step (a prefill chunk); returns ``[len(input_ids), vocab]`` logits."""
         table = self.primary.requests[self.request_id].table
         start = table.num_logical
+        if self.engine.hybrid and len(input_ids) > 1 and table.num_live < start:
+            # transformers masks a hybrid model's full layers causally from the logical
+            # position: exact for one new token, not for a chunk after an eviction.
+            raise ValueError("a hybrid model's reference evicts between single-token steps")
         for manager in (self.primary, *self.shadows):
             if manager.allocate(self.request_id, len(input_ids)) is None:
                 raise RuntimeError("the block pool is too small for this run")
@@ -187,6 +198,8 @@ def _reorder(cache: object, cache_ids: np.ndarray, target_ids: np.ndarray) -> np
     position[cache_ids] = np.arange(cache_ids.size)
     index = torch.from_numpy(position[target_ids])
     for layer in cache.layers:  # type: ignore[attr-defined]
+        if getattr(layer, "is_sliding", False):
+            continue  # a sliding-window layer keeps its window (hybrid models)
         layer.keys = layer.keys.index_select(2, index)
         layer.values = layer.values.index_select(2, index)
     return target_ids.copy()

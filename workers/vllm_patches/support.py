@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from workers.config import CONFIG_KEY, parse_config
+from workers.vllm_patches.kv_groups import kv_group_problems
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +95,9 @@ def check_engine(vllm_config: Any, scheduler_cls: type, kv_cache_config: Any = N
     wrappers but not their assumptions), the device's own worker, no pipeline or data
     parallelism (tensor parallelism: ``workers/tensor_parallel.py``), no decode or
     prefill context parallelism, no speculative decoding or KV connector, and (when
-    ``kv_cache_config`` is known) one full-attention KV group.
+    ``kv_cache_config`` is known) one full-attention KV cache group, beside any number
+    of sliding-window groups (``kv_groups.kv_group_problems`` names the model's layer
+    types when it refuses).
 
     Running anywhere else would be silent corruption: the scheduler side would free and
     reassign blocks that an unwrapped runner still reads and writes."""
@@ -119,8 +122,8 @@ def check_engine(vllm_config: Any, scheduler_cls: type, kv_cache_config: Any = N
         problems.append("speculative decoding (drop speculative_config)")
     if vllm_config.kv_transfer_config is not None:
         problems.append("KV connectors (drop kv_transfer_config)")
-    if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
-        problems.append("models with several KV cache groups (hybrid or sliding window)")
+    if kv_cache_config is not None:
+        problems += kv_group_problems(kv_cache_config)
     parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size != 1:
         problems.append("pipeline parallelism (tensor parallelism is supported)")

@@ -70,3 +70,50 @@ def test_policy_none_is_bit_identical_to_vanilla_on_a_hybrid_model(outputs):
         assert sum(cached) >= 32 * len(PROMPTS[1:]), cached
     else:
         assert not any(cached)
+
+
+def test_hybrid_accounting_counts_every_group(tiny_gemma3_path):
+    """StreamingLLM (sinks 4, recent 28) and policy ``none`` side by side on a pool too
+    small for all of them at once, one abort: after every step the full-attention
+    group holds ``ceil(live / 32)`` blocks per evicting request, the sliding group (once
+    decoding) at most the two blocks a 16-token window spans, reports count both, the invariants (config
+    ``check_invariants``: held + sliding + free == total) hold, and every block returns."""
+    import math
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from workers.engine import block_pool
+
+    config = {"policy": "none", "check_invariants": True}
+    llm = make_llm(
+        tiny_gemma3_path, config, skip_tokenizer_init=True, num_blocks=24, max_model_len=320
+    )
+    engine, state, pool = llm.llm_engine, engine_state(llm), block_pool(llm)
+    free_at_start = pool.get_num_free_blocks()
+    streaming = {"policy": "streaming_llm", "policy_args": {"sinks": 4, "recent": 28}}
+    for index, ids in enumerate(token_prompts([40 + 20 * i for i in range(8)], seed=5)):
+        extra = {"vtoken_policy": streaming} if index % 2 else {}
+        params = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True, extra_args=extra)
+        engine.add_request(f"h{index}", TokensPrompt(prompt_token_ids=ids), params)
+    step, window_seen = 0, 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        step += 1
+        if step == 7:
+            engine.abort_request(["h2"])
+        report = state.snapshot()
+        for request in report.requests:
+            kv = state.requests[request.request_id].kv
+            if kv.table.num_logical > kv.prompt_len + 1:  # decoding: the window has moved
+                assert request.window_blocks <= 2
+            window_seen = max(window_seen, request.window_blocks)
+            if request.policy == "streaming_llm":
+                assert request.allocated_blocks == math.ceil(request.live_tokens / 32)
+        total = report.total
+        assert total.held_blocks_all_groups == total.allocated_blocks + total.window_blocks
+        assert total.held_blocks_all_groups + report.free_blocks == report.total_blocks
+    assert window_seen >= 2
+    assert state.manager.num_evicted_tokens > 0
+    assert pool.get_num_free_blocks() == free_at_start
+    del llm

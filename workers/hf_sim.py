@@ -7,6 +7,11 @@ head) (``vtoken/groups.py``) has each layer's (and head's) cache cut to its own 
 attention a policy sees, and therefore its decisions, are the ones a real engine running
 vToken would produce. Used by ``vtoken bench fragmentation --engine sim`` and as the
 oracle for the vLLM plugin's tests.
+
+A hybrid model (Gemma 3: ``config.layer_types`` with sliding-window layers) is driven as
+vToken drives it in vLLM: eviction and scores on the full-attention layers only; the
+sliding-window layers keep their window (transformers' sliding cache layers, logical).
+It keeps one set per request (as the vLLM plugin does for such models).
 """
 
 from __future__ import annotations
@@ -53,10 +58,12 @@ class HFSimEngine:
         num_layers = config.num_hidden_layers
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.geometry = ModelGeometry(num_layers, kv_heads)
+        kinds = getattr(config, "layer_types", None) or ["full_attention"] * num_layers
+        full = [i for i, kind in enumerate(kinds) if kind != "sliding_attention"]
+        self.hybrid = len(full) < num_layers
         default = VTokenConfig.model_fields["score_layers"].default
-        self.score_layers = score_layer_ids(
-            default if score_layers is None else score_layers, num_layers
-        )
+        chosen = score_layer_ids(default if score_layers is None else score_layers, len(full))
+        self.score_layers = [full[i] for i in chosen]  # full-attention layers only
 
     @torch.inference_mode()
     def generate(
@@ -141,6 +148,8 @@ class _Session:
         if policy is not None and policy.granularity != "request":
             if self.shadows:
                 raise ValueError("paired managers follow one kept set per request")
+            if engine.hybrid:
+                raise ValueError("a model with sliding-window layers keeps one set per request")
             if len(engine.score_layers) != engine.geometry.num_layers:
                 raise ValueError("a set per layer or head needs every layer scored")
             if self.primary.geometry is None:
@@ -150,7 +159,8 @@ class _Session:
             shadow.add_request(request_id, prompt_len)
         self.needs = policy.score_needs() if policy is not None else ScoreNeeds()
         self.evicts_during_prefill = policy is not None and policy.evicts_during_prefill
-        self.cache = DynamicCache()
+        # With the config, a hybrid model's sliding layers get window caches (transformers').
+        self.cache = DynamicCache(config=engine.model.config if engine.hybrid else None)
         self.cache_ids = np.zeros((1, 0), dtype=np.int64)  # [groups, n]: the cache's order
         self.last_evicted = np.zeros(0, dtype=np.int64)
 
@@ -159,6 +169,10 @@ class _Session:
         observe the step (a prefill chunk); returns ``[len(input_ids), vocab]`` logits."""
         table = self.primary.requests[self.request_id].table
         start = table.num_logical
+        if self.engine.hybrid and len(input_ids) > 1 and table.num_live < start:
+            # transformers masks a hybrid model's full layers causally from the logical
+            # position: exact for one new token, not for a chunk after an eviction.
+            raise ValueError("a hybrid model's reference evicts between single-token steps")
         for manager in (self.primary, *self.shadows):
             if manager.allocate(self.request_id, len(input_ids)) is None:
                 raise RuntimeError("the block pool is too small for this run")
@@ -213,6 +227,8 @@ def _reorder(
     if len(index) == 1:
         flat = torch.from_numpy(index[0])
         for layer in layers:
+            if getattr(layer, "is_sliding", False):
+                continue  # a sliding-window layer keeps its window (hybrid models)
             layer.keys = layer.keys.index_select(2, flat)
             layer.values = layer.values.index_select(2, flat)
         return target_ids.copy()

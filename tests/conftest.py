@@ -1,4 +1,5 @@
-"""Shared fixtures: the prepared SmolLM2 folder (converted once, cached across runs)."""
+"""Shared fixtures: the prepared SmolLM2 and Gemma 3 270M folders (converted once, cached
+across runs)."""
 
 from __future__ import annotations
 
@@ -21,3 +22,10 @@ def smollm2_path():
     from workers.models import prepare_model
 
     return prepare_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def gemma3_path():
+    from workers.models import prepare_model
+
+    return prepare_model("gemma3-270m")

@@ -24,6 +24,12 @@ class BlockPool(Protocol):
     @property
     def num_free_blocks(self) -> int: ...
 
+    @property
+    def num_blocks_elsewhere(self) -> int:
+        """Blocks of the pool held outside vToken's tables (a hybrid model's
+        sliding-window groups, kept by vLLM); 0 where vToken holds every block."""
+        ...
+
     def allocate(self, num_blocks: int) -> list[int]:
         """``num_blocks`` distinct free block ids, or :class:`NoFreeBlocksError` (nothing taken)."""
         ...
@@ -54,6 +60,10 @@ class StandaloneBlockPool:
     @property
     def num_free_blocks(self) -> int:
         return len(self._free_block_ids)
+
+    @property
+    def num_blocks_elsewhere(self) -> int:
+        return 0
 
     @property
     def num_allocated_blocks(self) -> int:

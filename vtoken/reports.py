@@ -36,6 +36,14 @@ class KVUsage(BaseModel):
     has no budget or is at it); ``naive_blocks`` what Naive-Evict would hold on the same
     decisions (one block per logical block with a live token). ``reclaimable_blocks`` is
     ``allocated - floor``: what the engine can give back without preempting anything.
+    A request that keeps a set per layer or (layer, KV head) (``vtoken/groups.py``)
+    counts ``evicted_tokens`` per group (every group evicts as many) and a ``repack_moves``
+    per group moved (one layer's, or one head's, part of a slot).
+
+    A hybrid model's sliding-window KV cache groups (kept by vLLM, never evicted from)
+    hold ``window_blocks`` beside these: their held blocks are their floor, none
+    reclaimable; ``held_blocks_all_groups`` and ``floor_blocks_all_groups`` count every
+    group (the counts above are the full-attention group's).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -48,6 +56,7 @@ class KVUsage(BaseModel):
     naive_blocks: Count = 0
     evicted_tokens: Count = 0
     repack_moves: Count = 0
+    window_blocks: Count = 0
 
     @model_validator(mode="before")
     @classmethod
@@ -59,6 +68,14 @@ class KVUsage(BaseModel):
     @property
     def reclaimable_blocks(self) -> int:
         return self.allocated_blocks - self.floor_blocks
+
+    @property
+    def held_blocks_all_groups(self) -> int:
+        return self.allocated_blocks + self.window_blocks
+
+    @property
+    def floor_blocks_all_groups(self) -> int:
+        return self.floor_blocks + self.window_blocks
 
     def __add__(self, other: KVUsage) -> KVUsage:
         return KVUsage(**{name: getattr(self, name) + getattr(other, name) for name in _SUMMED})

@@ -45,16 +45,18 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kernels.intmath import cdiv
+from vtoken.groups import ModelGeometry
 from vtoken.manager import VTokenManager
 from vtoken.policy import StepAttention
 from vtoken.repack_planner import ReclaimMode
 from vtoken.reports import DEFAULT_TENANT, EngineReport, RequestReport
 from workers.config import VTokenConfig, request_policy_spec
+from workers.engine_reports import engine_snapshot, request_report
 from workers.fair_share import FairShare
 from workers.messages import StepOps, StepScores
 from workers.prefix_cache import PrefixCacheRule
@@ -62,7 +64,6 @@ from workers.request_budgets import RequestBudgets
 from workers.scheduled_request import (
     FinishedRequest,
     ScheduledRequest,
-    find_report,
     hold_blocks_of,
     take_ops,
 )
@@ -73,6 +74,9 @@ from workers.step_times import StepTimes
 from workers.tenant_pressure import TenantPressure
 from workers.vllm_block_pool import VLLMBlockPool
 
+if TYPE_CHECKING:
+    from workers.vllm_patches.sliding_groups import SlidingGroups
+
 MAX_FINISHED_RECORDS = 4096
 
 
@@ -80,7 +84,9 @@ class VTokenScheduler:
     """Token tables, policies and block accounting of one engine core.
 
     ``single_type_manager`` is vLLM's ``FullAttentionManager`` (its ``req_to_blocks`` is
-    kept equal to the tables' block ids). Invariants in ``check_invariants``.
+    kept equal to the tables' block ids); ``sliding``: a hybrid model's sliding-window
+    groups, which vLLM keeps beside it (counted in admission and reports, never evicted
+    from). Invariants in ``check_invariants``.
     """
 
     def __init__(
@@ -89,13 +95,17 @@ class VTokenScheduler:
         block_pool: Any,
         single_type_manager: Any,
         max_step_tokens: int | None = None,
+        geometry: ModelGeometry | None = None,
+        sliding: SlidingGroups | None = None,
     ) -> None:
+        """``geometry``: where the engine can keep a set per layer or (layer, KV head)."""
         self.config = config
         self.max_step_tokens = max_step_tokens  # vLLM's token budget of one step
-        self.pool = VLLMBlockPool(block_pool)
+        self.sliding = sliding
+        self.pool = VLLMBlockPool(block_pool, sliding.held_blocks if sliding else None)
         self.block_size = int(single_type_manager.block_size)
         self.stm = single_type_manager
-        self.manager = VTokenManager(self.pool, self.block_size, config.mode)
+        self.manager = VTokenManager(self.pool, self.block_size, config.mode, geometry)
         self.prefix = PrefixCacheRule(config, self.manager, self.pool, single_type_manager)
         self.tenants = TenantPressure()
         self.budgets = RequestBudgets(
@@ -175,8 +185,10 @@ class VTokenScheduler:
         return self.prefix.num_cacheable_tokens(self.requests[request_id], num_tokens)
 
     def blocks_needed_for(self, num_tokens: int) -> int:
-        """Blocks a fresh request needs for ``num_tokens`` tokens (admission check)."""
-        return cdiv(num_tokens, self.block_size)
+        """Blocks a fresh request needs for ``num_tokens`` tokens (admission check), every
+        group's: a sliding-window group's bound is its window."""
+        window = 0 if self.sliding is None else self.sliding.admission_blocks(num_tokens)
+        return cdiv(num_tokens, self.block_size) + window
 
     def _add(self, request: Any) -> None:
         params = request.sampling_params
@@ -345,10 +357,8 @@ class VTokenScheduler:
         (plan,) = self.manager.reclaim([request_id])  # commits the table, frees blocks
         if not plan.touches_blocks and not record.copied:
             return  # at most dead tail tokens: the physical count dropped, nothing to ship
-        src, dst = self.prefix.copy_moves(record, plan)  # copied blocks' slots from shared
-        if src.size:
-            record.pending_src = np.concatenate([record.pending_src, src])
-            record.pending_dst = np.concatenate([record.pending_dst, dst])
+        src, dst, groups = self.prefix.copy_moves(record, plan)  # copied blocks from shared
+        record.queue_moves(src, dst, groups, self.manager.geometry)
         dropped = set(plan.free_block_indices.tolist())
         blocks = self.stm.req_to_blocks[request_id]
         blocks[:] = [block for index, block in enumerate(blocks) if index not in dropped]
@@ -402,40 +412,11 @@ class VTokenScheduler:
     # ------------------------------------------------------------------ reports
     def request_report(self, request_id: str) -> RequestReport | None:
         """One request's report, running or recently finished (:func:`find_report`)."""
-        return find_report(request_id, self.requests, self.finished, self.manager.report)
+        return request_report(self, request_id)
 
     def snapshot(self) -> EngineReport:
         """What this engine holds now (crosses processes as a utility result, dumped)."""
-        counters = self.counters
-        return EngineReport(
-            mode=self.config.mode,
-            policy=self.config.policy,
-            block_size=self.block_size,
-            total_blocks=self.pool.num_blocks,
-            free_blocks=self.pool.num_free_blocks,
-            num_preemptions=counters.num_preemptions,
-            blocks_reclaimed=self.manager.num_blocks_reclaimed,
-            num_evictions_under_pressure=counters.num_evictions_under_pressure,
-            num_evictions_to_bound=counters.num_evictions_to_bound,
-            num_evictions_below_budget=counters.num_evictions_below_budget,
-            shared_copies=counters.num_shared_copies,
-            copies_deferred=counters.num_copies_deferred,
-            recent_max_step_s=self.step_times.recent_max_s(),
-            recent_steps=self.step_times.recent_longest(),
-            evicted_tokens_total=self.manager.num_evicted_tokens,
-            repack_moves_total=self.manager.num_repack_moves,
-            repack_bytes_total=counters.repack_bytes_total,
-            repack_seconds_total=counters.repack_seconds_total,
-            tenant_counters={} if self.fair is None else self.fair.report(self.requests.values()),
-            requests=self.manager.reports(
-                {  # in prefill, only a policy that evicts during prefill has a budget yet
-                    request_id: self.budgets.budget(record)
-                    for request_id, record in self.requests.items()
-                    if record.kv.table.num_logical >= record.kv.prompt_len
-                    or (record.kv.policy is not None and record.kv.policy.evicts_during_prefill)
-                }
-            ),
-        )
+        return engine_snapshot(self)
 
     def check_invariants(self) -> None:
         self.manager.check_invariants()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from vtoken.block_pool import NoFreeBlocksError
@@ -12,10 +12,13 @@ class VLLMBlockPool:
     """vToken's ``BlockPool`` protocol over vLLM's ``v1.core.block_pool.BlockPool``.
 
     vLLM's null block (id 0) is never handed out, so ``num_blocks`` excludes it.
+    ``held_elsewhere`` counts the blocks a hybrid model's sliding-window groups hold
+    (``workers/vllm_patches/sliding_groups.py``; ``None``: vToken's tables hold all).
     """
 
-    def __init__(self, block_pool: Any) -> None:
+    def __init__(self, block_pool: Any, held_elsewhere: Callable[[], int] | None = None) -> None:
         self.vllm_pool = block_pool
+        self.held_elsewhere = held_elsewhere
 
     @property
     def num_blocks(self) -> int:
@@ -24,6 +27,10 @@ class VLLMBlockPool:
     @property
     def num_free_blocks(self) -> int:
         return int(self.vllm_pool.get_num_free_blocks())
+
+    @property
+    def num_blocks_elsewhere(self) -> int:
+        return 0 if self.held_elsewhere is None else self.held_elsewhere()
 
     def allocate(self, num_blocks: int) -> list[int]:
         if num_blocks > self.num_free_blocks:

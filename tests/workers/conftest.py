@@ -7,7 +7,7 @@ import os
 import pytest
 
 from workers.engine import CPU_ENV, EngineVariant, device_settings, engine_variants
-from workers.models import make_tiny_llama
+from workers.models import make_tiny_gemma3, make_tiny_llama
 from workers.scheduler_side import VTokenScheduler
 
 for _name, _value in CPU_ENV.items():
@@ -20,6 +20,15 @@ def tiny_llama_path(tmp_path_factory) -> str:
     CPU, 128 on CUDA (``workers.engine.device_settings``)."""
     head_dim = device_settings().head_dim
     return str(make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), head_dim=head_dim))
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_path(tmp_path_factory, smollm2_path) -> str:
+    """A 4-layer random hybrid Gemma 3 (sliding-window and full attention alternating,
+    window 16 tokens, SmolLM2's tokenizer): two KV cache groups in vLLM."""
+    folder = tmp_path_factory.mktemp("tiny-gemma3")
+    head_dim = device_settings().head_dim
+    return str(make_tiny_gemma3(folder, smollm2_path, head_dim=head_dim))
 
 
 @pytest.fixture(scope="session", params=engine_variants(), ids=lambda v: v.name)

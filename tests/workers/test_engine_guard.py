@@ -265,11 +265,32 @@ def test_unsupported_features_are_refused(tiny_llama_path, change, message):
         check_engine(config, _scheduler())
 
 
-def test_several_kv_cache_groups_are_refused(tiny_llama_path):
-    from types import SimpleNamespace
+def test_kv_cache_groups_vtoken_cannot_manage_are_refused_naming_layer_types(tiny_llama_path):
+    """Mamba state beside full attention (a Jamba-like model): refused at start, with
+    every group's layer type and layers named (the other layouts: ``test_kv_groups.py``)."""
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+    )
 
-    groups = SimpleNamespace(kv_cache_groups=[object(), object()])
-    with pytest.raises(UnsupportedEngineError, match="several KV cache groups"):
+    full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    mamba = MambaSpec(block_size=32, shapes=((4, 8),), dtypes=(torch.float32,))
+    groups = KVCacheConfig(
+        num_blocks=16,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(["model.layers.0.mixer", "model.layers.2.mixer"], mamba),
+            KVCacheGroupSpec(["model.layers.1.self_attn.attn"], full),
+        ],
+    )
+    message = (
+        r"layer types other than full and sliding-window attention .*: group 0: mamba"
+        r" \(layers 0, 2\), group 1: full attention \(layers 1\)"
+    )
+    with pytest.raises(UnsupportedEngineError, match=message):
         check_engine(_vllm_config(tiny_llama_path), _scheduler(), groups)
 
 

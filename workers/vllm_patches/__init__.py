@@ -17,6 +17,9 @@ The hooks live beside this file, one concept each:
   ``engine_core.py``      utilities added to ``EngineCore`` (``workers/api.py``)
   ``runner_hooks.py``     worker side (every worker process): the V1 runner and the
                           attention impls' query capture
+  ``kv_groups.py``        which KV cache groups vToken manages; refusals naming layer types
+  ``sliding_groups.py``   a hybrid model's sliding-window groups, kept by vLLM's managers
+  ``group_lengths.py``    a hybrid model's physical lengths, for its full-attention group
   ``cuda.py``             the CUDA runner checks (opt-in, unverified on a GPU)
   ``fp8_queries.py``      the query values an fp8 cache's logits use, per backend
 
@@ -36,6 +39,7 @@ from typing import Any, Literal
 
 from workers.vllm_patches import (
     engine_core,
+    group_lengths,
     request_checks,
     runner_hooks,
     scheduler_hooks,
@@ -205,6 +209,11 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
         f"{_RUNNER}.initialize_kv_cache",
         runner_hooks.initialize_kv_cache,
         "on CUDA, build and check the worker at start, before the engine reports ready",
+    ),
+    TouchPoint(
+        "vllm.v1.attention.backends.cpu_attn.CPUAttentionMetadataBuilder.build",
+        group_lengths.build,
+        "a hybrid model's full-attention group builds from physical lengths",
     ),
     TouchPoint(
         "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward",

@@ -26,8 +26,11 @@ from workers.config import VTokenConfig, parse_config
 from workers.messages import OPS_ATTRIBUTE, SCORES_ATTRIBUTE
 from workers.query_capture import QueryCapture, capture_size, to_device
 from workers.tensor_parallel import RankReduction
+from workers.vllm_patches import group_lengths
 from workers.vllm_patches.cuda import FLASHINFER_IMPL, FP8_CACHE_DTYPES, cuda_key_dtype
 from workers.vllm_patches.fp8_queries import query_conversion
+from workers.vllm_patches.group_lengths import LENGTHS_ATTRIBUTE as LENGTHS
+from workers.vllm_patches.kv_groups import group_layout, layer_index
 from workers.vllm_patches.support import (
     SUPPORTED_RUNNERS,
     WHERE_VTOKEN_RUNS,
@@ -39,6 +42,7 @@ from workers.worker_side import ScoredRequest, VTokenWorker
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 CAPTURE_ATTRIBUTE = "vtoken_query_capture"  # the runner's QueryCapture, from load_model
+GROUP_ATTRIBUTE = "vtoken_full_group"  # the KV cache group vToken manages, once known
 
 
 def worker_state(runner: Any) -> VTokenWorker | None:
@@ -83,6 +87,14 @@ def _make_worker(runner: Any, config: VTokenConfig) -> VTokenWorker:
     ranks = RankReduction.of_vllm_group(vllm_config.parallel_config.tensor_parallel_size)
     capture = getattr(runner, CAPTURE_ATTRIBUTE, None) or _allocate_capture(runner, config)
     state = VTokenWorker(config, layout, capture, ranks)
+    groups = group_layout(runner.kv_cache_config)
+    if groups.hybrid:
+        if device != "cpu":
+            raise UnsupportedEngineError(
+                "vToken runs hybrid (sliding-window) models on vLLM's CPU attention only:"
+                f" on {device!r} the full-attention group's lengths are not wired"
+            )
+        group_lengths.attach(runner, groups.full_group)
     flashinfer = _flashinfer_query_scale(runner)
     for name, layer in attention.items():
         match = _LAYER_INDEX.search(name)
@@ -120,10 +132,22 @@ def _has_alibi(impl: Any) -> bool:
 
 def _allocate_capture(runner: Any, config: VTokenConfig) -> QueryCapture:
     """The capture buffer of ``workers/query_capture.py`` on the runner's device."""
-    attention = attention_layers(runner)
-    layer_ids = config.layer_ids(len(attention))
+    layer_ids = scored_layer_ids(attention_layers(runner), config)
     size = capture_size(runner.vllm_config, len(layer_ids))
     return QueryCapture(size, layer_ids, runner.device)
+
+
+def scored_layer_ids(attention: dict[str, Any], config: VTokenConfig) -> list[int]:
+    """The layers whose queries score tokens: ``config.score_layers`` counted over the
+    full-attention layers only (a hybrid model's sliding-window layers keep their window
+    and never see what vToken evicts; their caches hold nothing its block rows name)."""
+    full = sorted(
+        index
+        for name, layer in attention.items()
+        if getattr(layer, "sliding_window", None) is None
+        and (index := layer_index(name)) is not None
+    )
+    return [full[i] for i in config.layer_ids(len(full))]
 
 
 def load_model(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -193,18 +217,27 @@ def execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
     return execute_model
 
 
+def full_group(runner: Any) -> int:
+    """The KV cache group vToken manages (``kv_groups.GroupLayout.full_group``): a hybrid
+    model's full-attention group; the sliding-window groups' rows stay vLLM's."""
+    if not hasattr(runner, GROUP_ATTRIBUTE):
+        setattr(runner, GROUP_ATTRIBUTE, group_layout(runner.kv_cache_config).full_group)
+    return int(getattr(runner, GROUP_ATTRIBUTE))
+
+
 def _truncate_blocks(runner: Any, num_blocks: dict[str, int]) -> None:
     """Cut the tail blocks a repack emptied from the cached state and the batch row."""
     batch = runner.input_batch
+    group = full_group(runner) if num_blocks else 0
     for request_id, count in num_blocks.items():
         request = runner.requests.get(request_id)
         if request is None:
             continue
-        (block_ids,) = request.block_ids
+        block_ids = request.block_ids[group]
         del block_ids[count:]
         row = batch.req_id_to_index.get(request_id)
         if row is not None:
-            table = batch.block_table[0]
+            table = batch.block_table[group]
             num_before = int(table.num_blocks_per_row[row])
             table.block_table.np[row, count:num_before] = 0  # no stale ids past the count
             table.num_blocks_per_row[row] = count
@@ -215,12 +248,13 @@ def _rewrite_blocks(runner: Any, block_rows: dict[str, np.ndarray]) -> None:
     moved) in the cached state and the batch row; vLLM commits the host row to the
     device with the step's other block-table changes."""
     batch = runner.input_batch
-    table = batch.block_table[0]
+    group = full_group(runner) if block_rows else 0
+    table = batch.block_table[group]
     for request_id, row in block_rows.items():
         request = runner.requests.get(request_id)
         if request is None:
             continue
-        (block_ids,) = request.block_ids
+        block_ids = request.block_ids[group]
         block_ids[:] = row.tolist()
         index = batch.req_id_to_index.get(request_id)
         if index is not None:
@@ -237,7 +271,10 @@ def _scored_requests(runner: Any) -> list[ScoredRequest]:
     # The host copy, physical after the ``_prepare_inputs`` hook and exact without spec
     # decoding: reading the device copy would wait for the forward on CUDA.
     seq_lens = runner.optimistic_seq_lens_cpu[:num_reqs].numpy()
-    table = batch.block_table[0]
+    hybrid: group_lengths.FullGroupLengths | None = getattr(runner, LENGTHS, None)
+    if hybrid is not None and hybrid.offsets is not None:  # logical there: made physical
+        seq_lens = seq_lens - hybrid.offsets.numpy()
+    table = batch.block_table[full_group(runner)]
     return [
         ScoredRequest(
             request_id=request_id,
@@ -322,9 +359,17 @@ def prepare_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
         request_ids = self.input_batch.req_ids[:num_reqs]
         state.select_scored(request_ids, self.query_start_loc.np[: num_reqs + 1])
         offsets = state.physical_offsets(request_ids)
+        hybrid: group_lengths.FullGroupLengths | None = getattr(self, LENGTHS, None)
+        if hybrid is not None:
+            hybrid.offsets = None
         if not offsets.any():
             return result
         total = scheduler_output.total_num_scheduled_tokens
+        if hybrid is not None:  # the sliding groups stay logical (``group_lengths.py``)
+            group_lengths.make_full_group_physical(
+                self, hybrid, offsets, num_scheduled_tokens, total
+            )
+            return result
         per_token = np.repeat(offsets, num_scheduled_tokens).astype(np.int64)
         # Uploads from pinned memory, non_blocking: the host never waits for the device
         # here (e.g. for a fenced repack queued before).

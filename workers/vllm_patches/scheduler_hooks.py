@@ -21,7 +21,9 @@ import workers.vllm_patches.fair_hooks as fair_hooks
 from workers.config import parse_config
 from workers.messages import OPS_ATTRIBUTE, SCORES_ATTRIBUTE
 from workers.scheduler_side import VTokenScheduler
-from workers.vllm_patches.support import check_engine
+from workers.vllm_patches.kv_groups import group_layout
+from workers.vllm_patches.sliding_groups import SlidingGroups
+from workers.vllm_patches.support import check_engine, grouping_geometry
 
 logger = logging.getLogger(__name__)
 
@@ -37,12 +39,14 @@ def scheduler_init(original: Callable[..., Any]) -> Callable[..., Any]:
         config = parse_config(vllm_config.additional_config)
         if config is not None:
             check_engine(vllm_config, type(self), kv_cache_config)
-            config.layer_ids(vllm_config.model_config.get_num_layers(vllm_config.parallel_config))
+            config.layer_ids(len(group_layout(kv_cache_config).full_layer_names))
         original(self, vllm_config, kv_cache_config, *args, **kw)
         if config is None:
             return
         manager = self.kv_cache_manager
-        (single_type_manager,) = manager.coordinator.single_type_managers
+        layout = group_layout(kv_cache_config)
+        single_type_manager = manager.coordinator.single_type_managers[layout.full_group]
+        sliding = SlidingGroups(layout, manager.coordinator) if layout.hybrid else None
         from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
         if type(single_type_manager) is not FullAttentionManager or self.defer_block_free:
@@ -57,7 +61,12 @@ def scheduler_init(original: Callable[..., Any]) -> Callable[..., Any]:
                 f"({single_type_manager.block_size})"
             )
         manager.vtoken = VTokenScheduler(
-            config, manager.block_pool, single_type_manager, self.max_num_scheduled_tokens
+            config,
+            manager.block_pool,
+            single_type_manager,
+            self.max_num_scheduled_tokens,
+            grouping_geometry(vllm_config, config, hybrid=layout.hybrid),
+            sliding,
         )
         fair_hooks.install_queues(self, manager.vtoken)
         logger.info("vToken active: %s", config.model_dump_json())
@@ -118,7 +127,8 @@ def _waiting_head_blocks(scheduler: Any, state: VTokenScheduler) -> int:
     # lookup would report the hit again at every step).
     if manager.enable_caching and not manager.enable_kv_cache_events:
         hit, _, _ = manager.get_computed_blocks(head)
-        needed -= sum(1 for block in (hit.blocks[0] if hit.blocks else ()) if block.ref_cnt > 0)
+        full = hit.blocks[_full_group(state)] if hit.blocks else ()
+        needed -= sum(1 for block in full if block.ref_cnt > 0)
     return needed + manager.watermark_blocks
 
 
@@ -133,6 +143,10 @@ def get_computed_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
         limit = state.hit_limit(request)
         if limit is None or num_hit <= limit:
             return (hit, num_hit, *rest)
+        if state.sliding is not None:
+            # A sliding group's hit holds only its window's blocks at the hit's end: cut
+            # shorter, the window before the new end would be missing. No hit instead.
+            return (self.empty_kv_cache_blocks, 0, *rest)
         kept = limit // state.block_size
         blocks = list(hit.blocks[0][:kept])
         return (self.create_kv_cache_blocks((blocks,)), kept * state.block_size, *rest)
@@ -157,7 +171,8 @@ def allocate_slots(original: Callable[..., Any]) -> Callable[..., Any]:
         if any(a[name] for name in unsupported):
             raise RuntimeError(f"vToken: unsupported allocation {dict(a)}")
         hit = a["new_computed_blocks"]
-        hit_blocks = list(hit.blocks[0]) if hit is not None and hit.blocks else []
+        groups = hit.blocks if hit is not None and hit.blocks else ()
+        hit_blocks = list(groups[_full_group(state)]) if groups else []
         if len(hit_blocks) * state.block_size != a["num_new_computed_tokens"]:
             raise RuntimeError(f"vToken: a prefix-cache hit of partial blocks {dict(a)}")
         reserve = a["reserved_blocks"]
@@ -171,8 +186,13 @@ def allocate_slots(original: Callable[..., Any]) -> Callable[..., Any]:
             needed -= sum(1 for block in hit_blocks if block.ref_cnt > 0)  # held already
             if needed + reserve > self.block_pool.get_num_free_blocks():
                 return None
-        blocks = state.allocate(request, a["num_new_tokens"], reserve, hit_blocks)
-        if blocks is None:
+        per_group: tuple[list[Any], ...] | None
+        if state.sliding is None:
+            blocks = state.allocate(request, a["num_new_tokens"], reserve, hit_blocks)
+            per_group = None if blocks is None else (blocks,)
+        else:
+            per_group = _allocate_hybrid(self, state, state.sliding, a, reserve, groups)
+        if per_group is None:
             return None
         if self.enable_caching and not a["delay_cache_blocks"]:
             computed = request.num_computed_tokens + a["num_new_computed_tokens"]
@@ -180,9 +200,49 @@ def allocate_slots(original: Callable[..., Any]) -> Callable[..., Any]:
             self.coordinator.cache_blocks(
                 request, state.num_cacheable_tokens(request.request_id, num_tokens)
             )
-        return self.create_kv_cache_blocks((blocks,))
+        return self.create_kv_cache_blocks(per_group)
 
     return allocate_slots
+
+
+def _full_group(state: VTokenScheduler) -> int:
+    """The index of the KV cache group vToken's tables manage."""
+    return 0 if state.sliding is None else state.sliding.layout.full_group
+
+
+def _allocate_hybrid(
+    manager: Any,
+    state: VTokenScheduler,
+    sliding: SlidingGroups,
+    a: dict[str, Any],
+    reserve: int,
+    groups: tuple[Any, ...],
+) -> tuple[list[Any], ...] | None:
+    """A hybrid engine's step allocation, every group's new blocks (``None``: no room,
+    nothing taken). As vLLM's coordinator does it: the blocks that left each window go
+    back first, a hit's blocks are taken in every group before any new block is drawn
+    (a new block may otherwise evict a cached hit block from the pool); the sliding
+    groups with logical counts, the full-attention group through the token table."""
+    request = a["request"]
+    request_id = request.request_id
+    computed = request.num_computed_tokens + a["num_new_computed_tokens"]
+    num_tokens = min(computed + a["num_new_tokens"], manager.max_model_len)
+    sliding.free_skipped(request, max(0, computed - request.num_in_flight_tokens))
+    hits = sliding.hits_of(groups)
+    needed = sliding.blocks_to_allocate(request_id, num_tokens, hits, computed)
+    taken = any(hits)
+    if taken:
+        if needed + reserve > manager.block_pool.get_num_free_blocks():
+            return None
+        sliding.add_hits(request_id, hits, computed)
+        needed = sliding.blocks_to_allocate(request_id, num_tokens, [[]] * len(hits), computed)
+    full_hit = list(groups[sliding.layout.full_group]) if groups else []
+    blocks = state.allocate(request, a["num_new_tokens"], reserve + needed, full_hit)
+    if blocks is None:
+        if taken:
+            sliding.free(request_id)  # a request with a hit held nothing before it
+        return None
+    return sliding.per_group(blocks, sliding.allocate(request_id, num_tokens))
 
 
 def free(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -193,6 +253,8 @@ def free(original: Callable[..., Any]) -> Callable[..., Any]:
         if state is not None and state.manages(request.request_id):
             # vLLM frees a preempted request while it is still RUNNING, a finished one after.
             state.free(request.request_id, preempted=not request.is_finished())
+            if state.sliding is not None:
+                state.sliding.free(request.request_id)
             return
         original(self, request)
 

@@ -1,0 +1,119 @@
+"""Hybrid models (sliding-window and full-attention KV cache groups) on a vToken engine:
+the tiny random Gemma 3 (``workers.models.make_tiny_gemma3``: window 16, two groups).
+Policy ``none`` is bit-identical to vanilla vLLM with prefix caching off and on; the
+sliding group's blocks are vLLM's, freed as the window moves, and counted."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.workers.conftest import token_prompts
+from workers.engine import engine_scheduler, engine_state, make_llm
+
+pytestmark = pytest.mark.slow
+
+# Prompts past the window (16) and over several blocks (32), a shared prefix for caching.
+PROMPTS = token_prompts([5, 40, 97, 150]) + [token_prompts([96])[0] + [7, 8, 9]]
+CHUNKED = {"max_num_batched_tokens": 64, "enable_chunked_prefill": True}
+
+
+def _generate(llm, prompts, max_tokens=30):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=2)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+    return [
+        (
+            o.outputs[0].token_ids,
+            [{k: v.logprob for k, v in s.items()} for s in o.outputs[0].logprobs],
+            o.num_cached_tokens,
+        )
+        for o in outputs
+    ]
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["no-caching", "caching"])
+def outputs(request, tiny_gemma3_path):
+    caching = request.param
+    results: dict = {"caching": caching}
+    for name, vtoken in (("vanilla", None), ("none", {"policy": "none"})):
+        llm = make_llm(
+            tiny_gemma3_path,
+            vtoken,
+            skip_tokenizer_init=True,
+            num_blocks=96,
+            max_model_len=1024,
+            enable_prefix_caching=caching,
+            **CHUNKED,
+        )
+        scheduler = engine_scheduler(llm)
+        groups = scheduler.kv_cache_config.kv_cache_groups
+        assert len(groups) == 2
+        state = engine_state(llm)
+        assert (state is None) == (vtoken is None)
+        # Twice: the second round hits the prefix cache (caching on).
+        results[name] = [_generate(llm, PROMPTS), _generate(llm, PROMPTS)]
+        if state is not None:
+            state.check_invariants()
+            assert state.pool.num_blocks_elsewhere == 0  # all finished: nothing held
+        del llm
+    return results
+
+
+def test_policy_none_is_bit_identical_to_vanilla_on_a_hybrid_model(outputs):
+    """Tokens, logprobs and prefix-cache hits (vLLM's hybrid rule: every group hits the
+    same length) equal; with caching on, the second round hits."""
+    assert outputs["none"] == outputs["vanilla"]
+    cached = [hit for _, _, hit in outputs["none"][1]]
+    if outputs["caching"]:
+        assert sum(cached) >= 32 * len(PROMPTS[1:]), cached
+    else:
+        assert not any(cached)
+
+
+def test_hybrid_accounting_counts_every_group(tiny_gemma3_path):
+    """StreamingLLM (sinks 4, recent 28) and policy ``none`` side by side on a pool too
+    small for all of them at once, one abort: after every step the full-attention
+    group holds ``ceil(live / 32)`` blocks per evicting request, the sliding group (once
+    decoding) at most the two blocks a 16-token window spans, reports count both, the invariants (config
+    ``check_invariants``: held + sliding + free == total) hold, and every block returns."""
+    import math
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from workers.engine import block_pool
+
+    config = {"policy": "none", "check_invariants": True}
+    llm = make_llm(
+        tiny_gemma3_path, config, skip_tokenizer_init=True, num_blocks=24, max_model_len=320
+    )
+    engine, state, pool = llm.llm_engine, engine_state(llm), block_pool(llm)
+    free_at_start = pool.get_num_free_blocks()
+    streaming = {"policy": "streaming_llm", "policy_args": {"sinks": 4, "recent": 28}}
+    for index, ids in enumerate(token_prompts([40 + 20 * i for i in range(8)], seed=5)):
+        extra = {"vtoken_policy": streaming} if index % 2 else {}
+        params = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True, extra_args=extra)
+        engine.add_request(f"h{index}", TokensPrompt(prompt_token_ids=ids), params)
+    step, window_seen = 0, 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        step += 1
+        if step == 7:
+            engine.abort_request(["h2"])
+        report = state.snapshot()
+        for request in report.requests:
+            kv = state.requests[request.request_id].kv
+            if kv.table.num_logical > kv.prompt_len + 1:  # decoding: the window has moved
+                assert request.window_blocks <= 2
+            window_seen = max(window_seen, request.window_blocks)
+            if request.policy == "streaming_llm":
+                assert request.allocated_blocks == math.ceil(request.live_tokens / 32)
+        total = report.total
+        assert total.held_blocks_all_groups == total.allocated_blocks + total.window_blocks
+        assert total.held_blocks_all_groups + report.free_blocks == report.total_blocks
+    assert window_seen >= 2
+    assert state.manager.num_evicted_tokens > 0
+    assert pool.get_num_free_blocks() == free_at_start
+    del llm

@@ -20,6 +20,10 @@ MODEL_HELP = f"{', '.join(MODELS)}; with --gpu cpu, a shipped model or folder"
 GPU_HELP = f"{', '.join(DEVICES)}, or cpu (a fitted profile)"
 BUDGET_HELP = "Per-tenant active-KV budget in blocks (admission); default: none."
 BLOCKS_HELP = "KV blocks per replica (default: from the GPU's memory)."
+DRAIN_HELP = (
+    "Virtual seconds after the last arrival before unfinished requests count as SLO"
+    " misses (default: twice the last arrival's time, plus 1)."
+)
 PROFILE_HELP = "With --gpu cpu: a profile written by `vtoken sim fit-cpu`."
 
 
@@ -86,6 +90,7 @@ def cluster(
     tenant_budget_blocks: Annotated[int | None, typer.Option(help=BUDGET_HELP)] = None,
     num_blocks: Annotated[int | None, typer.Option(help=BLOCKS_HELP)] = None,
     cpu_profile: Annotated[Path | None, typer.Option(help=PROFILE_HELP)] = None,
+    drain_s: Annotated[float | None, typer.Option(min=0.0, help=DRAIN_HELP)] = None,
 ) -> None:  # fmt: skip
     """Simulate serving on N exact replicas (vLLM's scheduler with vToken, virtual time):
     one JSONL row per (engine, router, replicas, workload, rate, seed)."""
@@ -105,6 +110,7 @@ def cluster(
         "num_tenants": tenants,
         "num_blocks": num_blocks,
         "tenant_budget_blocks": tenant_budget_blocks,
+        "drain_s": drain_s,
     }
     deployment = _deployment(
         model, gpu, dtype, tp, {"policy": policy, "keep_ratio": keep}, fields, cpu_profile

@@ -9,7 +9,8 @@ starts. Requests arriving while a step is in flight wait for the next one, as in
 Per request: TTFT (arrival to the step that made its first token), TPOT ((finish - first
 token) / (outputs - 1)), SLO met or not (``bench.common.Slo``: the serving benchmarks'
 factors times the unloaded TTFT and TPOT, which the cost model gives). A request still
-unfinished at the horizon (``duration_s x drain_factor``) misses its SLO.
+unfinished at the horizon (the last arrival plus ``drain_s``, by default twice the last
+arrival's time plus a second) misses its SLO.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class ClusterSpec:
     replica: ReplicaConfig
     seed: int = 0
     tenant_budget_blocks: int | None = None
-    drain_factor: float = 3.0
+    drain_s: float | None = None  # None: twice the last arrival's time, plus 1 s
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -125,7 +126,8 @@ def run_cluster(spec: ClusterSpec, cost: CostModel, requests: list[SimRequest]) 
     for index, request in enumerate(requests):
         heapq.heappush(events, (request.arrival_s, ARRIVAL, index, request))
     stepping = [False] * spec.num_replicas
-    horizon = max((r.arrival_s for r in requests), default=0.0) * spec.drain_factor + 1.0
+    last = max((r.arrival_s for r in requests), default=0.0)
+    horizon = last + (spec.drain_s if spec.drain_s is not None else 2 * last + 1.0)
     run.horizon_s = horizon
     while events:
         now, kind, index, payload = heapq.heappop(events)

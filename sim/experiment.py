@@ -49,6 +49,7 @@ class Deployment:
     enable_prefix_caching: bool = True
     length_scale: float = 1.0
     model_dir: str | None = None  # a folder with the model's config.json (default: written)
+    drain_s: float | None = None  # virtual seconds after the last arrival (ClusterSpec)
 
 
 def engine_vtoken(engine: str, policy: dict[str, Any]) -> dict[str, Any] | None:
@@ -76,7 +77,7 @@ def run_case(case: Case, deployment: Deployment, scratch: Path | None = None) ->
     )
     spec = ClusterSpec(
         case.num_replicas, case.engine, case.router, replica, case.seed,
-        deployment.tenant_budget_blocks,
+        deployment.tenant_budget_blocks, deployment.drain_s,
     )  # fmt: skip
     workload = WorkloadSpec(
         case.workload,

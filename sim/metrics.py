@@ -66,6 +66,7 @@ def summarise(
         "evictions_below_budget": sum(s.num_evictions_below_budget for s in states),
         "hit_rate": round(hits / prompt_tokens, 4) if prompt_tokens else None,
         "hit_share_of_ideal": round(hits / ideal, 4) if ideal else None,
+        "horizon_s": round(run.horizon_s, 3),
         "steps": run.steps,
         "kv_bytes_read_per_step": round(run.kv_bytes / steps),
         "step_time_breakdown_s": {k: round(v / steps, 7) for k, v in run.step_cost.items()},

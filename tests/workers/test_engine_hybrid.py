@@ -74,10 +74,11 @@ def test_policy_none_is_bit_identical_to_vanilla_on_a_hybrid_model(outputs):
 
 def test_hybrid_accounting_counts_every_group(tiny_gemma3_path):
     """StreamingLLM (sinks 4, recent 28) and policy ``none`` side by side on a pool too
-    small for all of them at once, one abort: after every step the full-attention
-    group holds ``ceil(live / 32)`` blocks per evicting request, the sliding group (once
-    decoding) at most the two blocks a 16-token window spans, reports count both, the invariants (config
-    ``check_invariants``: held + sliding + free == total) hold, and every block returns."""
+    small for all of them at once, one abort: after every step the full-attention group
+    holds ``ceil(live / 32)`` blocks per evicting request, the sliding group (once
+    decoding) at most the two blocks a 16-token window spans, reports count both, the
+    invariants (config ``check_invariants``: held + sliding + free == total) hold, and
+    every block returns."""
     import math
 
     from vllm import SamplingParams

@@ -54,7 +54,7 @@ demo: setup
 lint: $(STAMP)
 	$(BIN)/ruff check vtoken kernels policies workers controlplane serving bench tests
 	$(BIN)/ruff format --check vtoken kernels policies workers controlplane serving bench tests
-	$(BIN)/mypy vtoken kernels policies controlplane workers serving bench
+	$(BIN)/mypy vtoken kernels policies controlplane workers serving bench sim
 
 test: setup lint
 	$(BIN)/python -m pytest -x -q -p no:cacheprovider

@@ -154,18 +154,25 @@ def run_cases(
     return results
 
 
+def engine_settings(
+    mode: str, prompts: list[list[int]], num_blocks: int, new_tokens: int, limit: int
+) -> dict[str, Any]:
+    """The engine of one mode (``make_llm``'s keyword arguments): vToken on with policy
+    ``none`` (each request brings its own), ``num_blocks`` 32-token blocks."""
+    return {
+        "vtoken": {"policy": "none", "mode": mode},
+        "num_blocks": num_blocks,
+        "max_model_len": len(prompts[0]) + new_tokens + 32,
+        "max_num_seqs": limit,
+    }
+
+
 def _run_mode(
     path: str, mode: str, prompts: list[list[int]], num_blocks: int, new_tokens: int, limit: int
 ) -> list[CaseResult]:
     from workers.engine import make_llm
 
-    llm = make_llm(
-        path,
-        {"policy": "none", "mode": mode},
-        num_blocks=num_blocks,
-        max_model_len=len(prompts[0]) + new_tokens + 32,
-        max_num_seqs=limit,
-    )
+    llm = make_llm(path, **engine_settings(mode, prompts, num_blocks, new_tokens, limit))
     runner = TrialRunner(llm, prompts, new_tokens)
     results = []
     for case in CASES:

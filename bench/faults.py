@@ -309,10 +309,10 @@ def prompt_text(rng: random.Random) -> str:
 
 # ---------------------------------------------------------------------- the stack
 @contextlib.contextmanager
-def local_stack(model: str, folder: Path) -> Iterator[Any]:
+def local_stack(model: str, folder: Path, app_args: dict[str, Any] | None = None) -> Iterator[Any]:
     """Redis (append-only), a private local Ray cluster and the Serve app: 2 replicas of
-    ``model`` (``smollm2`` or ``tiny``) with vToken + H2O keep 0.5; yields the
-    ``serving.demo.LocalCluster``."""
+    ``model`` (``smollm2`` or ``tiny``) with vToken + H2O keep 0.5 (``app_args``: more
+    ``AppArgs`` fields); yields the ``serving.demo.LocalCluster``."""
     from serving.demo import local_cluster
     from workers.models import make_tiny_llama, resolve_model
 
@@ -328,7 +328,7 @@ def local_stack(model: str, folder: Path) -> Iterator[Any]:
             "max_model_len": 512,
             "num_blocks": 160,
         },
-        app_args={"replica_num_cpus": 1, "controller_period_s": 0.5},
+        app_args={"replica_num_cpus": 1, "controller_period_s": 0.5, **(app_args or {})},
         ray_init={"num_cpus": 4, "runtime_env": {"env_vars": env}},
         folder=folder,
     ) as cluster:

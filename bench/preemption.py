@@ -73,6 +73,23 @@ class PreemptionCounter:
         scheduler._preempt_request = counting
 
 
+def engine_vtoken(
+    engine: str, policy: str, keep: float, score_layers: ScoreLayers = "all"
+) -> dict[str, Any] | None:
+    """The ``additional_config["vtoken"]`` of one of ``ENGINES`` (``None``: vanilla)."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if engine == "vanilla":
+        return None
+    return {
+        "policy": policy,
+        "keep_ratio": keep,
+        "eviction": "eager" if engine == "eager" else "on_demand",
+        "squeeze_below_budget": engine == "on_demand",
+        "score_layers": score_layers,
+    }
+
+
 def run_engine(
     path: str,
     engine: str,
@@ -89,20 +106,9 @@ def run_engine(
 
     from workers.engine import engine_scheduler, engine_state, make_llm
 
-    vtoken = (
-        None
-        if engine == "vanilla"
-        else {
-            "policy": policy,
-            "keep_ratio": keep,
-            "eviction": "eager" if engine == "eager" else "on_demand",
-            "squeeze_below_budget": engine == "on_demand",
-            "score_layers": score_layers,
-        }
-    )
     llm = make_llm(
         path,
-        vtoken,
+        engine_vtoken(engine, policy, keep, score_layers),
         block_size=BLOCK_SIZE,
         num_blocks=num_blocks,
         max_model_len=len(prompts[0]) + new_tokens + BLOCK_SIZE,

@@ -20,6 +20,8 @@ On SmolLM2 through real vLLM engines (the CPU build here):
   block-level eviction (it stops at or under the budget with every kept block full but its
   last) holds as many, unless what its policy protects pins more (each cell reports its
   mean held blocks).
+- **Granularity** (``--granularity``): eager cells of policies that can select per layer
+  or per (layer, KV head) (TOVA, H2O, SnapKV) run once per granularity asked for.
 - **Output length**: mean generated tokens per cell against the full cache on the same
   prompts (greedy, EOS on).
 - **Perplexity**: held-out documentation text continued under each policy, teacher-forced
@@ -61,6 +63,8 @@ from bench.common import (
     score_layer_ids,
     write_json,
 )
+from policies import REGISTRY
+from vtoken.groups import GRANULARITIES
 
 if TYPE_CHECKING:
     from workers.config import ScoreLayers
@@ -286,12 +290,15 @@ class Cell:
     policy: str
     keep: float | None
     threshold: float | None = None  # PAGE's
+    granularity: str = "request"  # one kept set, per layer, or per (layer, KV head)
 
     @property
     def spec(self) -> dict[str, Any] | None:
         if self.keep is None:
             return None
-        args = {} if self.threshold is None else {"threshold": self.threshold}
+        args: dict[str, Any] = {} if self.threshold is None else {"threshold": self.threshold}
+        if self.granularity != "request":
+            args["granularity"] = self.granularity
         return {"policy": self.policy, "keep_ratio": self.keep, "policy_args": args}
 
     def spec_for(self, case: Case) -> dict[str, Any] | None:
@@ -315,6 +322,7 @@ class PasskeyRow:
     policy: str
     keep: float | None
     threshold: float | None
+    granularity: str
     cases: int
     cases_from: str
     accuracy: float
@@ -469,6 +477,7 @@ def run(
     progress: bool = True,
     score_layers: ScoreLayers = "all",
     selection: bool = True,
+    granularities: Sequence[str] = ("request",),
 ) -> dict[str, Any]:
     from tqdm import tqdm
 
@@ -481,7 +490,13 @@ def run(
     grid: list[Cell] = []
     for task in tasks:
         grid.append(Cell(task, "vanilla", "none", None))
-        grid += [Cell(task, "eager", p, k) for p in policies for k in keeps]
+        grid += [
+            Cell(task, "eager", p, k, granularity=g)
+            for p in policies
+            for k in keeps
+            for g in granularities
+            if g in REGISTRY[p].granularities
+        ]
         grid += [
             Cell(task, "on_demand", p, min(keeps)) for p in ON_DEMAND_POLICIES if p in policies
         ]
@@ -491,7 +506,7 @@ def run(
             for p in policies
             for k in keeps
         ]
-    with_page = "page" in policies and "snapkv" in policies
+    with_page = "page" in policies and "snapkv" in policies and "request" in granularities
     bar = tqdm(
         total=len(grid) + with_page * len(tasks), desc="quality", unit="cell", disable=not progress
     )
@@ -668,6 +683,9 @@ def cli(
     selection: Annotated[
         bool, typer.Option(help="Also token- vs block-level selection at equal held blocks.")
     ] = True,
+    granularity: Annotated[
+        str, typer.Option(help="Eager cells per granularity, comma-separated: request,layer,head.")
+    ] = "request",
     quick: Annotated[bool, typer.Option(help="A small run for tests.")] = False,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
     plot_path: Annotated[Path | None, typer.Option("--plot", help="Write a PNG here.")] = None,
@@ -695,6 +713,9 @@ def cli(
         raise typer.BadParameter(f"on-demand-blocks must exceed the longest request's {longest}")
     lengths = (sizes.min_tokens, sizes.max_tokens)
     layers = score_layer_ids(score_layers)
+    granularities = [g.strip() for g in granularity.split(",") if g.strip()]
+    if not granularities or not set(granularities) <= set(GRANULARITIES):
+        raise typer.BadParameter(f"granularity: comma-separated of {', '.join(GRANULARITIES)}")
     document = run(
         path,
         tokenizer,
@@ -706,6 +727,7 @@ def cli(
         seed,
         score_layers=layers,
         selection=selection,
+        granularities=granularities,
     )
     if sizes.ppl_docs:
         # held out: the documentation topics after the ones the passkey filler comes from
@@ -726,6 +748,7 @@ def cli(
     document = {"model": model, "quick": quick, **document}
     for row in document["passkey"]:
         gate = "" if row["threshold"] is None else f" threshold={row['threshold']:.3f}"
+        gate += "" if row["granularity"] == "request" else f" per {row['granularity']}"
         typer.echo(
             f"{row['task']:>6} {row['engine']:>9} {row['policy']:>13} keep={row['keep']}{gate}: "
             f"accuracy {row['accuracy']}, harm {row['harm_rate']}, "

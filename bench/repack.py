@@ -29,6 +29,9 @@ torch ops, and the same pool for the C loop when it is built with OpenMP (see
 ``kernels/cbuild.py``). Every layer is checked after the runs
 (dst == src).
 
+``--granularity request,layer,head`` times instead what a repack costs when a policy keeps
+one set per request, per layer or per (layer, KV head) (``bench/repack_groups.py``).
+
 The target on a GPU (``GPU_TARGET``, the run's ``target``): a compaction pattern's repack
 at >= 0.8x the device copy rate, judged on the device's time alone (``device_ratio``)
 where the launch was hidden, else on ``ratio``. Each such case records ``target_met``;
@@ -310,6 +313,10 @@ def cli(
             "(default: torch's intra-op thread count)."
         ),
     ] = None,
+    granularity: Annotated[
+        str | None,
+        typer.Option(help="Time the repack per granularity instead (request,layer,head; CPU)."),
+    ] = None,
 ) -> None:
     """Time the repack dispatcher on planner move patterns; JSON as in issue 3."""
     import torch
@@ -330,6 +337,13 @@ def cli(
     chosen = torch.device(
         ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     )
+    if granularity is not None:
+        from bench.repack_groups import granularity_cases
+
+        result = granularity_cases(shapes, block_sizes, granularity, reps, getattr(torch, dtype))
+        if json_path is not None:
+            write_json(json_path, result, indent=1)
+        return
     cases = []
     for shape in csv_items(shapes):
         for block_size in (int(b) for b in csv_items(block_sizes)):

@@ -113,15 +113,17 @@ end
 
 # KEYS: quotas, usage, reservations, deadlines, rate bucket, reservation starts, total,
 # sequences, lapsed, lapsed-at, cluster total, then the fair queue's (tenant's tickets,
-# their leases, active tenants, contending tenants, tenant leases, counters, virtual time).
+# their leases, active tenants, contending tenants, tenant leases, counters, virtual time,
+# recently admitted tenants).
 # ARGV: tenant, request id, blocks, lease_ms, prompt_tokens, rate burst seconds,
 # max_tokens, steady blocks, n (sequences), ticket ('' for a request not queued),
-# cluster capacity in blocks (0: none), ticket lease_ms.
+# cluster capacity in blocks (0: none), ticket lease_ms, presence ms.
 # Returns {outcome, reason, retry_after_ms}. A request that can never be admitted as asked
 # (over its tenant's budget or the cluster's capacity, `n` over its concurrency limit) is
 # rejected before anything else. A request queued behind its tenant's tickets
 # is throttled `queued` (a fourth value: how many are ahead of it); one the cluster's
-# capacity or another tenant's turn holds back, `cluster_full` (`fair_queue_scripts`).
+# capacity or another tenant's turn holds back, `cluster_full` (`fair_queue_scripts`),
+# unless its tenant stays within its weighted share of the capacity (`within_share`).
 ADMIT = (
     NOW_MS
     + LOWER_CLUSTER_TOTAL
@@ -179,7 +181,17 @@ if math.max(reserved, reported) + blocks > quota['kv_budget_blocks'] then
   return wait('kv_budget', -1)
 end
 local counter = counter_of(KEYS[17], tenant)
-if not cluster_turn(KEYS[11], contending, tenant, ticket, counter, blocks, capacity) then
+-- Charged at the stored weight: an ingress's cached quota may predate an admin change.
+local weight = quota['weight']
+if type(weight) ~= 'number' or weight <= 0 then weight = 1 end
+-- A tenant within its weighted share of the capacity does not wait for a full cluster:
+-- the room is the share that tenants above theirs hold (they wait until it is given back).
+local held_now = math.max(reserved, reported)
+local within = capacity > 0
+  and within_share(KEYS[1], KEYS[2], queue[3], KEYS[19], now - tonumber(ARGV[13]), tenant,
+    weight, held_now, blocks, capacity)
+if not within
+  and not cluster_turn(KEYS[11], contending, tenant, ticket, counter, blocks, capacity) then
   return {'throttled', 'cluster_full', -1}
 end
 local rate = quota['prompt_tokens_per_s']
@@ -190,14 +202,15 @@ if rate ~= cjson.null then
   if wait_ms > 0 then return wait('prompt_token_rate', wait_ms) end
 end
 if ticket ~= '' then
-  -- Charged at the stored weight: an ingress's cached quota may predate an admin change.
-  local weight = quota['weight']
-  if type(weight) ~= 'number' or weight <= 0 then weight = 1 end
   local held = (max_concurrent ~= cjson.null and sequences + 2 * n > max_concurrent)
     or math.max(reserved, reported) + 2 * blocks > quota['kv_budget_blocks']
     or (rate ~= cjson.null and tonumber(redis.call('HGET', KEYS[5], 'tokens') or '0')
       < math.min(tonumber(ARGV[5]), rate * tonumber(ARGV[6])))
   served(queue, KEYS[17], KEYS[18], tenant, ticket, counter, blocks / weight, held)
+end
+if capacity > 0 then
+  redis.call('ZADD', KEYS[19], now, tenant)
+  redis.call('PEXPIRE', KEYS[19], tonumber(ARGV[13]))
 end
 redis.call('HSET', KEYS[3], ARGV[2], blocks)
 redis.call('INCRBY', KEYS[7], blocks)

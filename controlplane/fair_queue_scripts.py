@@ -71,6 +71,29 @@ local function cluster_turn(total, contending, tenant, ticket, counter, blocks, 
   return tonumber(redis.call('GET', total) or '0') + blocks <= capacity
 end
 
+-- Whether the tenant, `blocks` more included, stays within its weighted share of the
+-- cluster's `capacity`: capacity x `weight` / the weights of the tenants present (those
+-- holding KV, the `usage` hash; those waiting, the `active` tenants; those admitted since
+-- `since` ms, `recent`; itself). A deleted tenant weighs nothing. O(present tenants).
+local function within_share(quotas, usage, active, recent, since, tenant, weight, held,
+                            blocks, capacity)
+  local present, total = {[tenant] = true}, weight
+  local function add(name)
+    if present[name] then return end
+    present[name] = true
+    local raw = redis.call('HGET', quotas, name)
+    if not raw then return end
+    local other = cjson.decode(raw)['weight']
+    if type(other) ~= 'number' or other <= 0 then other = 1 end
+    total = total + other
+  end
+  for _, name in ipairs(redis.call('ZRANGE', active, 0, -1)) do add(name) end
+  for _, name in ipairs(redis.call('HKEYS', usage)) do add(name) end
+  redis.call('ZREMRANGEBYSCORE', recent, '-inf', since)
+  for _, name in ipairs(redis.call('ZRANGE', recent, 0, -1)) do add(name) end
+  return held + blocks <= capacity * weight / total
+end
+
 -- The tenant's first ticket is admitted: it leaves the queue, the tenant's counter grows
 -- by `cost` (blocks / weight), and the virtual time moves up to the counter it was served
 -- at (never down). A tenant that its own limits will hold back (`held`: at its concurrency

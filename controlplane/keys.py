@@ -163,6 +163,12 @@ class KeySpace:
         least a tenant that becomes active while none contends starts at."""
         return f"{self.prefix}:queue:vtime"
 
+    @property
+    def queue_present(self) -> str:
+        """Sorted set: tenant -> Redis ms of its latest admission while the cluster had a
+        bound: who holds KV before the replicas' reports show it (the weighted shares)."""
+        return f"{self.prefix}:queue:present"
+
     def rate_bucket(self, tenant_id: str) -> str:
         """Hash `tokens`, `at_ms`: the tenant's prompt-token bucket."""
         return f"{self.prefix}:rate:{tenant_id}"

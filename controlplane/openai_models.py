@@ -15,7 +15,9 @@ maximum); log-probabilities are an integer ``logprobs`` (0..5 alternatives) for
 completions and ``logprobs: true`` with ``top_logprobs`` (0..5) for chat, as in vLLM's
 OpenAI server. ``null`` means "the default", as in OpenAI's API. A client-sent
 ``cache_salt`` is accepted and dropped: the server salts the prefix cache per tenant. Stop
-strings are bounded in number and length.
+strings are bounded in number and length. ``priority`` is vLLM's (an integer, lower
+served first), honoured when the engines run vLLM's ``priority`` scheduling policy; the
+ingress refuses any other value than 0 otherwise.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 MAX_LOGPROBS = 5  # alternatives per token (OpenAI's completions limit)
 MAX_N = 128  # choices any body may ask for; the ingress serves up to its own maximum
 DEFAULT_MAX_N = 8  # that maximum unless configured
+MAX_PRIORITY = 2**31 - 1  # vLLM's request priority, either sign
 TopLogprobs = Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]
 
 
@@ -106,6 +109,9 @@ class _Body(SamplingExtensions):
     user: str | None = Field(default=None, max_length=256)  # the end user, for the client
     cache_salt: str | None = Field(default=None, exclude=True, max_length=256)  # dropped
     n: StrictInt = Field(default=1, ge=1, le=MAX_N)
+    priority: StrictInt = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
+    """vLLM's request priority: under the engines' ``scheduling_policy: priority`` a lower
+    value is scheduled first (and preempted last); otherwise only 0 is served."""
 
     @model_validator(mode="before")
     @classmethod
@@ -239,6 +245,7 @@ class GenerateRequest(BaseModel):
     sampling: SamplingExtensions = Field(default_factory=SamplingExtensions)
     """vLLM's sampling extensions, passed to ``SamplingParams`` as vLLM's server does."""
     n: int = Field(default=1, ge=1)  # choices: vLLM runs each as its own sequence
+    priority: int = 0  # vLLM's (lower first), under the engines' ``priority`` policy
     logprobs: int | None = Field(default=None, ge=0)  # alternatives per token; None: none
     eviction_budget_tokens: int | None = None  # the tenant's per-request KV cap (admission)
     hold_to_blocks: int | None = Field(default=None, ge=1)

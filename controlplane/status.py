@@ -55,6 +55,7 @@ def _assemble(
     plan = parse_plan(raw_plan)
     replicas = _replica_rows(snapshot)
     held = _held(snapshot)
+    counters = _virtual_counters(snapshot)
     pressure_on: dict[str, dict[str, float]] = {}  # tenant -> replica -> keep fraction
     for replica_id, by_tenant in sorted(plan.pressure.items()) if plan else ():
         for tenant_id, pressure in by_tenant.items():
@@ -80,6 +81,7 @@ def _assemble(
                 "pressure": pressure_on.get(tenant_id, {}),
                 "queue_depth": waiting.depth if waiting else 0,
                 "queue_oldest_wait_s": round(waiting.oldest_wait_s, 3) if waiting else 0.0,
+                **_fairness(counters.get(tenant_id, {})),
             }
         )
     return {
@@ -135,6 +137,31 @@ def _held(snapshot: ReportSnapshot) -> dict[str, dict[str, int]]:
             for name in _SUMMED:
                 entry[name] += getattr(usage, name)
     return held
+
+
+def _virtual_counters(snapshot: ReportSnapshot) -> dict[str, dict[str, tuple[float, float]]]:
+    """Tenant -> replica -> (its virtual counter there, that counter less the smallest one
+    the replica reports): the engines' fair order (``EngineCounters.tenant_counters``)."""
+    counters: dict[str, dict[str, tuple[float, float]]] = {}
+    for replica_id, report in sorted(snapshot.fresh.items()):
+        if not report.tenant_counters:
+            continue  # fairness off there
+        least = min(report.tenant_counters.values())
+        for tenant_id, counter in report.tenant_counters.items():
+            counters.setdefault(tenant_id, {})[replica_id] = (counter, counter - least)
+    return counters
+
+
+def _fairness(on_replicas: dict[str, tuple[float, float]]) -> dict[str, Any]:
+    """A tenant's ``virtual_counters`` per replica and its ``virtual_lead``: how many weighted
+    tokens it is ahead of the replica's least-served tenant, on the replica where it is
+    furthest ahead (0: served first everywhere; ``None``: no engine orders it)."""
+    return {
+        "virtual_counters": {r: round(counter, 1) for r, (counter, _) in on_replicas.items()},
+        "virtual_lead": round(max(lead for _, lead in on_replicas.values()), 1)
+        if on_replicas
+        else None,
+    }
 
 
 def _report_age(snapshot: ReportSnapshot, replica_id: str) -> float | None:

@@ -3,7 +3,7 @@ accepts beyond OpenAI's (served, passed to the engine as vLLM's server passes th
 the fields of either API this server refuses, each with why.
 
 A refused field sent at the value that asks for nothing (``use_beam_search: false``,
-``priority: 0``, ``add_special_tokens: true`` on completions, ...) is accepted and dropped,
+``add_special_tokens: true`` on completions, ...) is accepted and dropped,
 so clients that always send vLLM's defaults keep working; any other value is a 400 that
 names the field and says why. A field neither API defines stays a 400 naming it.
 """
@@ -86,7 +86,6 @@ REFUSED_FIELDS: dict[str, tuple[Any, str]] = {
     "logprob_token_ids": ([], "only the top alternatives are served (logprobs)"),
     "truncate_prompt_tokens": (None, "prompts are never truncated: a longer one is a 400"),
     "truncation_side": (None, "prompts are never truncated: a longer one is a 400"),
-    "priority": (0, "the engines schedule first come, first served within tenant weights"),
     "request_id": (None, "the server names each request (its id is in the answer)"),
     "session_id": (None, "sessions are not tracked"),
     "return_tokens_as_token_ids": (False, _SHAPE),

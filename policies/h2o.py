@@ -22,6 +22,7 @@ class H2O(EvictionPolicy):
     needs = ScoreNeeds(step_scores=True)
     stat_names = ("h2o_score",)
     observes_every_step = True  # cumulative: every step's attention counts
+    granularities = ("request", "layer", "head")
     recent_fraction: float = 0.5
 
     def observe(self, view: PolicyView) -> None:

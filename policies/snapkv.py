@@ -21,6 +21,7 @@ from vtoken.policy import EvictionPolicy, PolicyView, ScoreNeeds
 class SnapKV(EvictionPolicy):
     name = "snapkv"
     holds_budget_every_step = False  # compresses once, at the end of prefill
+    granularities = ("request", "layer", "head")
     window: int = 32
     kernel_size: int = 5
     pooling: str = "avg"
@@ -28,17 +29,14 @@ class SnapKV(EvictionPolicy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if (
-            self.pooling not in ("avg", "max")
-            or self.window < 1
-            or self.kernel_size < 1
-            or self.kernel_size % 2 != 1
-        ):
+        odd_kernel = self.kernel_size >= 1 and self.kernel_size % 2 == 1
+        if self.pooling not in ("avg", "max") or self.window < 1 or not odd_kernel:
             raise ValueError("snapkv: pooling is 'avg' or 'max', window >= 1, kernel_size odd")
 
     def score_needs(self) -> ScoreNeeds:
         # It decides once, at the end of prefill: no statistics are needed after that.
-        return ScoreNeeds() if self.decided else ScoreNeeds(query_window=self.window)
+        needs = ScoreNeeds(query_window=self.window, groups=self.granularity)
+        return ScoreNeeds() if self.decided else needs
 
     def num_to_evict(self, view: PolicyView, budget: int) -> int:
         if not view.prefill_done_now:
@@ -51,16 +49,18 @@ class SnapKV(EvictionPolicy):
         return super().protected(view, budget) | window
 
     def score(self, view: PolicyView) -> np.ndarray:
-        # Pooled over the live tokens before the window, in logical order: the window's own
-        # votes take no part (it is protected, so its scores do not matter).
-        ids = view.logical_ids
+        # Pooled over the live tokens before the window, in logical order (the window is
+        # protected); decided before any eviction, so every group holds the first's ids.
+        ids = view.logical_ids.reshape(-1, view.num_live)[0]
         before = np.flatnonzero(ids < view.num_logical - self.window)
         before = before[np.argsort(ids[before], kind="stable")]
+        votes = view.require("window_rows").sum(axis=0)  # [..., n_live] per group
+        scores = np.full(votes.shape, np.inf)
         if not before.size:  # a prompt no longer than the window: nothing to pool
-            return np.full(view.num_live, np.inf)
-        pad = np.full(self.kernel_size // 2, 0.0 if self.pooling == "avg" else -np.inf)
-        votes = np.concatenate([pad, view.require("window_rows").sum(axis=0)[before], pad])
-        windows = sliding_window_view(votes, self.kernel_size)
-        scores = np.full(view.num_live, np.inf)
-        scores[before] = windows.mean(axis=1) if self.pooling == "avg" else windows.max(axis=1)
+            return scores
+        fill = 0.0 if self.pooling == "avg" else -np.inf
+        pad = np.full((*votes.shape[:-1], self.kernel_size // 2), fill)
+        padded = np.concatenate([pad, votes[..., before], pad], axis=-1)
+        windows = sliding_window_view(padded, self.kernel_size, axis=-1)
+        scores[..., before] = windows.mean(-1) if self.pooling == "avg" else windows.max(-1)
         return scores

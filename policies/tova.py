@@ -17,6 +17,7 @@ from vtoken.policy import EvictionPolicy, PolicyView, ScoreNeeds
 class TOVA(EvictionPolicy):
     name = "tova"
     needs = ScoreNeeds(query_window=1)
+    granularities = ("request", "layer", "head")
 
     def score(self, view: PolicyView) -> np.ndarray:
         return view.require("window_rows")[-1]

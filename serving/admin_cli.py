@@ -201,7 +201,7 @@ def status(url: Url = DEFAULT_URL, admin_token: Token = "") -> None:
     tenants = Table(title="tenants")
     tenant_columns = (
         "tenant", "budget", "active KV", "floor", "reclaimable", "shared", "running", "queued",
-        "oldest wait", "pressure",
+        "oldest wait", "VTC lead", "pressure",
     )  # fmt: skip
     for column in tenant_columns:
         tenants.add_column(column)
@@ -217,6 +217,7 @@ def status(url: Url = DEFAULT_URL, admin_token: Token = "") -> None:
             str(t["running_requests"]),
             str(t.get("queue_depth", "-")),
             f"{t['queue_oldest_wait_s']:.1f} s" if t.get("queue_depth") else "-",
+            "-" if t.get("virtual_lead") is None else f"{t['virtual_lead']:.0f}",
             ", ".join(f"{r[:8]} keep {f:.2f}" for r, f in sorted(pressure.items())) or "-",
         )
     console.print(replicas, tenants)

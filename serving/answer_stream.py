@@ -124,8 +124,13 @@ class ReleasingStream(StreamingResponse):
     it never starts (a client gone before the first byte: Starlette then runs no
     background task, and the answer's generator, never started, has nothing to exit)."""
 
-    def __init__(self, held: HeldReservation, events: AsyncIterator[str]) -> None:
-        super().__init__(events, media_type="text/event-stream")
+    def __init__(
+        self,
+        held: HeldReservation,
+        events: AsyncIterator[str],
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=headers)
         self.held = held
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:

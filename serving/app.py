@@ -133,6 +133,7 @@ class AppArgs(AdminTokenSource):
             max_n=self.max_n,
             limits=self.limits,
             api_docs=self.api_docs,
+            scheduling_policy=engine.scheduling_policy,
         )
 
     def routing_options(self) -> dict[str, Any]:

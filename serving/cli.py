@@ -1,4 +1,4 @@
-"""The `vtoken` command line: models, benchmarks, serving, tenants, the demo."""
+"""The `vtoken` command line: models, benchmarks, the simulator, serving, tenants, the demo."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import typer
 
 from bench import concurrency as bench_concurrency
 from bench import controller as bench_controller
+from bench import fairness as bench_fairness
 from bench import faults as bench_faults
 from bench import fragmentation as bench_fragmentation
 from bench import fused_scores as bench_fused_scores
@@ -21,12 +22,18 @@ from bench import router as bench_router
 from bench import scores as bench_scores
 from bench import serve as bench_serve
 from serving import admin_cli
+from sim import cli as sim_cli
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 model_app = typer.Typer(no_args_is_help=True, help="Prepare models for the engines.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks; figures go to bench/RESULTS.md.")
 app.add_typer(model_app, name="model")
 app.add_typer(bench_app, name="bench")
+sim_app = typer.Typer(no_args_is_help=True, help="The cluster simulator (virtual time).")
+app.add_typer(sim_app, name="sim")
+sim_app.command("cluster")(sim_cli.cluster)
+sim_app.command("validate")(sim_cli.validate)
+sim_app.command("fit-cpu")(sim_cli.fit_cpu)
 
 # One line per benchmark module; each module's `cli` is a typer command whose
 # heavy imports happen inside the function, so `vtoken --help` stays fast.
@@ -43,6 +50,7 @@ bench_app.command("quality")(bench_quality.cli)
 bench_app.command("router")(bench_router.cli)
 bench_app.command("prefix")(bench_prefix.cli)
 bench_app.command("faults")(bench_faults.cli)
+bench_app.command("fairness")(bench_fairness.cli)
 admin_cli.register(app)
 
 

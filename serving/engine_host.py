@@ -89,7 +89,10 @@ class EngineHost:
         if settings.max_num_batched_tokens is not None:  # else vLLM's default
             common["max_num_batched_tokens"] = settings.max_num_batched_tokens
         args = AsyncEngineArgs(
-            **common, served_model_name=settings.name, disable_log_stats=not tracing
+            **common,
+            served_model_name=settings.name,
+            disable_log_stats=not tracing,
+            scheduling_policy=settings.scheduling_policy,
         )
         self.llm = AsyncLLM.from_engine_args(args)
         self.counters_at: float | None = None  # clock time of the last successful read
@@ -134,7 +137,11 @@ class EngineHost:
             )
             try:
                 async for output in self.llm.generate(
-                    prompt, params, request.request_id, trace_headers=trace_headers
+                    prompt,
+                    params,
+                    request.request_id,
+                    trace_headers=trace_headers,
+                    priority=request.priority,
                 ):
                     if first_token is not None:  # the SDK warns when a span ends twice
                         first_token.end()

@@ -8,7 +8,8 @@ prompt); read and validate the body (:mod:`serving.input_limits`); tokenize
 (:mod:`serving.tokenize_pool`; so admission knows the prompt size and an oversize prompt
 is a 400 before any engine sees it); admit against the tenant's KV budget for all ``n``
 sequences of the answer, waiting in the tenant's bounded queue when it or the cluster is
-full (:mod:`serving.queued_admission`; 429 + Retry-After past the queue's bounds); call a
+full (:mod:`serving.queued_admission`; 429 + Retry-After past the queue's bounds; an
+answer that waited says how long in ``X-VToken-Queue-Wait``); call a
 replica through Ray Serve (the vtoken router picks which) while the reservation is held
 (:class:`serving.reservation.HeldReservation`: renewed every third of its TTL, settled
 to its steady bound once no prefill is left, released when the answer is complete
@@ -55,7 +56,7 @@ from serving.answer_stream import AnswerStreams, ReleasingStream, raise_if_cance
 from serving.errors import HTTPError
 from serving.input_limits import read_request
 from serving.openai_answers import Answer, collect, sse
-from serving.queued_admission import AdmitAsk, QueuedAdmission
+from serving.queued_admission import QUEUE_WAIT_HEADER, AdmitAsk, QueuedAdmission
 from serving.replica_request import PromptEncoder, Tokenizer, generate_request
 from serving.reservation import HeldReservation
 from serving.settings import IngressSettings
@@ -149,6 +150,14 @@ class IngressState:
                         f"per request (got {body.n})",
                         "invalid_request",
                     )
+                if body.priority and settings.scheduling_policy != "priority":
+                    raise HTTPError(
+                        400,
+                        f"invalid request: priority: {body.priority} is not served: the "
+                        "engines schedule first come, first served (scheduling_policy: "
+                        "fcfs); send 0 or leave it out",
+                        "invalid_request",
+                    )
                 # Tokenizing is CPU work: on the pool, at most as many of the tenant's at
                 # once as its concurrency limit leaves room for.
                 limit = quota.max_concurrent_requests
@@ -162,7 +171,8 @@ class IngressState:
             span.set_attribute(telemetry.ATTR_REQUEST_ID, request_id)
             raise_if_cancelled()
             ask = AdmitAsk(quota, request_id, len(ids), body.max_tokens, body.n)
-            reservation = await self.admitter.admit(ask, span)
+            reservation, waited_s = await self.admitter.admit_waited(ask, span)
+            headers = None if waited_s is None else {QUEUE_WAIT_HEADER: f"{waited_s:.3f}"}
             held = HeldReservation(self.admission, self.releaser, reservation)
             try:
                 raise_if_cancelled()
@@ -172,8 +182,8 @@ class IngressState:
                 chunks = self.answers.chunks(generate, held, started)
                 answer = Answer.of(request_id, body, chat, int(started))
                 if body.stream:
-                    return ReleasingStream(held, sse(chunks, answer))
-                return JSONResponse(await collect(chunks, answer))
+                    return ReleasingStream(held, sse(chunks, answer), headers)
+                return JSONResponse(await collect(chunks, answer), headers=headers)
             except BaseException:
                 # Cancelled or failed before or while answering: released either way
                 # (idempotent; the answer's own exit may have released it already).

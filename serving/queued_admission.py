@@ -5,11 +5,12 @@ the cluster cannot admit now (:data:`controlplane.fair_queue.QUEUEABLE_REASONS`)
 ticket in its tenant's queue and asks again every ``queue_poll_s`` with it, in the order
 :mod:`controlplane.fair_queue` keeps between ingresses. Past the tenant's
 ``max_queue_depth`` (at joining) or ``max_queue_wait_s`` it is today's 429, with the
-``Retry-After`` admission computes; a request that can never fit is a 400 at once, and a
-prompt-token rate throttle a 429 at once. A client that leaves while queued takes its
-ticket with it (the leave is shielded from the cancellation; so is the enqueue, whose
-ticket is taken away once it is in); an admission that completes after its caller was
-cancelled is released.
+``Retry-After`` admission computes (a ticket whose lease lapsed while its ingress still
+polls joins again at the back of its queue: a late poll loses no request); a request
+that can never fit is a 400 at once, and a prompt-token rate throttle a 429 at once. A
+client that leaves while queued takes its ticket with it (the leave is shielded from the
+cancellation; so is the enqueue, whose ticket is taken away once it is in); an admission
+that completes after its caller was cancelled is released.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ from controlplane.releases import Releaser
 from serving.errors import HTTPError, redis_or_503
 from serving.stream_progress import TokenPace
 from serving.tenant_gate import throttled
+
+QUEUE_WAIT_HEADER = "X-VToken-Queue-Wait"
+"""Response header of an answer whose request waited in its tenant's queue: the seconds
+it waited (absent when it was admitted without queueing)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,10 +73,17 @@ class QueuedAdmission:
     async def admit(self, ask: AdmitAsk, span: trace.Span) -> Reservation:
         """The request's KV reservation, after a wait in the queue if it must; 429 with
         ``Retry-After`` past the queue's bounds, 400 when it can never fit."""
-        decision, polled = await self._ask(ask, ""), False
+        return (await self.admit_waited(ask, span))[0]
+
+    async def admit_waited(
+        self, ask: AdmitAsk, span: trace.Span
+    ) -> tuple[Reservation, float | None]:
+        """:meth:`admit`, and the seconds the request waited in the queue (``None`` when
+        it never joined it)."""
+        decision, waited_s = await self._ask(ask, ""), None
         if decision.outcome is AdmissionOutcome.THROTTLED and self._may_queue(ask, decision):
-            decision, polled = await self._wait(ask, decision, span)
-        return await self._answer(ask, decision, polled)
+            decision, waited_s = await self._wait(ask, decision, span)
+        return await self._answer(ask, decision, waited_s is not None), waited_s
 
     @staticmethod
     def _may_queue(ask: AdmitAsk, decision: AdmissionDecision) -> bool:
@@ -84,9 +96,10 @@ class QueuedAdmission:
 
     async def _wait(
         self, ask: AdmitAsk, decision: AdmissionDecision, span: trace.Span
-    ) -> tuple[AdmissionDecision, bool]:
+    ) -> tuple[AdmissionDecision, float | None]:
         """Queue ``ask`` and poll until admitted, refused for good, or out of time; the
-        last decision (throttled when it never got in) and whether it came from a poll."""
+        last decision (throttled when it never got in) and the seconds it waited queued
+        (``None``: the queue was full, the decision is the first ask's)."""
         quota, ticket = ask.quota, ask.request_id
         # Shielded like an admission: a client that leaves while the ticket is being taken
         # must not leave it queued (it would hold its tenant's turn until its lease lapses).
@@ -99,7 +112,7 @@ class QueuedAdmission:
         span.set_attribute(telemetry.ATTR_QUEUE_DEPTH, joined.depth)
         if not joined.queued:
             span.set_attribute(telemetry.ATTR_QUEUE_OUTCOME, "full")
-            return decision, False
+            return decision, None
         started = time.monotonic()
         deadline = started + quota.max_queue_wait_s
         outcome = "timeout"
@@ -111,7 +124,7 @@ class QueuedAdmission:
                     if decision.outcome is not AdmissionOutcome.THROTTLED:
                         outcome = decision.outcome.value
                         break
-                    if decision.reason == "ticket_lost":
+                    if decision.reason == "ticket_lost" and not await self._rejoin(ask):
                         outcome = "lost"
                         break
             except BaseException:  # the client left (or Redis failed): no ticket stays
@@ -126,7 +139,15 @@ class QueuedAdmission:
                 self.request_metrics.queue_wait(quota.tenant_id, waited_s)
         if not decision.admitted:
             await redis_or_503(self.queue.leave(quota.tenant_id, ticket))
-        return decision, True
+        return decision, waited_s
+
+    async def _rejoin(self, ask: AdmitAsk) -> bool:
+        """Take a new ticket for a request whose lease lapsed while this ingress still
+        waits for it (its poll came a whole lease late: a starved event loop, a Redis
+        failover): the request is not lost, it queues again at the back of its tenant's
+        queue. False when the queue is full now (then it is the 429 of a full queue)."""
+        rejoined = await redis_or_503(self.queue.enqueue(ask.quota, ask.request_id))
+        return rejoined.queued
 
     def _pause_s(self, decision: AdmissionDecision) -> float:
         """Until the next poll: ``queue_poll_s``, times the tickets ahead of this one when

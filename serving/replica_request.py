@@ -103,6 +103,7 @@ def generate_request(
         frequency_penalty=body.frequency_penalty,
         sampling=body.sampling_extensions(),
         n=body.n,
+        priority=body.priority,
         logprobs=body.num_logprobs,
         eviction_budget_tokens=quota.eviction_budget_tokens,
         prefix_group=quota.prefix_group,

@@ -42,6 +42,11 @@ class ReplicaSettings(BaseModel):
     kv_cache_dtype: str = "auto"  # vLLM's names: auto (the model's dtype), fp8, fp8_e5m2, ...
     tensor_parallel_size: int = Field(default=1, gt=0)
     """GPUs per replica: the deployment's ``replica_num_gpus`` must be at least this."""
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    """vLLM's scheduling policy: ``fcfs`` (first come, first served) or ``priority``
+    (requests with a lower ``priority`` in their body are scheduled first and preempted
+    last; ties first come, first served). With vToken's ``fair_share`` on, tenants' weights
+    order requests of the same priority."""
     enable_prefix_caching: bool = True
     """vLLM's automatic prefix caching: a prompt prefix already computed on this replica
     under the same salt (the tenant's, or its prefix group's: ``cache_salt``) is reused
@@ -110,6 +115,7 @@ class IngressSettings:
     max_n: int = DEFAULT_MAX_N  # choices one request may ask for (each is a sequence's KV)
     limits: InputLimits = field(default_factory=InputLimits)
     api_docs: ApiDocs = "off"
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"  # the engines' (ReplicaSettings)
 
     @property
     def max_prompt_chars(self) -> int:

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("kernels", "vtoken", "policies", "workers", "controlplane", "serving", "bench")
+PACKAGES = (
+    "kernels", "vtoken", "policies", "workers", "controlplane", "serving", "bench", "sim"
+)  # fmt: skip
 # package -> the packages of ours it may import (besides itself)
 ALLOWED = {
     "kernels": set(),
@@ -21,10 +23,11 @@ ALLOWED = {
     "workers": {"vtoken", "policies", "kernels"},
     "controlplane": set(),
     "serving": set(PACKAGES),
-    "bench": set(PACKAGES),
+    "bench": set(PACKAGES) - {"sim"},
+    "sim": set(PACKAGES) - {"serving"},
 }
 FORBIDDEN_THIRD_PARTY = {"controlplane": {"vllm", "torch"}}
-ONLY_BENCH_IMPORTER = "serving.cli"
+ONLY_BENCH_IMPORTER = "serving.cli"  # of serving, the only importer of bench and sim
 
 
 def _modules() -> dict[str, Path]:
@@ -71,8 +74,9 @@ def test_imports_follow_the_folder_table(module: str) -> None:
     package = module.split(".")[0]
     ours = {name.split(".")[0] for name in GRAPH[module]} - {package}
     assert ours <= ALLOWED[package], f"{module} imports {sorted(ours - ALLOWED[package])}"
-    if "bench" in ours and package == "serving":
-        assert module == ONLY_BENCH_IMPORTER, f"only {ONLY_BENCH_IMPORTER} may import bench"
+    for tool in ("bench", "sim"):
+        if tool in ours and package == "serving":
+            assert module == ONLY_BENCH_IMPORTER, f"only {ONLY_BENCH_IMPORTER} may import {tool}"
     if package == "bench":
         assert ONLY_BENCH_IMPORTER not in GRAPH[module], f"{module} imports the CLI"
     banned = THIRD_PARTY[module] & FORBIDDEN_THIRD_PARTY.get(package, set())

@@ -33,6 +33,7 @@ import numpy as np
 from kernels.intmath import cdiv
 from vtoken.block_eviction import num_protected_blocks, select_blocks
 from vtoken.block_pool import BlockPool
+from vtoken.groups import ModelGeometry
 from vtoken.policy import EvictionPolicy, PolicyView, StepAttention
 from vtoken.repack_planner import ReclaimMode, RepackPlan, plan_block_drop, plan_repack
 from vtoken.reports import DEFAULT_TENANT, RequestReport
@@ -71,11 +72,18 @@ class VTokenManager:
     """
 
     def __init__(
-        self, pool: BlockPool, block_size: int, mode: ReclaimMode = ReclaimMode.VTOKEN
+        self,
+        pool: BlockPool,
+        block_size: int,
+        mode: ReclaimMode = ReclaimMode.VTOKEN,
+        geometry: ModelGeometry | None = None,
     ) -> None:
+        """``geometry``: the model's layers and KV heads, for policies that keep a set per
+        layer or per (layer, KV head) (``vtoken/groups.py``); ``None`` refuses them."""
         self.pool = pool
         self.block_size = block_size
         self.mode = ReclaimMode(mode)
+        self.geometry = geometry
         self.requests: dict[str, RequestKV] = {}
         self.num_blocks_reclaimed = 0  # given back by reclaims while requests still ran
         self.num_evicted_tokens = 0  # since start, every request's (finished ones too)
@@ -91,11 +99,20 @@ class VTokenManager:
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} already exists")
         stat_names = policy.stat_names if policy is not None else ()
-        request = RequestKV(
-            request_id, tenant, prompt_len, TokenTable(self.block_size, stat_names), policy
-        )
+        table = TokenTable(self.block_size, stat_names, self._group_shape(policy))
+        request = RequestKV(request_id, tenant, prompt_len, table, policy)
         self.requests[request_id] = request
         return request
+
+    def _group_shape(self, policy: EvictionPolicy | None) -> tuple[int, ...]:
+        granularity = "request" if policy is None else policy.granularity
+        if granularity == "request":
+            return ()
+        if self.geometry is None:
+            raise ValueError(f"granularity {granularity!r} needs the model's geometry")
+        if self.mode is ReclaimMode.BLOCK:
+            raise ValueError("block mode drops whole blocks of one set: granularity 'request'")
+        return self.geometry.group_shape(granularity)
 
     def allocate(self, request_id: str, num_new_tokens: int, reserve: int = 0) -> list[int] | None:
         """Room for ``num_new_tokens`` more tokens: returns the blocks added to the table
@@ -146,13 +163,12 @@ class VTokenManager:
     def view(self, request_id: str, attention: StepAttention | None = None) -> PolicyView:
         request = self.requests[request_id]
         table = request.table
-        live_slots = table.live_slots()
         return PolicyView(
-            logical_ids=table.live_logical_ids(),
+            logical_ids=table.view_logical_ids(),
             num_logical=table.num_logical,
             prompt_len=request.prompt_len,
             step=request.num_steps,
-            stats={name: values[live_slots].copy() for name, values in table.stats.items()},
+            stats=table.view_stats(),
             attention=attention if attention is not None else StepAttention(),
             num_pinned=request.num_pinned,
         )
@@ -170,13 +186,12 @@ class VTokenManager:
         if request.policy is None:
             return np.zeros(0, dtype=np.int64)
         view = self.view(request_id, attention)
-        live_slots = request.table.live_slots()
         if self.mode is ReclaimMode.BLOCK:
+            live_slots = request.table.live_slots()
             evicted = select_blocks(request.policy, view, budget, self.block_size, live_slots)
         else:
             evicted = request.policy.select(view, budget)
-        for name, values in view.stats.items():
-            request.table.stats[name][live_slots] = values
+        request.table.store_stats(view.stats)
         self.evict_ids(request_id, evicted)
         return evicted
 
@@ -188,15 +203,14 @@ class VTokenManager:
             return
         view = self.view(request_id, attention)
         request.policy.observe(view)
-        live_slots = request.table.live_slots()
-        for name, values in view.stats.items():
-            request.table.stats[name][live_slots] = values
+        request.table.store_stats(view.stats)
 
     def evict_ids(self, request_id: str, logical_ids: np.ndarray) -> None:
-        """Evict explicit logical ids (for engines or tests that decide elsewhere)."""
+        """Evict explicit logical ids (for engines or tests that decide elsewhere): ``[k]``,
+        or ``[num_groups, k]`` in a grouped table (``TokenTable.evict``)."""
         request = self.requests[request_id]
         request.table.evict(logical_ids)
-        count = int(np.asarray(logical_ids).size)
+        count = int(np.asarray(logical_ids).shape[-1])
         request.num_evicted += count
         self.num_evicted_tokens += count
 
@@ -223,7 +237,9 @@ class VTokenManager:
             if self.mode is ReclaimMode.BLOCK:
                 released = request.table.drop_blocks(plan.free_block_indices, plan.num_slots_after)
             else:
-                released = request.table.move(plan.src_local, plan.dst_local, plan.num_slots_after)
+                released = request.table.move(
+                    plan.src_local, plan.dst_local, plan.num_slots_after, plan.group_ids
+                )
             assert released == plan.free_block_ids
             if released:
                 self.pool.free(released)

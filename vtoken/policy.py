@@ -7,7 +7,9 @@ generator, a one-shot flag) lives on the instance and per-token state lives in t
 table's stats arrays, which vToken keeps aligned with the tokens through every repack.
 
 Contract of :meth:`EvictionPolicy.select`: given a :class:`PolicyView` and a budget in
-tokens, return the logical ids to evict (int64, unique, all live, none protected).
+tokens, return the logical ids to evict (int64, unique, all live, none protected): ``[k]``,
+or ``[num_groups, k]`` (the same count in every group) when the policy selects per layer or
+per (layer, KV head) (its ``granularity``, ``vtoken/groups.py``).
 
 Callers outside ``policies/`` never test a policy's name; they read its traits:
 ``holds_budget_every_step`` (class), ``needs_budget`` and ``evicts_during_prefill``
@@ -24,6 +26,8 @@ from typing import ClassVar
 
 import numpy as np
 
+from vtoken.groups import GRANULARITIES, check_granularity
+
 
 @dataclass(frozen=True, slots=True)
 class ScoreNeeds:
@@ -35,17 +39,23 @@ class ScoreNeeds:
       last ``w`` queries of the step (same averaging).
     - ``per_head``: ``[num_layers, num_heads, n_live]`` mass summed over the window rows,
       per scored layer and query head.
+    - ``groups``: ``"layer"`` keeps the layer axis of ``step_scores`` and ``window_rows``
+      (``[L, n_live]``, ``[w, L, n_live]``: averaged over the layer's heads only),
+      ``"head"`` the layer and KV-head axes (``[L, Hkv, n_live]``, ``[w, L, Hkv, n_live]``:
+      averaged over the query heads that share the KV head). Every layer is scored then.
     """
 
     step_scores: bool = False
     query_window: int = 0
     per_head: bool = False
+    groups: str = "request"
 
     def merge(self, other: ScoreNeeds) -> ScoreNeeds:
         return ScoreNeeds(
             step_scores=self.step_scores or other.step_scores,
             query_window=max(self.query_window, other.query_window),
             per_head=self.per_head or other.per_head,
+            groups=max(self.groups, other.groups, key=GRANULARITIES.index),
         )
 
     @property
@@ -120,7 +130,7 @@ class PolicyView:
     back into the token table after ``select``.
     """
 
-    logical_ids: np.ndarray  # [n_live] int64; also the RoPE positions
+    logical_ids: np.ndarray  # [n_live] or group_shape + (n_live,) int64; the RoPE positions
     num_logical: int  # tokens in the sequence so far (live or not)
     prompt_len: int
     step: int  # steps that ran ``select`` for this request, this one included (1 at the
@@ -131,7 +141,12 @@ class PolicyView:
 
     @property
     def num_live(self) -> int:
-        return int(self.logical_ids.size)
+        return int(self.logical_ids.shape[-1])
+
+    @property
+    def group_shape(self) -> tuple[int, ...]:
+        """``()``, ``(L,)`` or ``(L, Hkv)``: one kept set per entry (``vtoken/groups.py``)."""
+        return tuple(self.logical_ids.shape[:-1])
 
     @property
     def prefill_done_now(self) -> bool:
@@ -156,6 +171,12 @@ class EvictionPolicy:
     logical ids (an engine may pin a longer prefix at a step: it says so on the view, the
     policy stays as built) and the most recent ``max(recent, recent_fraction * budget)``
     ones. Among the others the lowest scores are evicted; ties go to the older token.
+
+    ``granularity`` (one of the class's ``granularities``): ``"request"`` keeps one set;
+    ``"layer"``/``"head"`` one per layer / per (layer, KV head): the view's logical ids
+    and stats then have the group axes, ``score`` may return ``[n_live]``, ``[L, n_live]``
+    or ``[L, Hkv, n_live]`` (broadcast over the axes it lacks), and every group evicts the
+    same count (the fewest any group can: protected tokens are kept in every group).
 
     Traits (read by the engine and the serving layer instead of names):
 
@@ -184,15 +205,23 @@ class EvictionPolicy:
     holds_budget_every_step: ClassVar[bool] = True
     evicts: ClassVar[bool] = True
     observes_every_step: ClassVar[bool] = False
+    granularities: ClassVar[tuple[str, ...]] = ("request",)
 
     sinks: int = 0
     recent: int = 0
     recent_fraction: float = 0.0
+    granularity: str = "request"
 
     def __post_init__(self) -> None:
         if self.sinks < 0 or self.recent < 0 or not 0.0 <= self.recent_fraction <= 1.0:
             raise ValueError(
                 f"{self.name}: sinks and recent must be >= 0 and recent_fraction in [0, 1]"
+            )
+        check_granularity(self.granularity)
+        if self.granularity not in self.granularities:
+            raise ValueError(
+                f"{self.name} selects at granularity {', '.join(self.granularities)};"
+                f" got {self.granularity!r}"
             )
 
     @property
@@ -204,7 +233,7 @@ class EvictionPolicy:
         return self.holds_budget_every_step
 
     def score_needs(self) -> ScoreNeeds:
-        return self.needs
+        return replace(self.needs, groups=self.granularity) if self.needs.any else self.needs
 
     def needs_at_step(self, may_evict: bool) -> ScoreNeeds:
         """The statistics to compute at a step, given whether the policy may evict at its
@@ -221,7 +250,7 @@ class EvictionPolicy:
         return True
 
     def score(self, view: PolicyView) -> np.ndarray:
-        """``[n_live]`` float: higher = keep."""
+        """``[n_live]`` float (or per group, see the class docstring): higher = keep."""
         raise NotImplementedError
 
     def num_to_evict(self, view: PolicyView, budget: int) -> int:
@@ -250,10 +279,24 @@ class EvictionPolicy:
         num_evict = self.num_to_evict(view, budget) if self.gate(view) else 0
         if num_evict <= 0:
             return np.zeros(0, dtype=np.int64)
-        candidates = np.flatnonzero(~self.protected(view, budget))
-        scores = np.asarray(self.score(view), dtype=np.float64)[candidates]
-        order = np.lexsort((view.logical_ids[candidates], scores))[:num_evict]
-        return np.sort(view.logical_ids[candidates[order]])
+        ids = view.logical_ids.reshape(-1, view.num_live)  # [groups, n_live]
+        scores = _per_group(np.asarray(self.score(view), dtype=np.float64), view)
+        protected = _per_group(self.protected(view, budget), view)
+        num_evict = min(num_evict, int((~protected).sum(axis=1).min()))
+        # protected last, then lowest score first, ties to the older token
+        order = np.lexsort((ids, scores, protected), axis=-1)[:, :num_evict]
+        evicted = np.sort(np.take_along_axis(ids, order, axis=1), axis=1)
+        return evicted[0] if not view.group_shape else evicted
+
+
+def _per_group(values: np.ndarray, view: PolicyView) -> np.ndarray:
+    """``values`` (``[n_live]`` or leading group axes of the view, then ``n_live``) as
+    ``[num_groups, n_live]``."""
+    shape, n = view.group_shape, view.num_live
+    if values.ndim - 1 > len(shape) or values.shape[:-1] != shape[: values.ndim - 1]:
+        raise ValueError(f"scores of shape {values.shape} for groups {shape} of {n} tokens")
+    padded = values.reshape(*values.shape[:-1], *(1,) * (len(shape) + 1 - values.ndim), n)
+    return np.broadcast_to(padded, (*shape, n)).reshape(-1, n)
 
 
 @dataclass
@@ -273,6 +316,8 @@ class Gate(EvictionPolicy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.inner.granularity != "request":
+            raise ValueError(f"{self.name} wraps a policy that keeps one set per request")
         if self.inner.stat_names:
             raise ValueError(
                 f"{self.name} wraps a policy without per-token stats; "

@@ -8,7 +8,10 @@ vtoken mode, for a request with ``n_live`` live tokens::
     after    |x x x x|x x . .|              ceil(6 / 4) = 2 blocks kept, block 2 freed
 
 Holes are paired with sources in ascending order, so runs of consecutive holes receive
-runs of consecutive sources (contiguous copies for the kernels). ``vtoken`` and ``naive``
+runs of consecutive sources (contiguous copies for the kernels). A grouped table (one kept
+set per layer or per (layer, KV head), ``vtoken/groups.py``) plans the same per group:
+each group compacts its own survivors into slots ``[0, n_live)``, and a move names its
+group (``group_ids``). ``vtoken`` and ``naive``
 plan the same repack; they differ in what the manager holds besides (``vtoken/manager.py``).
 
 block mode (block-granular eviction, ``vtoken/block_eviction.py``) moves nothing: whole
@@ -40,7 +43,9 @@ class RepackPlan:
     """Moves and frees for one request. Slots are int64 arrays of equal length.
 
     ``src_local``/``dst_local`` index the request's own slots (the token table);
-    ``src_slots``/``dst_slots`` are the global slots the kernels copy.
+    ``src_slots``/``dst_slots`` are the global slots the kernels copy. ``group_ids``: the
+    group each move belongs to (grouped tables), ``None`` when every move copies a whole
+    slot (every layer and head).
     """
 
     src_local: np.ndarray
@@ -50,6 +55,7 @@ class RepackPlan:
     num_slots_after: int
     free_block_indices: np.ndarray  # into the table's block_ids
     free_block_ids: list[int]
+    group_ids: np.ndarray | None = None
 
     @property
     def num_moves(self) -> int:
@@ -66,9 +72,17 @@ class RepackPlan:
 def plan_repack(table: TokenTable) -> RepackPlan:
     """Plan the repack of ``table`` (pure: the table is not changed)."""
     num_live = table.num_live
-    live = table.live_mask
-    dst_local = np.flatnonzero(~live[:num_live])
-    src_local = np.flatnonzero(live[num_live:]) + num_live
+    group_ids = None
+    if table.num_groups == 1:
+        live = table.live_mask
+        dst_local = np.flatnonzero(~live[:num_live])
+        src_local = np.flatnonzero(live[num_live:]) + num_live
+    else:  # row-major: each group's holes and sources in ascending order, equal counts
+        live = table.group_live_masks()
+        group_ids, dst_local = np.nonzero(~live[:, :num_live])
+        src_groups, src_local = np.nonzero(live[:, num_live:])
+        assert np.array_equal(group_ids, src_groups), "groups hold unequal counts"
+        src_local = src_local + num_live
     assert src_local.size == dst_local.size
     num_blocks_kept = cdiv(num_live, table.block_size)
     free_indices = np.arange(num_blocks_kept, len(table.block_ids), dtype=np.int64)
@@ -80,6 +94,7 @@ def plan_repack(table: TokenTable) -> RepackPlan:
         num_slots_after=num_live,
         free_block_indices=free_indices,
         free_block_ids=[table.block_ids[int(i)] for i in free_indices],
+        group_ids=group_ids,
     )
 
 

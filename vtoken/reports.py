@@ -36,6 +36,9 @@ class KVUsage(BaseModel):
     has no budget or is at it); ``naive_blocks`` what Naive-Evict would hold on the same
     decisions (one block per logical block with a live token). ``reclaimable_blocks`` is
     ``allocated - floor``: what the engine can give back without preempting anything.
+    A request that keeps a set per layer or (layer, KV head) (``vtoken/groups.py``)
+    counts ``evicted_tokens`` per group (every group evicts as many) and a ``repack_moves``
+    per group moved (one layer's, or one head's, part of a slot).
 
     A hybrid model's sliding-window KV cache groups (kept by vLLM, never evicted from)
     hold ``window_blocks`` beside these: their held blocks are their floor, none

@@ -2,13 +2,16 @@
 
 The evicted tokens are really removed from the model's cache and the survivors are kept in
 the order of the token table's slots (the order a paged engine stores them in after a
-repack); positions stay logical. So the attention a policy sees, and therefore its
-decisions, are the ones a real engine running vToken would produce. Used by
-``vtoken bench fragmentation --engine sim`` and as the oracle for the vLLM plugin's tests.
+repack); positions stay logical. A policy that keeps a set per layer or per (layer, KV
+head) (``vtoken/groups.py``) has each layer's (and head's) cache cut to its own set. So the
+attention a policy sees, and therefore its decisions, are the ones a real engine running
+vToken would produce. Used by ``vtoken bench fragmentation --engine sim`` and as the
+oracle for the vLLM plugin's tests.
 
 A hybrid model (Gemma 3: ``config.layer_types`` with sliding-window layers) is driven as
 vToken drives it in vLLM: eviction and scores on the full-attention layers only; the
 sliding-window layers keep their window (transformers' sliding cache layers, logical).
+It keeps one set per request (as the vLLM plugin does for such models).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from vtoken.groups import ModelGeometry
 from vtoken.manager import VTokenManager
 from vtoken.policy import EvictionPolicy, ScoreNeeds, StepAttention
 from workers.config import ScoreLayers, VTokenConfig, score_layer_ids
@@ -50,8 +54,11 @@ class HFSimEngine:
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, attn_implementation="eager", dtype=torch.float32
         ).eval()
-        num_layers = self.model.config.num_hidden_layers
-        kinds = getattr(self.model.config, "layer_types", None) or ["full_attention"] * num_layers
+        config = self.model.config
+        num_layers = config.num_hidden_layers
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.geometry = ModelGeometry(num_layers, kv_heads)
+        kinds = getattr(config, "layer_types", None) or ["full_attention"] * num_layers
         full = [i for i, kind in enumerate(kinds) if kind != "sliding_attention"]
         self.hybrid = len(full) < num_layers
         default = VTokenConfig.model_fields["score_layers"].default
@@ -70,7 +77,9 @@ class HFSimEngine:
         chunk_size: int | None = None,
     ) -> SimResult:
         """Greedy decoding; the first manager's slot order drives the cache, every manager
-        gets the same allocations and evictions (paired comparisons on identical decisions).
+        gets the same allocations and evictions (paired comparisons on identical decisions;
+        a policy that keeps a set per layer or head has no paired managers, and a first
+        manager without geometry gets the model's).
         A block-mode manager takes whole blocks only: it decides (the first manager), or
         follows one of its own block size that does.
 
@@ -136,6 +145,15 @@ class _Session:
         self.engine, self.policy, self.budget = engine, policy, budget
         self.primary, *self.shadows = managers
         self.request_id = request_id
+        if policy is not None and policy.granularity != "request":
+            if self.shadows:
+                raise ValueError("paired managers follow one kept set per request")
+            if engine.hybrid:
+                raise ValueError("a model with sliding-window layers keeps one set per request")
+            if len(engine.score_layers) != engine.geometry.num_layers:
+                raise ValueError("a set per layer or head needs every layer scored")
+            if self.primary.geometry is None:
+                self.primary.geometry = engine.geometry
         self.primary.add_request(request_id, prompt_len, policy=policy)
         for shadow in self.shadows:
             shadow.add_request(request_id, prompt_len)
@@ -143,7 +161,7 @@ class _Session:
         self.evicts_during_prefill = policy is not None and policy.evicts_during_prefill
         # With the config, a hybrid model's sliding layers get window caches (transformers').
         self.cache = DynamicCache(config=engine.model.config if engine.hybrid else None)
-        self.cache_ids = np.zeros(0, dtype=np.int64)  # logical ids in the cache's order
+        self.cache_ids = np.zeros((1, 0), dtype=np.int64)  # [groups, n]: the cache's order
         self.last_evicted = np.zeros(0, dtype=np.int64)
 
     def step(self, input_ids: list[int], evict: bool = True) -> torch.Tensor:
@@ -166,7 +184,7 @@ class _Session:
             output_attentions=self.needs.any,
         )
         new_ids = np.arange(start, start + len(input_ids))
-        self.cache_ids = np.concatenate([self.cache_ids, new_ids])
+        self.cache_ids = np.hstack([self.cache_ids, np.tile(new_ids, (len(self.cache_ids), 1))])
         attention = self._attention(output.attentions or ())
         if not evict:
             self.primary.observe(self.request_id, attention)
@@ -177,7 +195,8 @@ class _Session:
         for shadow in self.shadows:
             shadow.evict_ids(self.request_id, evicted)
             shadow.reclaim([self.request_id])
-        self.cache_ids = _reorder(self.cache, self.cache_ids, table.live_logical_ids())
+        target = table.group_logical_ids()
+        self.cache_ids = _reorder(self.cache, self.cache_ids, target, self.engine.geometry)
         self.last_evicted = evicted
         return output.logits[0]
 
@@ -187,19 +206,37 @@ class _Session:
         if not self.needs.any:
             return StepAttention()
         layers = self.engine.score_layers
-        return reduce_attention((attentions[i][0] for i in layers), self.needs)
+        kv_heads = self.engine.geometry.num_kv_heads
+        return reduce_attention((attentions[i][0] for i in layers), self.needs, kv_heads)
 
 
-def _reorder(cache: object, cache_ids: np.ndarray, target_ids: np.ndarray) -> np.ndarray:
-    """Make the model cache hold exactly ``target_ids``, in that order."""
-    if np.array_equal(cache_ids, target_ids):
+def _reorder(
+    cache: object, cache_ids: np.ndarray, target_ids: np.ndarray, geometry: ModelGeometry
+) -> np.ndarray:
+    """Make the model cache hold exactly ``target_ids`` (``[groups, n]``: one row, or one
+    per layer or per (layer, KV head)), in that order; ``cache_ids`` is what it holds."""
+    if cache_ids.shape == target_ids.shape and np.array_equal(cache_ids, target_ids):
         return cache_ids
-    position = np.empty(int(cache_ids.max()) + 1, dtype=np.int64)
-    position[cache_ids] = np.arange(cache_ids.size)
-    index = torch.from_numpy(position[target_ids])
-    for layer in cache.layers:  # type: ignore[attr-defined]
-        if getattr(layer, "is_sliding", False):
-            continue  # a sliding-window layer keeps its window (hybrid models)
-        layer.keys = layer.keys.index_select(2, index)
-        layer.values = layer.values.index_select(2, index)
+    if len(cache_ids) != len(target_ids):  # the first step of a grouped table
+        cache_ids = np.broadcast_to(cache_ids, (len(target_ids), cache_ids.shape[1]))
+    rows = np.arange(len(cache_ids))[:, None]
+    position = np.empty((len(cache_ids), int(cache_ids.max()) + 1), dtype=np.int64)
+    position[rows, cache_ids] = np.arange(cache_ids.shape[1])
+    index = position[rows, target_ids]
+    layers = cache.layers  # type: ignore[attr-defined]
+    if len(index) == 1:
+        flat = torch.from_numpy(index[0])
+        for layer in layers:
+            if getattr(layer, "is_sliding", False):
+                continue  # a sliding-window layer keeps its window (hybrid models)
+            layer.keys = layer.keys.index_select(2, flat)
+            layer.values = layer.values.index_select(2, flat)
+        return target_ids.copy()
+    per_layer = index.reshape(geometry.num_layers, -1, index.shape[1])  # [L, 1 or Hkv, n]
+    for layer, rows_of_layer in zip(layers, per_layer, strict=True):
+        shape = layer.keys.shape  # [1, Hkv, n_cache, head_dim]
+        gather = torch.from_numpy(np.ascontiguousarray(rows_of_layer))[None, :, :, None]
+        gather = gather.expand(1, shape[1], index.shape[1], shape[3])
+        layer.keys = layer.keys.gather(2, gather)
+        layer.values = layer.values.gather(2, gather)
     return target_ids.copy()

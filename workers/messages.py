@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from vtoken.groups import GroupedMoves
 from vtoken.policy import ScoreNeeds, StepAttention
 
 OPS_ATTRIBUTE = "vtoken_ops"
@@ -27,6 +28,8 @@ class StepOps:
        layer. These are the moves of repacks the scheduler committed after the previous
        step; the blocks they empty may already be allocated to requests of this step,
        whose forward writes them only after the copies (same stream / synchronous CPU).
+       ``grouped``: the moves of requests whose policy keeps a set per layer or per
+       (layer, KV head): K and V of one layer's head each (``vtoken/groups.py``).
     2. ``num_blocks``: truncate these requests' block lists to this length (tail blocks the
        repack emptied), before this step's ``new_block_ids`` are appended. ``block_rows``
        (block mode: blocks dropped from the middle, nothing copied): replace these
@@ -42,9 +45,11 @@ class StepOps:
     block_rows: dict[str, np.ndarray] = field(default_factory=dict)
     num_evicted: dict[str, int] = field(default_factory=dict)
     score_needs: dict[str, ScoreNeeds] = field(default_factory=dict)
+    grouped: GroupedMoves = field(default_factory=GroupedMoves.empty)
 
     @property
     def num_moves(self) -> int:
+        """Whole-slot moves (every layer and head); ``grouped`` counts its own."""
         return int(self.src_slots.size)
 
 

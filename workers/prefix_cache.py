@@ -209,16 +209,32 @@ class PrefixCacheRule:
             dropped += old_ids
         self.pool.free(dropped)  # a reference each: the other holders keep the blocks
 
-    def copy_moves(self, record: ScheduledRequest, plan: RepackPlan) -> tuple[Any, Any]:
+    def copy_moves(
+        self, record: ScheduledRequest, plan: RepackPlan
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """The repack's moves with the copies of :meth:`copy_shared` folded in (global
         slots, after the reclaim committed ``plan``): every live slot of a copied block
         comes from the shared block (where a move fills it, from the move's source, read
         from the shared block if it lay in one). No destination is also a source: the
         destinations are the request's holes and its new blocks, the sources its live
-        slots and the shared blocks."""
-        src, dst = plan.src_slots, plan.dst_slots
+        slots and the shared blocks. Returns ``(src, dst, group_ids)``: a grouped plan's
+        copies are folded per group (each group's own moves), ``group_ids`` then names
+        each move's group (else ``None``)."""
         if not record.copied:
-            return src, dst
+            return plan.src_slots, plan.dst_slots, plan.group_ids
+        if plan.group_ids is None:
+            return (*self._fold(record, plan, np.ones(plan.num_moves, dtype=bool)), None)
+        parts = []
+        for group in range(record.kv.table.num_groups):
+            src, dst = self._fold(record, plan, plan.group_ids == group)
+            parts.append((src, dst, np.full(src.size, group, dtype=np.int64)))
+        src, dst, groups = (np.concatenate(arrays) for arrays in zip(*parts, strict=True))
+        return src, dst, groups
+
+    def _fold(
+        self, record: ScheduledRequest, plan: RepackPlan, pick: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`copy_moves` for the plan's moves ``pick`` (one group's, or all)."""
         size, table = self.block_size, record.kv.table
         old = {index: block * size for index, block in record.copied.items()}
 
@@ -227,8 +243,8 @@ class PrefixCacheRule:
             base = np.array([old.get(int(i), -1) for i in index], dtype=np.int64)
             return np.where(base >= 0, base + local % size, slots)
 
-        src = from_shared(plan.src_local, src)
-        moved = set(plan.dst_local.tolist())
+        src = from_shared(plan.src_local[pick], plan.src_slots[pick])
+        moved = set(plan.dst_local[pick].tolist())
         stay = np.array(
             [
                 slot
@@ -239,7 +255,8 @@ class PrefixCacheRule:
             dtype=np.int64,
         )
         stay_src = from_shared(stay, table.global_slots(stay))
-        return np.concatenate([src, stay_src]), np.concatenate([dst, table.global_slots(stay)])
+        dst = np.concatenate([plan.dst_slots[pick], table.global_slots(stay)])
+        return np.concatenate([src, stay_src]), dst
 
     def pinned_hit(self, record: ScheduledRequest, under_pressure: bool) -> int:
         """Tokens of its cache hit the request keeps for life (``pin_cache_hits``): none
@@ -275,10 +292,7 @@ class PrefixCacheRule:
         kv = record.kv
         num_published = self.stm.num_cached_block.get(kv.request_id, 0) * self.block_size
         for name, length in (("published", num_published), ("protected", kv.num_pinned)):
-            n = min(length, kv.table.num_logical)
-            in_place = np.arange(n)
-            assert (kv.table.live_slots()[:n] == in_place).all(), f"{name} token moved"
-            assert (kv.table.live_logical_ids()[:n] == in_place).all(), f"{name} token lost"
+            assert kv.table.holds_in_place(length), f"{name} token moved or lost"
         if record.cacheable is not None:
             assert num_published <= record.cacheable, f"{kv.request_id}: published past"
         reach = num_published // self.block_size

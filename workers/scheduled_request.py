@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from vtoken.groups import GroupedMoves, ModelGeometry
 from vtoken.manager import RequestKV
 from vtoken.policy import ScoreNeeds
 from vtoken.reports import RequestReport
@@ -38,6 +39,7 @@ class ScheduledRequest:
     pressure_anchor: int | None = None  # live tokens when its tenant's pressure reached it
     pending_src: np.ndarray = field(default_factory=lambda: EMPTY_SLOTS)
     pending_dst: np.ndarray = field(default_factory=lambda: EMPTY_SLOTS)
+    pending_grouped: GroupedMoves = field(default_factory=GroupedMoves.empty)  # per group
     pending_num_blocks: int | None = None
     pending_block_row: np.ndarray | None = None  # block mode: its whole new block list
     evictions: list[np.ndarray] = field(default_factory=list)
@@ -47,6 +49,24 @@ class ScheduledRequest:
     def paid_blocks(self) -> int:
         """Blocks it holds (ballast included) less those another request pays for."""
         return self.kv.num_held_blocks - self.shared_elsewhere
+
+    def queue_moves(
+        self,
+        src: np.ndarray,
+        dst: np.ndarray,
+        group_ids: np.ndarray | None,
+        geometry: ModelGeometry | None,
+    ) -> None:
+        """Add a committed repack's KV moves to what the workers apply next step: whole
+        slots, or (``group_ids``: a set per layer or head) each group's on its own map."""
+        if group_ids is not None:
+            assert geometry is not None, "a grouped table in an engine without geometry"
+            shape = self.kv.table.group_shape
+            moves = GroupedMoves.of_groups(group_ids, src, dst, shape, geometry.num_kv_heads)
+            self.pending_grouped = GroupedMoves.concatenate([self.pending_grouped, moves])
+        elif src.size:
+            self.pending_src = np.concatenate([self.pending_src, src])
+            self.pending_dst = np.concatenate([self.pending_dst, dst])
 
     def check_invariants(self, vllm_block_ids: list[int], naive: bool) -> None:
         """Its table holds vLLM's block list (``vllm_block_ids``), repacked, with exactly
@@ -113,6 +133,7 @@ def take_ops(
         if needs.any:
             score_needs[request_id] = needs
     src, dst, num_blocks, block_rows = [EMPTY_SLOTS], [EMPTY_SLOTS], {}, {}
+    grouped: list[GroupedMoves] = []
     for request_id, record in records.items():
         if record.pending_block_row is not None:
             block_rows[request_id] = record.pending_block_row
@@ -120,8 +141,10 @@ def take_ops(
         if record.pending_num_blocks is not None:
             src.append(record.pending_src)
             dst.append(record.pending_dst)
+            grouped.append(record.pending_grouped)
             num_blocks[request_id] = record.pending_num_blocks
             record.pending_src = record.pending_dst = EMPTY_SLOTS
+            record.pending_grouped = GroupedMoves.empty()
             record.pending_num_blocks = None
     return StepOps(
         src_slots=np.concatenate(src),
@@ -130,6 +153,7 @@ def take_ops(
         block_rows=block_rows,
         num_evicted=num_evicted,
         score_needs=score_needs,
+        grouped=GroupedMoves.concatenate(grouped),
     )
 
 

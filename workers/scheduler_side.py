@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kernels.intmath import cdiv
+from vtoken.groups import ModelGeometry
 from vtoken.manager import VTokenManager
 from vtoken.policy import StepAttention
 from vtoken.repack_planner import ReclaimMode
@@ -94,15 +95,17 @@ class VTokenScheduler:
         block_pool: Any,
         single_type_manager: Any,
         max_step_tokens: int | None = None,
+        geometry: ModelGeometry | None = None,
         sliding: SlidingGroups | None = None,
     ) -> None:
+        """``geometry``: where the engine can keep a set per layer or (layer, KV head)."""
         self.config = config
         self.max_step_tokens = max_step_tokens  # vLLM's token budget of one step
         self.sliding = sliding
         self.pool = VLLMBlockPool(block_pool, sliding.held_blocks if sliding else None)
         self.block_size = int(single_type_manager.block_size)
         self.stm = single_type_manager
-        self.manager = VTokenManager(self.pool, self.block_size, config.mode)
+        self.manager = VTokenManager(self.pool, self.block_size, config.mode, geometry)
         self.prefix = PrefixCacheRule(config, self.manager, self.pool, single_type_manager)
         self.tenants = TenantPressure()
         self.budgets = RequestBudgets(
@@ -354,10 +357,8 @@ class VTokenScheduler:
         (plan,) = self.manager.reclaim([request_id])  # commits the table, frees blocks
         if not plan.touches_blocks and not record.copied:
             return  # at most dead tail tokens: the physical count dropped, nothing to ship
-        src, dst = self.prefix.copy_moves(record, plan)  # copied blocks' slots from shared
-        if src.size:
-            record.pending_src = np.concatenate([record.pending_src, src])
-            record.pending_dst = np.concatenate([record.pending_dst, dst])
+        src, dst, groups = self.prefix.copy_moves(record, plan)  # copied blocks from shared
+        record.queue_moves(src, dst, groups, self.manager.geometry)
         dropped = set(plan.free_block_indices.tolist())
         blocks = self.stm.req_to_blocks[request_id]
         blocks[:] = [block for index, block in enumerate(blocks) if index not in dropped]

@@ -39,6 +39,7 @@ import kernels
 from kernels import KVLayout
 from kernels.async_repack import SideStreamRepacker
 from kernels.attention_scores import summed_attention_mass
+from kernels.grouped_repack import grouped_repack
 from kernels.layout import distinct_layer_caches
 from kernels.repack_cpu import load_library
 from kernels.row_probabilities import MAX_SLICE_BYTES, probability_slices
@@ -142,10 +143,32 @@ class VTokenWorker:
                 self.repack_s += time.perf_counter() - started
             self.num_moves += ops.num_moves
             self.repack_bytes += ops.num_moves * self.slot_bytes(kv_caches)
+        if ops.grouped.num_moves:
+            self._grouped_repack(ops, kv_caches)
         self.num_evicted = dict(ops.num_evicted)
         self.score_needs = dict(ops.score_needs)
         self.capture.recorded.clear()
         self._pending, self._launched = None, False
+
+    def _grouped_repack(self, ops: StepOps, kv_caches: Sequence[torch.Tensor]) -> None:
+        """The moves of requests that keep a set per layer or (layer, KV head): K and V of
+        one head of one layer each (``kernels/grouped_repack.py``; CPU only, and every
+        layer its own cache: engines that cannot run it refuse such policies at start)."""
+        if kv_caches[0].device.type != "cpu" or len(distinct_layer_caches(kv_caches)) != len(
+            kv_caches
+        ):
+            raise RuntimeError("vToken: per-layer or per-head repacks run on CPU caches only")
+        moves = ops.grouped
+        started = time.perf_counter()
+        layers, heads, src, dst = (
+            torch.from_numpy(a)
+            for a in (moves.layers, moves.heads, moves.src_slots, moves.dst_slots)
+        )
+        grouped_repack(kv_caches, layers, heads, src, dst, self.layout)
+        self.repack_s += time.perf_counter() - started
+        self.num_moves += moves.num_moves
+        num_parts = self.layout.num_kv_heads(kv_caches[0]) * len(kv_caches)  # of one slot
+        self.repack_bytes += moves.num_moves * self.slot_bytes(kv_caches) // num_parts
 
     def slot_bytes(self, kv_caches: Sequence[torch.Tensor]) -> int:
         """Bytes one move copies: a slot's K and V in every distinct layer cache."""
@@ -260,7 +283,7 @@ class VTokenWorker:
         materialising every scored layer's probabilities one request at a time.
         """
         needs = self.score_needs[request.request_id]
-        if needs.per_head:
+        if needs.per_head or needs.groups != "request":  # the batched mass sums every layer
             return None
         if not needs.query_window or request.query_len == 1:
             return request
@@ -305,7 +328,8 @@ class VTokenWorker:
         rows = slice(request.query_start, request.query_start + request.query_len)
         device = layers[0].kv_cache.device
         block_table = to_device(request.block_ids.astype(np.int64), device)
-        sums = AttentionSums(self.score_needs[request.request_id], request.query_len)
+        kv_heads = self.layout.num_kv_heads(layers[0].kv_cache)
+        sums = AttentionSums(self.score_needs[request.request_id], request.query_len, kv_heads)
         for layer in layers:
             sums.add_layer(
                 probability_slices(

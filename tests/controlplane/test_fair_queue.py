@@ -400,3 +400,35 @@ async def test_a_served_tenant_its_prompt_rate_will_hold_leaves_the_contention(
     assert await ask(admission, other, "o-x") == "admitted"
     await release(admission, other, "o-x")
     assert await queue.leave("a-rated", "a-1")
+
+
+async def test_a_tenant_within_its_weighted_share_does_not_wait_for_a_full_cluster(
+    redis: aioredis.Redis, keys: KeySpace, store: RedisStore
+) -> None:
+    """A flood holds the whole cluster (four requests) and queues more; a light tenant of
+    the same weight is present with it, so its share is half the cluster: its first two
+    requests are admitted at once, over the capacity, its third waits. The flood, above
+    its share, is admitted again only once the total is back under the capacity, in
+    turn; a tenant alone (nobody else present) is held to the capacity as before."""
+    admission, queue = await make(redis, keys, requests_fit=4)
+    unit = one_request_blocks(admission)
+    flood, light = quota("flood", 10_000), quota("light", 10_000)
+    for tenant in (flood, light):
+        await store.put_quota(tenant)
+    for index in range(4):
+        assert (await admission.admit(flood, f"f-run-{index}", PROMPT, MAX_TOKENS)).admitted
+    alone = await admission.admit(flood, "f-more", PROMPT, MAX_TOKENS)
+    assert alone.reason == "cluster_full"  # alone, its share is the whole cluster: full
+    await queue.enqueue(flood, "f-0")
+    assert await ask(admission, flood, "f-0") == "cluster_full"
+    for index in range(2):  # light's share: half of four requests
+        assert (await admission.admit(light, f"l-{index}", PROMPT, MAX_TOKENS)).admitted
+    over = await admission.admit(light, "l-2", PROMPT, MAX_TOKENS)
+    assert over.reason == "cluster_full"
+    assert await admission.reserved_blocks("light") == 2 * unit
+    assert int(await redis.get(keys.cluster_reservation_total) or 0) == 6 * unit
+    for index in range(3):  # total 6 -> 3 requests: the flood's ticket now fits
+        await release(admission, flood, f"f-run-{index}")
+        expected = "admitted" if index == 2 else "cluster_full"
+        assert await ask(admission, flood, "f-0") == expected, index
+    await queue.check_invariants()

@@ -61,7 +61,6 @@ def test_a_field_neither_api_serves_here_is_refused_by_name(field):
         ("structured_outputs", {"regex": "a+"}, "guided decoding"),
         ("vllm_xargs", {"vtoken_policy": "none"}, "tenant's policy"),
         ("prompt_logprobs", 1, "prompt token"),
-        ("priority", 5, "first come"),
         ("add_special_tokens", False, "tokenizes"),
         ("truncate_prompt_tokens", 8, "never truncated"),
         ("kv_transfer_params", {"do_remote_decode": True}, "disaggregated"),
@@ -81,7 +80,6 @@ def test_a_refused_field_at_the_value_that_asks_for_nothing_is_dropped():
         "length_penalty": 1.0,
         "best_of": 1,
         "echo": False,
-        "priority": 0,
         "add_special_tokens": True,
         "response_format": {"type": "text"},
         "prompt_logprobs": None,
@@ -283,3 +281,19 @@ def test_a_generate_request_carries_a_valid_prefix_group_or_none():
     assert GenerateRequest.model_validate(grouped.model_dump()).prefix_group == "bots"
     with pytest.raises(ValidationError, match="prefix_group"):
         GenerateRequest.model_validate({**fields, "prefix_group": "a b"})
+
+
+@pytest.mark.parametrize("value", [-3, 0, 7])
+def test_priority_is_vllms_integer_and_reaches_the_generate_request(value):
+    body = CompletionRequest.model_validate({**BASE, "priority": value})
+    assert body.priority == value
+    request = GenerateRequest(**GENERATE, priority=body.priority)
+    assert GenerateRequest.model_validate(request.model_dump()).priority == value
+    assert CompletionRequest.model_validate(BASE).priority == 0
+
+
+@pytest.mark.parametrize("value", [1.5, "1", True, 2**31, -(2**31)])
+def test_a_priority_that_is_not_a_bounded_integer_is_refused_by_name(value):
+    with pytest.raises(ValidationError) as raised:
+        CompletionRequest.model_validate({**BASE, "priority": value})
+    assert raised.value.errors()[0]["loc"] == ("priority",)

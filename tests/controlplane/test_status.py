@@ -120,3 +120,29 @@ async def test_status_is_parsed_and_assembled_off_the_event_loop(
     status = await cluster_status(store, now_s=clock.now())
     assert threads and threads[0] != threading.main_thread().name
     assert [r["id"] for r in status["replicas"]] == ["r1"]
+
+
+async def test_status_shows_each_tenants_virtual_counters_and_its_lead(
+    store: RedisStore, clock: FakeClock
+) -> None:
+    """The engines' fair order per tenant: its counter on each replica that reports one,
+    and how far it is ahead of the least-served tenant where it is furthest ahead."""
+    for tenant_id in ("flood", "light", "elsewhere"):
+        await store.put_quota(quota(tenant_id, budget=40))
+    on_r1 = report("r1", clock.now(), {"flood": 5, "light": 1})
+    on_r2 = report("r2", clock.now(), {"flood": 3})
+    off = report("r3", clock.now(), {"elsewhere": 2})  # fairness off: no counters
+    counters = {"r1": {"flood": 1500.0, "light": 300.25}, "r2": {"flood": 800.0}}
+    for replica in (on_r1, on_r2, off):
+        replica = replica.model_copy(
+            update={"tenant_counters": counters.get(replica.replica_id, {})}
+        )
+        await store.publish_reports([replica], ttl_s=60)
+    status = await cluster_status(store, now_s=clock.now())
+    tenants = {t["id"]: t for t in status["tenants"]}
+    assert tenants["flood"]["virtual_counters"] == {"r1": 1500.0, "r2": 800.0}
+    assert tenants["flood"]["virtual_lead"] == 1199.8  # ahead of light on r1
+    assert tenants["light"]["virtual_counters"] == {"r1": 300.2}
+    assert tenants["light"]["virtual_lead"] == 0.0
+    assert tenants["elsewhere"]["virtual_counters"] == {}
+    assert tenants["elsewhere"]["virtual_lead"] is None

@@ -10,7 +10,7 @@ import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from fastapi import FastAPI
@@ -143,6 +143,7 @@ async def running_ingress(
     tokenizer: Any,
     limits: InputLimits | None = None,
     admission: AdmissionConfig | None = None,
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs",
 ) -> AsyncIterator[Ingress]:
     """An ingress on a fresh key space; at exit asserts that every answered or refused
     request gave its reservation back."""
@@ -156,6 +157,7 @@ async def running_ingress(
         admission=admission if admission is not None else AdmissionConfig(block_size=BLOCK_SIZE),
         key_prefix=keys.prefix,
         limits=limits if limits is not None else InputLimits(),
+        scheduling_policy=scheduling_policy,
     )
     redis, clock, spans = connect(RedisConfig(url=redis_url)), FakeClock(), InMemorySpanExporter()
     provider = TracerProvider()

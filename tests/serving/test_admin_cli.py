@@ -79,6 +79,7 @@ def test_status_shows_each_tenants_budget_active_kv_reclaimable_and_pressure(
             {"id": "acme", "quota_blocks": 40, "kv_blocks": 50, "floor_blocks": 21,
              "reclaimable_blocks": 29, "shared_blocks": 12, "running_requests": 3,
              "over_budget": True, "queue_depth": 4, "queue_oldest_wait_s": 2.25,
+             "virtual_counters": {"replica-one": 980.0}, "virtual_lead": 412.4,
              "pressure": {"replica-one": 0.72}},
             {"id": "beta", "quota_blocks": 10, "kv_blocks": 4, "floor_blocks": 4,
              "reclaimable_blocks": 0, "running_requests": 1, "over_budget": False,
@@ -92,9 +93,9 @@ def test_status_shows_each_tenants_budget_active_kv_reclaimable_and_pressure(
              if line.count("│") > 2 and line.split("│")[1].strip() in ("acme", "beta")}  # fmt: skip
     cells = [cell.strip() for cell in lines["acme"].split("│")[1:-1]]
     assert cells == [
-        "acme", "40", "50 (over)", "21", "29", "12", "3", "4", "2.2 s", "replica- keep 0.72"
+        "acme", "40", "50 (over)", "21", "29", "12", "3", "4", "2.2 s", "412", "replica- keep 0.72"
     ]  # fmt: skip
-    assert [c.strip() for c in lines["beta"].split("│")[1:-1]][-1] == "-"
+    assert [c.strip() for c in lines["beta"].split("│")[1:-1]][-2:] == ["-", "-"]
 
 
 def test_set_turns_squeezing_to_floors_on(calls: list[tuple[str, str, Any]]) -> None:

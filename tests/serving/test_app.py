@@ -144,3 +144,13 @@ def test_the_clusters_capacity_reaches_admission_and_is_checked():
     assert settings.admission.block_size == engine.block_size
     with pytest.raises(ValueError, match="cluster_kv_blocks"):
         AppArgs(cluster_kv_blocks=0)
+
+
+def test_the_engines_scheduling_policy_reaches_the_ingress():
+    """The ingress refuses a priority the engines would not honour: it knows their policy."""
+    from serving.settings import ReplicaSettings
+
+    for policy in ("fcfs", "priority"):
+        engine = ReplicaSettings(scheduling_policy=policy)
+        settings = AppArgs().ingress_settings(engine, "t" * 40, "redis://x")
+        assert settings.scheduling_policy == policy

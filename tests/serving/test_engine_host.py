@@ -93,6 +93,24 @@ def test_the_replica_builds_its_engine_with_its_prefix_caching_setting(
     assert args.enable_prefix_caching is enabled
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_the_replica_builds_its_engine_with_its_scheduling_policy(tmp_path, monkeypatch, policy):
+    """``ReplicaSettings.scheduling_policy`` (``fcfs`` by default) reaches vLLM's engine
+    arguments; anything else is refused by the settings; no engine is built."""
+    from pydantic import ValidationError
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    assert ReplicaSettings().scheduling_policy == "fcfs"
+    with pytest.raises(ValidationError, match="scheduling_policy"):
+        ReplicaSettings(scheduling_policy="wfq")
+    (tmp_path / "config.json").write_text("{}")
+    built = []
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", lambda args: built.append(args))
+    EngineHost(ReplicaSettings(model=str(tmp_path), scheduling_policy=policy), "r1", SystemClock())
+    (args,) = built
+    assert args.scheduling_policy == policy
+
+
 @pytest.mark.slow
 def test_a_caller_that_goes_away_aborts_the_engine_request_and_frees_its_kv(tmp_path, smollm2_path):
     """What Serve does when the ingress cancels (the client disconnected): the replica's

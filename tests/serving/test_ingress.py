@@ -420,3 +420,28 @@ async def test_the_openapi_document_is_served_only_as_configured(
     assert (pages, as_tenant.status_code, as_admin.status_code) == (anonymous, tenant, operator)
     if operator == 200:
         assert "/admin/tenants/{tenant_id}" in as_admin.json()["paths"]
+
+
+async def test_priority_reaches_the_engine_under_the_priority_policy_and_is_a_400_otherwise(
+    ingress: Ingress, redis_server: Any, tokenizer: Any
+) -> None:
+    from tests.serving.ingress_harness import running_ingress
+
+    api_key = await ingress.add_tenant("acme", kv_budget_blocks=8)
+    refused = await ingress.complete(api_key, priority=-1)
+    assert refused.status_code == 400
+    message = refused.json()["error"]["message"]
+    assert "priority: -1 is not served" in message and "fcfs" in message
+    assert ingress.replicas.requests == []  # refused before any engine saw it
+    assert (await ingress.complete(api_key, priority=0)).status_code == 200
+    assert ingress.replicas.requests[-1]["priority"] == 0
+    bad = await ingress.complete(api_key, priority="high")
+    assert bad.status_code == 400 and "priority" in bad.json()["error"]["message"]
+    async with running_ingress(
+        redis_server.url, tokenizer, scheduling_policy="priority"
+    ) as by_priority:
+        key = await by_priority.add_tenant("acme", kv_budget_blocks=8)
+        for value in (-1, 3):
+            response = await by_priority.complete(key, priority=value)
+            assert response.status_code == 200, response.text
+            assert by_priority.replicas.requests[-1]["priority"] == value

@@ -88,11 +88,15 @@ async def test_over_budget_waits_in_the_queue_and_is_served_when_room_frees(
     metrics = (await queued.client.get("/metrics", headers=admin())).text
     assert 'vtoken_ingress_queue_depth{tenant="acme"} 1.0' in metrics
     queued.replicas.gate.set()
-    assert (await first).status_code == 200
-    assert (await second).status_code == 200
+    unqueued, waited = await first, await second
+    assert unqueued.status_code == 200 and waited.status_code == 200
     [span] = queue_spans(queued)
     assert span[telemetry.ATTR_QUEUE_OUTCOME] == "admitted"
     assert span[telemetry.ATTR_QUEUE_DEPTH] == 1 and span[telemetry.ATTR_QUEUE_WAIT_S] > 0
+    # The answer says how long it waited; one that never queued says nothing.
+    assert "x-vtoken-queue-wait" not in unqueued.headers
+    wait_s = float(waited.headers["x-vtoken-queue-wait"])
+    assert wait_s == pytest.approx(span[telemetry.ATTR_QUEUE_WAIT_S], abs=1e-3)
     assert (
         'vtoken_ingress_queue_wait_seconds_count{tenant="acme"} 1.0'
         in (await queued.client.get("/metrics", headers=admin())).text
@@ -247,3 +251,27 @@ async def _is(value: Any, expected: Any) -> bool:
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_a_ticket_whose_lease_lapsed_while_its_ingress_waits_joins_again(
+    queued: Ingress,
+) -> None:
+    """A poll a whole lease late (a starved event loop) finds its ticket gone: the request
+    takes a new one at the back of its queue and is served, not answered 429."""
+    api_key = await queued.add_tenant("acme", kv_budget_blocks=2)  # one request at a time
+    queued.replicas.gate.clear()
+    first = asyncio.create_task(queued.complete(api_key))
+    await queued.replicas.arrived.wait()
+    second = asyncio.create_task(queued.complete(api_key))
+    await until(lambda: _is(depth(queued, "acme"), 1))
+    keys = queued.keys
+    [ticket] = await queued.state.store.redis.zrange(keys.queue_tickets("acme"), 0, -1)
+    # What a lapsed lease leaves once the next script purges it: the ticket is gone.
+    await queued.state.store.redis.zrem(keys.queue_tickets("acme"), ticket)
+    await queued.state.store.redis.zrem(keys.queue_leases("acme"), ticket)
+    await until(lambda: _is(depth(queued, "acme"), 1))  # it took a new ticket
+    queued.replicas.gate.set()
+    assert (await first).status_code == 200
+    answer = await second
+    assert answer.status_code == 200, answer.text
+    assert float(answer.headers["x-vtoken-queue-wait"]) > 0

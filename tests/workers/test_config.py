@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from controlplane.admission import kv_bounds
 from kernels.intmath import cdiv
 from policies import CAP_POLICY, REGISTRY
 from vtoken.block_eviction import select_blocks
+from vtoken.groups import ModelGeometry
 from vtoken.policy import PolicyView, ScoreNeeds, StepAttention
 from vtoken.repack_planner import ReclaimMode
 from workers.config import (
@@ -25,7 +27,11 @@ from workers.config import (
 )
 from workers.messages import StepOps, StepScores
 from workers.vllm_patches import UnsupportedVLLMError, check_version
-from workers.vllm_patches.support import version_guard
+from workers.vllm_patches.support import (
+    UnsupportedEngineError,
+    grouping_geometry,
+    version_guard,
+)
 
 
 def test_absent_section_means_inert():
@@ -58,6 +64,8 @@ def test_valid_section():
         ({"policy": "none", "score_layers": "4"}, "score_layers must be 'all', a count"),
         ({"policy": "none", "score_layers": ["1"]}, "score_layers"),
         ({"policy": "none", "unknown_field": 1}, "unknown_field"),
+        ({"policy": "tova", "keep_ratio": 0.5, "policy_args": {"granularity": "x"}}, "granul"),
+        ({"policy": "random", "keep_ratio": 0.5, "policy_args": {"granularity": "head"}}, "at gr"),
         ("h2o", "must be a dict"),
     ],
 )
@@ -368,3 +376,31 @@ def test_messages_ride_vllms_pickled_step_objects():
     setattr(runner_output, SCORES_ATTRIBUTE, scores)
     back = pickle.loads(pickle.dumps(runner_output, protocol=pickle.HIGHEST_PROTOCOL))
     assert getattr(back, SCORES_ATTRIBUTE).attention["a"].step_scores.shape == (4,)
+
+
+def _vllm_config(device: str = "cpu", tensor_parallel: int = 1) -> SimpleNamespace:
+    """The fields ``grouping_geometry`` reads of a vLLM config (30 layers, 3 KV heads)."""
+    model = SimpleNamespace(get_num_layers=lambda _: 30, get_num_kv_heads=lambda _: 3)
+    return SimpleNamespace(
+        model_config=model,
+        parallel_config=SimpleNamespace(tensor_parallel_size=tensor_parallel),
+        device_config=SimpleNamespace(device_type=device),
+    )
+
+
+def test_granularity_is_a_policy_arg_and_refused_where_grouped_repacks_cannot_run():
+    head = {"policy": "snapkv", "keep_ratio": 0.5, "policy_args": {"granularity": "head"}}
+    config = parse_config({"vtoken": head})
+    assert config.make_policy().granularity == "head"
+    assert grouping_geometry(_vllm_config(), config) == ModelGeometry(30, 3)
+    for vllm_config, settings, message in [
+        (_vllm_config("cuda"), {}, "CUDA engine"),
+        (_vllm_config(tensor_parallel=2), {}, "tensor parallelism"),
+        (_vllm_config(), {"score_layers": 4}, "score_layers"),
+        (_vllm_config(), {"mode": "block"}, "block mode"),
+    ]:
+        refused = parse_config({"vtoken": {**head, **settings}})
+        with pytest.raises(UnsupportedEngineError, match=message):
+            grouping_geometry(vllm_config, refused)
+        one_set = parse_config({"vtoken": {**head, "policy_args": {}, **settings}})
+        assert grouping_geometry(vllm_config, one_set) is None  # one set: runs as before

@@ -94,3 +94,10 @@ def test_streaming_llm_and_h2o_several_requests_sharing_a_prefix(smollm2_path, t
 @pytest.mark.parametrize("vtoken", [STREAMING, H2O], ids=["streaming_llm", "h2o"])
 def test_two_choices_evict_independently(smollm2_path, text, vtoken):
     _assert_caching_changes_nothing(smollm2_path, vtoken, [text[:300]], n=2)
+
+
+def test_per_head_selection_copies_a_shared_block_for_every_group(smollm2_path, text):
+    """TOVA with a set per (layer, KV head): each group evicts its own tokens from the
+    shared blocks, so the copy folds every group's moves (``PrefixCacheRule.copy_moves``)."""
+    tova_head = {"policy": "tova", "keep_ratio": 0.5, "policy_args": {"granularity": "head"}}
+    _assert_caching_changes_nothing(smollm2_path, tova_head, [text[:300], text[:411]])

@@ -34,16 +34,19 @@ def _params(max_tokens: int, tenant: str, weight: float = 1.0):
     return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, extra_args=extra)
 
 
-def _run(llm, tenants: list[str], lengths: list[int], max_tokens: int, weights=None):
+def _run(
+    llm, tenants: list[str], lengths: list[int], max_tokens: int, weights=None, priorities=None
+):
     """Add every request at once, in order, then run the engine until all finished."""
     from vllm.inputs import TokensPrompt
 
-    weights = weights or {}
+    weights, priorities = weights or {}, priorities or {}
     engine = llm.llm_engine
     for index, ids in enumerate(token_prompts(lengths, seed=11)):
         tenant = tenants[index]
         params = _params(max_tokens, tenant, weights.get(tenant, 1.0))
-        engine.add_request(str(index), TokensPrompt(prompt_token_ids=ids), params)
+        prompt = TokensPrompt(prompt_token_ids=ids)
+        engine.add_request(str(index), prompt, params, priority=priorities.get(tenant, 0))
     finished = {}
     while engine.has_unfinished_requests():
         for output in engine.step():
@@ -134,6 +137,36 @@ def _preempted(monkeypatch) -> list[str]:
 
     monkeypatch.setattr(VTokenScheduler, "free", recording)
     return victims
+
+
+@pytest.mark.parametrize("fair", [True, False], ids=["fair", "vllm"])
+def test_under_the_priority_policy_priority_comes_first_then_weights(
+    tiny_llama_path, monkeypatch, fair
+):
+    """a's and c's four requests each at priority 0, then b's two at -1 (vLLM: lower
+    first): b's start first either way; after them fair order alternates a and c, where
+    vLLM alone serves a's before c's (first come, first served within a priority)."""
+    order = _first_scheduled(monkeypatch)
+    config = {"policy": "none", "fair_share": fair, "check_invariants": True}
+    llm = make_llm(
+        tiny_llama_path,
+        config,
+        block_size=BLOCK_SIZE,
+        num_blocks=64,
+        max_model_len=256,
+        max_num_seqs=2,
+        skip_tokenizer_init=True,
+        scheduling_policy="priority",
+    )
+    tenants = ["a"] * 4 + ["c"] * 4 + ["b"] * 2
+    finished = _run(llm, tenants, [40] * 10, max_tokens=6, priorities={"b": -1})
+    assert len(finished) == 10 and all(len(t) == 6 for t in finished.values())
+    assert sorted(order[:2]) == ["8", "9"]  # the high priority first
+    if fair:
+        next_four = {tenants[int(i)] for i in order[2:6]}
+        assert next_four == {"a", "c"}  # a's backlog does not hold c back
+    else:
+        assert order[2:] == [str(i) for i in range(8)]
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])

@@ -110,3 +110,38 @@ def test_a_layer_holds_one_slice_at_a_time(monkeypatch) -> None:
     )
     assert len(computed) == 6
     assert alive_when_computing == [0] * 6
+
+
+def grouped_reference(layers: list[torch.Tensor], needs: ScoreNeeds, kv_heads: int) -> dict:
+    """Per layer (``groups`` "layer") or per (layer, KV head): the query heads that share
+    a KV head averaged, no mean over layers."""
+    stacked = torch.stack(layers)  # [layers, q_heads, q_len, n_live]
+    num_layers, num_heads, q_len, n = stacked.shape
+    if needs.groups == "head":
+        mean = stacked.view(num_layers, kv_heads, num_heads // kv_heads, q_len, n).mean(2)
+        mean = mean.permute(2, 0, 1, 3)  # [q_len, layers, kv_heads, n]
+    else:
+        mean = stacked.mean(1).permute(1, 0, 2)  # [q_len, layers, n]
+    window = min(max(needs.query_window, 1), q_len)
+    return {
+        "step_scores": mean.sum(0) if needs.step_scores else None,
+        "window_rows": mean[-window:] if needs.query_window else None,
+        "head_scores": stacked[:, :, -window:].sum(2) if needs.per_head else None,
+    }
+
+
+@pytest.mark.parametrize("groups", ["layer", "head"])
+@pytest.mark.parametrize("needs", NEEDS)
+@pytest.mark.parametrize("rows", [2, 11])
+def test_grouped_statistics_keep_the_layer_and_kv_head_axes(
+    groups: str, needs: ScoreNeeds, rows: int
+) -> None:
+    needs = ScoreNeeds(needs.step_scores, needs.query_window, needs.per_head, groups)
+    layers = _layers(num_heads=6)  # 6 query heads over 2 KV heads
+    sums = AttentionSums(needs, q_len=11, num_kv_heads=2)
+    for probabilities in layers:
+        starts = list(range(sums.first_row, 11, rows))[::-1]
+        sums.add_layer((start, probabilities[:, start : start + rows]) for start in starts)
+    _assert_equal(sums.reduced(), grouped_reference(layers, needs, kv_heads=2))
+    with pytest.raises(ValueError, match="KV head count"):
+        AttentionSums(ScoreNeeds(step_scores=True, groups="head"), q_len=3)

@@ -23,7 +23,7 @@ from workers.messages import OPS_ATTRIBUTE, SCORES_ATTRIBUTE
 from workers.scheduler_side import VTokenScheduler
 from workers.vllm_patches.kv_groups import group_layout
 from workers.vllm_patches.sliding_groups import SlidingGroups
-from workers.vllm_patches.support import check_engine
+from workers.vllm_patches.support import check_engine, grouping_geometry
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,12 @@ def scheduler_init(original: Callable[..., Any]) -> Callable[..., Any]:
                 f"({single_type_manager.block_size})"
             )
         manager.vtoken = VTokenScheduler(
-            config, manager.block_pool, single_type_manager, self.max_num_scheduled_tokens, sliding
+            config,
+            manager.block_pool,
+            single_type_manager,
+            self.max_num_scheduled_tokens,
+            grouping_geometry(vllm_config, config, hybrid=layout.hybrid),
+            sliding,
         )
         fair_hooks.install_queues(self, manager.vtoken)
         logger.info("vToken active: %s", config.model_dump_json())

@@ -16,7 +16,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from workers.config import CONFIG_KEY, parse_config
+from vtoken.groups import ModelGeometry
+from workers.config import CONFIG_KEY, VTokenConfig, parse_config
 from workers.vllm_patches.kv_groups import kv_group_problems
 
 logger = logging.getLogger(__name__)
@@ -279,3 +280,34 @@ def refuse_runner(original: Callable[..., Any]) -> Callable[..., Any]:
         original(self, vllm_config, *args, **kwargs)
 
     return __init__
+
+
+def grouping_geometry(
+    vllm_config: Any, config: VTokenConfig, hybrid: bool = False
+) -> ModelGeometry | None:
+    """The model's layers and KV heads when this engine can keep a set per layer or per
+    (layer, KV head) (``vtoken/groups.py``), else ``None``. Grouped repacks run on CPU
+    caches only, on one rank, with every layer scored, outside block mode and on models
+    without sliding-window layers (``hybrid``): an engine
+    policy that asks for them elsewhere raises ``UnsupportedEngineError`` naming why."""
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    num_layers = model.get_num_layers(parallel)
+    problems = []
+    if vllm_config.device_config.device_type != "cpu":
+        problems.append("a CUDA engine (grouped repacks have no Triton path: run on CPU)")
+    if parallel.tensor_parallel_size > 1:
+        problems.append("tensor parallelism (each rank holds part of the heads)")
+    if len(config.layer_ids(num_layers)) != num_layers:
+        problems.append("score_layers other than every layer")
+    if config.mode == "block":
+        problems.append("block mode (whole blocks of one set)")
+    if hybrid:
+        problems.append("a model with sliding-window layers (one set for its full layers)")
+    granularity = config.policy_args.get("granularity", "request")
+    if problems and granularity != "request":
+        raise UnsupportedEngineError(
+            f"policy {config.policy!r} with granularity {granularity!r} cannot run with "
+            + "; ".join(problems)
+            + ". Use granularity 'request', or change those settings"
+        )
+    return None if problems else ModelGeometry(num_layers, model.get_num_kv_heads(parallel))

@@ -1,0 +1,70 @@
+"""`vtoken bench fairness --smoke` on the real stack (Redis, Ray Serve, two SmolLM2 CPU
+engines): the JSON's shape, and figures computed from requests that were really served."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.fairness import EXTRA, MODES, SMOKE, TENANTS, plan, plot, run
+
+pytestmark = pytest.mark.slow
+ROW_FIELDS = {
+    "id", "weight", "service_per_window", "requests_ok", "requests_queued",
+    "requests_throttled", "requests_failed", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
+    "tpot_p99_s", "queue_wait_p99_s",
+}  # fmt: skip
+
+
+def test_every_mode_runs_on_the_real_stack_and_reports_what_was_served(tmp_path) -> None:
+    summary = json.loads(json.dumps(run([*MODES, *EXTRA], SMOKE)))
+    assert set(summary) >= {"modes", "solo", "overhead", "config"}
+    assert list(summary["modes"]) == list(MODES)
+    for mode, result in summary["modes"].items():
+        assert result["failed"] == 0, (mode, result)
+        assert len(result["jain_per_window"]) == 2  # 20 s of arrivals, no warm-up
+        # Both windows may pass before a slow machine serves a backlogged tenant: then
+        # its index is unknown (None), never made up.
+        known = [j for j in result["jain_per_window"] if j is not None]
+        assert result["jain_index"] == (min(known) if known else None)
+        assert all(0.5 <= j <= 1.0 for j in known)
+        rows = {row["id"]: row for row in result["tenants"]}
+        assert list(rows) == ["A", "B", "C"]
+        for tenant in TENANTS:
+            row = rows[tenant.tenant_id]
+            assert set(row) >= ROW_FIELDS and row["weight"] == tenant.weight
+            assert row["requests_ok"] > 0 and row["output_tokens"] > 0, (mode, row)
+            assert row["ttft_p99_s"] >= row["ttft_p50_s"] > 0
+            assert len(row["service_per_window"]) == 2
+        assert sum(sum(row["service_per_window"]) for row in rows.values()) > 0
+        # Every figure comes from the requests listed, one row each.
+        assert len(result["requests"]) == sum(row["requests"] for row in rows.values())
+        served = [r for r in result["requests"] if r[1] == "ok"]
+        assert sum(r[7] for r in served) == sum(row["output_tokens"] for row in rows.values())
+        if mode == "fair":  # A floods a full cluster: its requests wait in its queue
+            assert rows["A"]["requests_queued"] > 0 and rows["A"]["queue_wait_p99_s"] > 0
+            assert result["waits_past_max"] == 0
+        else:  # no queue: throttled clients retried after Retry-After
+            assert all(row["requests_queued"] == 0 for row in rows.values())
+    solo = summary["solo"]
+    assert solo["id"] == "B" and solo["requests_ok"] > 0 and solo["requests_failed"] == 0
+    overhead = summary["overhead"]
+    assert overhead["fair"]["tokens_per_s"] > 0 and overhead["fcfs"]["tokens_per_s"] > 0
+    assert overhead["ratio"] == pytest.approx(
+        overhead["fair"]["tokens_per_s"] / overhead["fcfs"]["tokens_per_s"], abs=1e-3
+    )
+    path = tmp_path / "fairness.png"
+    plot(summary, path)
+    assert path.read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_plan_runs_each_job_on_the_deployment_it_needs() -> None:
+    assert plan(["solo"]) == {"fair": {"solo"}}
+    assert plan(["priority", "overhead"]) == {
+        "fair": {"overhead"},
+        "fcfs": {"overhead"},
+        "priority": {"mix"},
+    }
+    with pytest.raises(Exception, match="unknown mode"):
+        plan(["wfq"])

@@ -1,0 +1,80 @@
+"""`vtoken bench fairness`'s statistics on injected request records."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.fairness_stats import (
+    Costs,
+    Record,
+    jain,
+    judged_windows,
+    mode_summary,
+    service_per_window,
+    throughput,
+)
+
+
+def served(tenant: str, first: float, done: float, prompt: int, output: int, **kw) -> Record:
+    return Record(tenant, "ok", kw.pop("sent", first - 1.0), prompt, output, first, done, **kw)
+
+
+def test_a_prompt_counts_at_its_first_token_and_output_evenly_to_its_last() -> None:
+    # 100 prompt tokens at 5 s; 11 output tokens from 5 s to 25 s: 22 units of output
+    # service over 20 s, 1.1 per second: 5.5 in window 0, 11 in window 1, 5.5 in window 2.
+    record = served("a", 5.0, 25.0, prompt=100, output=11)
+    assert service_per_window([record], 1.0, Costs(1.0, 2.0), 4) == [105.5, 11.0, 5.5, 0.0]
+    # Weight 2 halves it; what falls past the last window is not counted.
+    assert service_per_window([record], 2.0, Costs(1.0, 2.0), 2) == [52.75, 5.5]
+    # A one-token answer counts at its first token; refused requests count nothing.
+    short = served("a", 12.0, 12.0, prompt=10, output=1)
+    refused = Record("a", "throttled", 1.0, 50, 0)
+    assert service_per_window([short, refused], 1.0, Costs(1.0, 2.0), 2) == [0.0, 12.0]
+
+
+def test_jain_is_one_when_equal_and_one_over_n_when_one_takes_all() -> None:
+    assert jain([5.0, 5.0]) == pytest.approx(1.0)
+    assert jain([5.0, 0.0]) == pytest.approx(0.5)
+    assert jain([1.0, 2.0]) == pytest.approx(0.9)
+    assert jain([0.0, 0.0]) is None and jain([]) is None
+
+
+def test_judged_windows_skip_the_warmup_and_the_drain() -> None:
+    assert list(judged_windows(60.0, 20.0)) == [2, 3, 4, 5]
+    assert list(judged_windows(65.0, 15.0)) == [2, 3, 4, 5]
+    assert list(judged_windows(20.0, 0.0)) == [0, 1]
+
+
+def test_mode_summary_weighs_service_and_judges_each_window() -> None:
+    records = [
+        # a (weight 1) and c (weight 2) each get one request per window; c's are twice as
+        # long, so their weighted service is equal, except in window 2 where a got two.
+        *(served("a", 10.0 * w + 1, 10.0 * w + 9, 100, 0) for w in range(4)),
+        served("a", 22.0, 23.0, 100, 0),
+        *(served("c", 10.0 * w + 1, 10.0 * w + 9, 200, 0) for w in range(4)),
+        served("b", 3.0, 4.0, 10, 2, sent=2.5, queue_wait_s=0.25),
+        Record("b", "failed", 30.0, error="503: replica gone"),
+        Record("a", "throttled", 31.0, throttle_responses=3),
+    ]
+    weights = {"a": 1.0, "b": 1.0, "c": 2.0}
+    summary = mode_summary(
+        records, weights, ["a", "c"], 40.0, 10.0, Costs(1.0, 2.0), {"b": 0.2, "a": None}
+    )
+    assert summary["jain_per_window"] == [1.0, pytest.approx(0.9, abs=1e-4), 1.0]
+    assert summary["jain_index"] == pytest.approx(0.9, abs=1e-4)
+    assert summary["jain_mean"] == pytest.approx((1.0 + 0.9 + 1.0) / 3, abs=1e-4)
+    assert summary["failed"] == 1 and summary["waits_past_max"] == 1  # b waited 0.25 > 0.2
+    a, b, c = summary["tenants"]
+    assert a["service_per_window"] == [100.0, 100.0, 200.0, 100.0]
+    assert c["service_per_window"] == [100.0, 100.0, 100.0, 100.0]
+    assert (a["requests_ok"], a["requests_throttled"], a["throttle_responses"]) == (5, 1, 3)
+    assert (b["requests_ok"], b["requests_failed"], b["requests_queued"]) == (1, 1, 1)
+    assert b["ttft_p99_s"] == 0.5 and b["tpot_p50_s"] == 1.0  # 2 tokens from 3 s to 4 s
+    assert b["queue_wait_p99_s"] == 0.25 and b["errors"] == ["503: replica gone"]
+    assert a["queue_wait_p99_s"] is None and a["waits_past_max"] == 0
+
+
+def test_throughput_counts_output_tokens_from_first_send_to_last_token() -> None:
+    records = [served("t", 1.0, 5.0, 10, 40, sent=0.0), served("t", 6.0, 10.0, 10, 60)]
+    assert throughput(records)["tokens_per_s"] == 10.0
+    assert throughput([])["tokens_per_s"] is None

@@ -74,10 +74,11 @@ def test_policy_none_is_bit_identical_to_vanilla_on_a_hybrid_model(outputs):
 
 def test_hybrid_accounting_counts_every_group(tiny_gemma3_path):
     """StreamingLLM (sinks 4, recent 28) and policy ``none`` side by side on a pool too
-    small for all of them at once, one abort: after every step the full-attention
-    group holds ``ceil(live / 32)`` blocks per evicting request, the sliding group (once
-    decoding) at most the two blocks a 16-token window spans, reports count both, the invariants (config
-    ``check_invariants``: held + sliding + free == total) hold, and every block returns."""
+    small for all of them at once, one abort: after every step the full-attention group
+    holds ``ceil(live / 32)`` blocks per evicting request, the sliding group (once
+    decoding) at most the two blocks a 16-token window spans, reports count both, the
+    invariants (config ``check_invariants``: held + sliding + free == total) hold, and
+    every block returns."""
     import math
 
     from vllm import SamplingParams
@@ -117,3 +118,34 @@ def test_hybrid_accounting_counts_every_group(tiny_gemma3_path):
     assert state.manager.num_evicted_tokens > 0
     assert pool.get_num_free_blocks() == free_at_start
     del llm
+
+
+def test_hybrid_prefix_caching_never_changes_what_a_policy_keeps(tiny_gemma3_path):
+    """StreamingLLM with prefix caching on equals it off (prompts sharing a 96-token
+    prefix, twice; the first 64 tokens pinned, so published and hit), invariants checked
+    every step: the full group publishes only blocks that hold what their hash says, the
+    sliding groups hit by vLLM's rule."""
+    config = {
+        "policy": "streaming_llm",
+        "policy_args": {"sinks": 4, "recent": 40},
+        "prefix_pin_tokens": 64,  # kept, so published: the second round hits
+        "check_invariants": True,
+    }
+    runs = {}
+    for caching in (False, True):
+        llm = make_llm(
+            tiny_gemma3_path,
+            config,
+            skip_tokenizer_init=True,
+            num_blocks=96,
+            max_model_len=1024,
+            enable_prefix_caching=caching,
+        )
+        runs[caching] = [_generate(llm, PROMPTS), _generate(llm, PROMPTS)]
+        assert engine_state(llm).manager.num_evicted_tokens > 0
+        del llm
+    tokens = {c: [[t for t, _, _ in r] for r in rounds] for c, rounds in runs.items()}
+    assert tokens[True] == tokens[False]
+    # vLLM's hybrid rule: a hit needs the sliding group's window blocks still cached too
+    # (the pool reuses freed ones first come), so fewer than the pinned blocks may hit.
+    assert sum(hit for _, _, hit in runs[True][1]) > 0

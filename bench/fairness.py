@@ -404,7 +404,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     save_figure(figure, path)
 
 
-SMOKE = Settings(duration_s=20.0, warmup_s=0.0, overhead_s=8.0, seed=0, replicas=2)
+SMOKE = Settings(duration_s=20.0, warmup_s=0.0, overhead_s=8.0, seed=0, replicas=1)
 
 
 def cli(
@@ -421,7 +421,8 @@ def cli(
     seed: Annotated[int, typer.Option()] = 0,
     replicas: Annotated[int, typer.Option(min=1)] = 2,
     smoke: Annotated[
-        bool, typer.Option(help="a tiny run (20 s loads, no warm-up): checks the wiring")
+        bool,
+        typer.Option(help="a tiny run (one replica, 20 s loads, no warm-up): checks the wiring"),
     ] = False,
 ) -> None:
     """Weighted fairness under overcommit: fair scheduling vs vLLM's FCFS and priority."""

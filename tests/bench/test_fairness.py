@@ -1,5 +1,5 @@
-"""`vtoken bench fairness --smoke` on the real stack (Redis, Ray Serve, two SmolLM2 CPU
-engines): the JSON's shape, and figures computed from requests that were really served."""
+"""`vtoken bench fairness --smoke` on the real stack (Redis, Ray Serve, a SmolLM2 CPU
+engine): the JSON's shape, and figures computed from requests that were really served."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ ROW_FIELDS = {
 }  # fmt: skip
 
 
+@pytest.mark.timeout(1800)  # three deployments, one after the other
 def test_every_mode_runs_on_the_real_stack_and_reports_what_was_served(tmp_path) -> None:
     summary = json.loads(json.dumps(run([*MODES, *EXTRA], SMOKE)))
     assert set(summary) >= {"modes", "solo", "overhead", "config"}

@@ -340,7 +340,9 @@ def cli(
     if granularity is not None:
         from bench.repack_groups import granularity_cases
 
-        result = granularity_cases(shapes, block_sizes, granularity, reps, getattr(torch, dtype))
+        result = granularity_cases(
+            shapes, block_sizes, granularity, reps, getattr(torch, dtype), SHAPES
+        )
         if json_path is not None:
             write_json(json_path, result, indent=1)
         return

@@ -105,13 +105,18 @@ def granularity_case(
 
 
 def granularity_cases(
-    shapes: str, block_sizes: str, granularities: str, reps: int, dtype: torch.dtype
+    shapes: str,
+    block_sizes: str,
+    granularities: str,
+    reps: int,
+    dtype: torch.dtype,
+    known_shapes: dict[str, tuple[int, int, int]],
 ) -> dict[str, Any]:
-    """Every shape x block size x pattern x granularity, printed as it runs."""
+    """Every shape (named in ``known_shapes``: layers, KV heads, head size) x block size x
+    pattern x granularity, printed as it runs."""
     import typer
 
     from bench.common import csv_items
-    from bench.repack import SHAPES
     from vtoken.groups import check_granularity
 
     names = csv_items(granularities)
@@ -126,7 +131,7 @@ def granularity_cases(
             for pattern in GROUP_PATTERNS:
                 for name in names:
                     case = granularity_case(
-                        shape, SHAPES[shape], block_size, pattern, name, reps, dtype
+                        shape, known_shapes[shape], block_size, pattern, name, reps, dtype
                     )
                     cases.append(case)
                     typer.echo(

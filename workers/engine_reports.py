@@ -5,13 +5,14 @@ managers hold them; never evicted from, so never reclaimable)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from vtoken.reports import EngineReport, RequestReport
 from workers.scheduled_request import find_report
 
-if TYPE_CHECKING:
-    from workers.scheduler_side import VTokenScheduler
+# ``state`` below is a ``workers.scheduler_side.VTokenScheduler`` (typed ``Any``: that
+# module imports this one, and imports here run one way).
+VTokenScheduler = Any
 
 
 def request_report(state: VTokenScheduler, request_id: str) -> RequestReport | None:

@@ -21,12 +21,12 @@ from typing import Any
 import numpy as np
 import torch
 
+import workers.vllm_patches.group_lengths as group_lengths
 from kernels import KVLayout
 from workers.config import VTokenConfig, parse_config
 from workers.messages import OPS_ATTRIBUTE, SCORES_ATTRIBUTE
 from workers.query_capture import QueryCapture, capture_size, to_device
 from workers.tensor_parallel import RankReduction
-from workers.vllm_patches import group_lengths
 from workers.vllm_patches.cuda import FLASHINFER_IMPL, FP8_CACHE_DTYPES, cuda_key_dtype
 from workers.vllm_patches.fp8_queries import query_conversion
 from workers.vllm_patches.group_lengths import LENGTHS_ATTRIBUTE as LENGTHS

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench.fairness import EXTRA, MODES, SMOKE, TENANTS, plan, plot, run
+from bench.fairness import SMOKE, TENANTS, plan, plot, run
 from bench.fairness_stats import Costs, Record, service_per_window
 
 pytestmark = pytest.mark.slow
@@ -18,11 +18,14 @@ ROW_FIELDS = {
 }  # fmt: skip
 
 
-@pytest.mark.timeout(1800)  # three deployments, one after the other
-def test_every_mode_runs_on_the_real_stack_and_reports_what_was_served(tmp_path) -> None:
-    summary = json.loads(json.dumps(run([*MODES, *EXTRA], SMOKE)))
-    assert set(summary) >= {"modes", "solo", "overhead", "config"}
-    assert list(summary["modes"]) == list(MODES)
+SMOKE_MODES = ("fair", "priority")  # two deployments: fcfs is vLLM's default path
+
+
+@pytest.mark.timeout(1800)  # two deployments, one after the other
+def test_fair_and_priority_run_on_the_real_stack_and_report_what_was_served(tmp_path) -> None:
+    summary = json.loads(json.dumps(run([*SMOKE_MODES, "solo"], SMOKE)))
+    assert set(summary) >= {"modes", "solo", "config"}
+    assert list(summary["modes"]) == list(SMOKE_MODES)
     for mode, result in summary["modes"].items():
         assert result["failed"] == 0, (mode, result)
         assert len(result["jain_per_window"]) == 2  # 20 s of arrivals, no warm-up
@@ -60,11 +63,6 @@ def test_every_mode_runs_on_the_real_stack_and_reports_what_was_served(tmp_path)
             assert all(row["requests_queued"] == 0 for row in rows.values())
     solo = summary["solo"]
     assert solo["id"] == "B" and solo["requests_ok"] > 0 and solo["requests_failed"] == 0
-    overhead = summary["overhead"]
-    assert overhead["fair"]["tokens_per_s"] > 0 and overhead["fcfs"]["tokens_per_s"] > 0
-    assert overhead["ratio"] == pytest.approx(
-        overhead["fair"]["tokens_per_s"] / overhead["fcfs"]["tokens_per_s"], abs=1e-3
-    )
     path = tmp_path / "fairness.png"
     plot(summary, path)
     assert path.read_bytes().startswith(b"\x89PNG")

@@ -295,7 +295,7 @@ class VTokenScheduler:
             budget = record.kv.table.num_live
         self._protect_shared(record)  # a policy may evict on its own (a fixed window)
         evicted = self.manager.evict(request_id, budget, attention)
-        if len(evicted):
+        if evicted.size:  # a grouped answer is [groups, k]: len() counts groups
             self.prefix.unpublish_changed(record)
             self.counters.count_eviction(plan.causes.get(request_id))
             self.counters.num_copies_deferred += self.prefix.copies_deferred(record)

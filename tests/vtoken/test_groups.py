@@ -194,3 +194,18 @@ def test_grouped_statistics_view_shapes_feed_the_policies() -> None:
     stats = manager.view("r").stats["h2o_score"]
     assert stats.shape == (3, 2, 6)
     assert np.allclose(np.sort(stats, axis=-1)[..., -1], step.max(axis=-1))
+
+
+def test_a_step_that_evicts_nothing_answers_one_empty_array() -> None:
+    """Every group's candidates protected: the answer is empty (size and length 0), so the
+    scheduler side counts no eviction for it."""
+    scores = np.random.default_rng(2).random((3, 2, 10))
+    policy = Scored(sinks=2, recent=8, granularity="head", values=scores)
+    evicted = policy.select(_view((3, 2), 10), budget=5)
+    assert evicted.size == 0 and len(evicted) == 0
+    manager = VTokenManager(StandaloneBlockPool(8), 4, geometry=GEOMETRY)
+    manager.add_request("r", 10, policy=Scored(sinks=2, recent=8, granularity="layer"))
+    manager.allocate("r", 10)
+    manager.requests["r"].policy.values = scores[:, 0]  # type: ignore[union-attr]
+    assert len(manager.evict("r", 5)) == 0
+    assert manager.requests["r"].table.num_live == 10

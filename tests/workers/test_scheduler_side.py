@@ -935,3 +935,20 @@ def test_a_cache_hit_stops_where_the_policy_reads_the_prompts_attention(config, 
     every query whose attention it reads (caching never changes what it keeps)."""
     state = VTokenScheduler(VTokenConfig(**config), FakeBlockPool(8), FakeBlockManager())
     assert state.hit_limit(FakeRequest("r", num_prompt_tokens=40)) == limit
+
+
+def test_a_spec_the_engine_cannot_group_is_refused_without_raising():
+    """A grouped override that got past the request checks (no geometry here): the
+    scheduler side takes nothing for it, remembers it as refused (vLLM finishes it with an
+    error) and serves the next request."""
+    state, pool, _ = make_state(ReclaimMode.VTOKEN)
+    override = {"policy": "h2o", "budget_tokens": 8, "policy_args": {"granularity": "layer"}}
+    params = SimpleNamespace(extra_args={"vtoken_policy": override})
+    free_before = pool.get_num_free_blocks()
+    grouped = FakeRequest("g", num_prompt_tokens=10, sampling_params=params)
+    assert state.allocate(grouped, 10) is None and state.allocate(grouped, 10) is None
+    assert state.refused == {"g"} and not state.manages("g")
+    assert pool.get_num_free_blocks() == free_before
+    run_prefill(state, FakeRequest("r", num_prompt_tokens=10))
+    state.check_invariants()
+

@@ -93,14 +93,14 @@ def granularity_case(
         layers, heads, src_t, dst_t = (torch.from_numpy(a) for a in arrays)
         moved_bytes = moves.num_moves * slot_bytes // (num_layers * kv_heads)
         heads_at = _heads_at(caches, layers, heads, layout)
-        sources = heads_at(src_t)
+        head_sources = heads_at(src_t)
         calls["repack"] = lambda: grouped_repack(caches, layers, heads, src_t, dst_t, layout)
         calls["unchecked"] = lambda: grouped_repack(
             caches, layers, heads, src_t, dst_t, layout, check=False
         )
 
         def copied() -> bool:
-            return torch.equal(heads_at(dst_t), sources)
+            return torch.equal(heads_at(dst_t), head_sources)
 
     times = {name: _median_ms(call, reps) for name, call in calls.items()}
     if not copied():

@@ -11,12 +11,17 @@ each group, so each group compacts on its own map: the planner emits a move per 
     trickle1    one 1024-token request evicting 16 tokens per group (a decode step)
 
 Per case: the planned moves (group moves; a whole slot counts once), the bytes they copy,
-and the median of ``reps`` warm calls on the vLLM CPU layout (``cpu_attn``).
+and the median of ``reps`` warm calls on the vLLM CPU layout (``cpu_attn``) of what the
+worker runs (``repack_ms``: a grouped repack checks its moves first), and for grouped
+repacks also without the check (``unchecked_ms``). After the timed calls every
+destination holds its source's values (each move's head of its layer; a whole slot
+without groups), or the case raises.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -70,28 +75,37 @@ def granularity_case(
         for _ in range(num_layers)
     ]
     slot_bytes = num_layers * kv_heads * 2 * head_dim * caches[0].element_size()
+    calls: dict[str, Callable[[], None]] = {}
     if groups is None:
         args = (torch.from_numpy(src), torch.from_numpy(dst))
         moved_bytes = src.size * slot_bytes
+        sources = [layout.gather(cache, args[0]).clone() for cache in caches]
+        calls["repack"] = lambda: kernels.repack(caches, *args, layout)
 
-        def call() -> None:
-            kernels.repack(caches, *args, layout)
+        def copied() -> bool:
+            return all(
+                torch.equal(layout.gather(cache, args[1]), before)
+                for cache, before in zip(caches, sources, strict=True)
+            )
     else:
         moves = GroupedMoves.of_groups(groups, src, dst, shape, kv_heads)
         arrays = (moves.layers, moves.heads, moves.src_slots, moves.dst_slots)
         layers, heads, src_t, dst_t = (torch.from_numpy(a) for a in arrays)
         moved_bytes = moves.num_moves * slot_bytes // (num_layers * kv_heads)
+        heads_at = _heads_at(caches, layers, heads, layout)
+        head_sources = heads_at(src_t)
+        calls["repack"] = lambda: grouped_repack(caches, layers, heads, src_t, dst_t, layout)
+        calls["unchecked"] = lambda: grouped_repack(
+            caches, layers, heads, src_t, dst_t, layout, check=False
+        )
 
-        def call() -> None:
-            grouped_repack(caches, layers, heads, src_t, dst_t, layout, check=False)
+        def copied() -> bool:
+            return torch.equal(heads_at(dst_t), head_sources)
 
-    call()  # warm: the library built, the lines touched
-    times = []
-    for _ in range(reps):
-        started = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - started)
-    repack_ms = float(np.median(times)) * 1e3
+    times = {name: _median_ms(call, reps) for name, call in calls.items()}
+    if not copied():
+        raise RuntimeError(f"repack {granularity} {pattern}: a destination lost its source")
+    repack_ms = times["repack"]
     return {
         "shape": shape_name,
         "block_size": block_size,
@@ -100,8 +114,37 @@ def granularity_case(
         "moves": int(src.size),
         "moved_mb": round(moved_bytes / 1e6, 3),
         "repack_ms": round(repack_ms, 3),
+        "unchecked_ms": round(times["unchecked"], 3) if "unchecked" in times else None,
         "gbps": round(moved_bytes / repack_ms / 1e6, 3),
     }
+
+
+def _median_ms(call: Callable[[], None], reps: int) -> float:
+    """Median of ``reps`` timed calls after one warm call (the library built, the lines
+    touched), in milliseconds."""
+    call()
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - started)
+    return float(np.median(times)) * 1e3
+
+
+def _heads_at(
+    caches: list[torch.Tensor], layers: torch.Tensor, heads: torch.Tensor, layout: KVLayout
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``slots -> [moves, 2, head_dim]``: K and V of each move's head of its layer there."""
+
+    def at(slots: torch.Tensor) -> torch.Tensor:
+        parts = []
+        for layer, cache in enumerate(caches):
+            pick = layers == layer
+            stored = layout.gather(cache, slots[pick])  # [moves, 2, heads, head_dim]
+            parts.append(stored[torch.arange(stored.shape[0]), :, heads[pick]])
+        return torch.cat(parts)
+
+    return at
 
 
 def granularity_cases(
@@ -138,6 +181,7 @@ def granularity_cases(
                         f"{shape:8} bs={block_size:<4} {pattern:10} {name:8}"
                         f" moves={case['moves']:<7} {case['moved_mb']:8.3f} MB"
                         f" repack {case['repack_ms']:9.3f} ms {case['gbps']:6.2f} GB/s"
+                        f" (unchecked {case['unchecked_ms']} ms)"
                     )
     return {
         "device": f"cpu ({torch.get_num_threads()} threads)",

@@ -283,6 +283,8 @@ class EvictionPolicy:
         scores = _per_group(np.asarray(self.score(view), dtype=np.float64), view)
         protected = _per_group(self.protected(view, budget), view)
         num_evict = min(num_evict, int((~protected).sum(axis=1).min()))
+        if num_evict <= 0:  # every group's candidates are protected: one empty answer
+            return np.zeros(0, dtype=np.int64)
         # protected last, then lowest score first, ties to the older token
         order = np.lexsort((ids, scores, protected), axis=-1)[:, :num_evict]
         evicted = np.sort(np.take_along_axis(ids, order, axis=1), axis=1)

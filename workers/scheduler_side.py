@@ -43,6 +43,7 @@ moves.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -78,6 +79,7 @@ if TYPE_CHECKING:
     from workers.vllm_patches.sliding_groups import SlidingGroups
 
 MAX_FINISHED_RECORDS = 4096
+logger = logging.getLogger(__name__)
 
 
 class VTokenScheduler:
@@ -119,6 +121,10 @@ class VTokenScheduler:
         # Weighted fairness (``workers/fair_share.py``): queue and preemption order hooked
         # in by ``workers/vllm_patches/scheduler_hooks.py``; ``None`` when off.
         self.fair = FairShare.of(config)
+        # Why this engine keeps one set per request (set by the scheduler hook), and the
+        # requests refused here, which vLLM finishes with an error at the next update.
+        self.grouping_problems: list[str] = []
+        self.refused: set[str] = set()
 
     # The counters ``bench/`` reads (``fragmentation``, ``concurrency``, ``preemption``).
     @property
@@ -151,8 +157,15 @@ class VTokenScheduler:
         blocks whose tokens precede the new ones); the request takes a reference on them
         and pins their tokens. On ``None`` nothing was taken."""
         request_id = request.request_id
+        if request_id in self.refused:
+            return None
         if request_id not in self.requests:
-            self._add(request)
+            try:
+                self._add(request)
+            except ValueError as error:  # never raise in vLLM's schedule for one request
+                logger.error("vToken: request %s refused: %s", request_id, error)
+                self.refused.add(request_id)
+                return None
         record = self.requests[request_id]
         table = record.kv.table
         assert table.num_logical == request.num_computed_tokens, (
@@ -295,7 +308,7 @@ class VTokenScheduler:
             budget = record.kv.table.num_live
         self._protect_shared(record)  # a policy may evict on its own (a fixed window)
         evicted = self.manager.evict(request_id, budget, attention)
-        if len(evicted):
+        if evicted.size:  # a grouped answer is [groups, k]: len() counts groups
             self.prefix.unpublish_changed(record)
             self.counters.count_eviction(plan.causes.get(request_id))
             self.counters.num_copies_deferred += self.prefix.copies_deferred(record)

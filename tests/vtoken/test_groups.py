@@ -194,3 +194,75 @@ def test_grouped_statistics_view_shapes_feed_the_policies() -> None:
     stats = manager.view("r").stats["h2o_score"]
     assert stats.shape == (3, 2, 6)
     assert np.allclose(np.sort(stats, axis=-1)[..., -1], step.max(axis=-1))
+
+
+def test_a_step_that_evicts_nothing_answers_one_empty_array() -> None:
+    """Every group's candidates protected: the answer is empty (size and length 0), so the
+    scheduler side counts no eviction for it."""
+    scores = np.random.default_rng(2).random((3, 2, 10))
+    policy = Scored(sinks=2, recent=8, granularity="head", values=scores)
+    evicted = policy.select(_view((3, 2), 10), budget=5)
+    assert evicted.size == 0 and len(evicted) == 0
+    manager = VTokenManager(StandaloneBlockPool(8), 4, geometry=GEOMETRY)
+    manager.add_request("r", 10, policy=Scored(sinks=2, recent=8, granularity="layer"))
+    manager.allocate("r", 10)
+    manager.requests["r"].policy.values = scores[:, 0]  # type: ignore[union-attr]
+    assert len(manager.evict("r", 5)) == 0
+    assert manager.requests["r"].table.num_live == 10
+
+
+def _kept_lowest_evicted(scores: np.ndarray, protected: np.ndarray, num_evict: int) -> set[int]:
+    """One group's kept ids, on its own: the ``num_evict`` lowest unprotected scores go
+    (ties to the older token)."""
+    candidates = [i for i in range(len(scores)) if not protected[i]]
+    order = sorted(candidates, key=lambda i: (scores[i], i))
+    return set(range(len(scores))) - set(order[:num_evict])
+
+
+def _snapkv_scores(window_rows: np.ndarray, window: int, kernel: int) -> np.ndarray:
+    """SnapKV's votes of one group: its window rows summed, average-pooled (zero padding)
+    over the tokens before the window; the window scores infinity (it is kept)."""
+    n = window_rows.shape[-1]
+    votes = window_rows.sum(axis=0)
+    scores = np.full(n, np.inf)
+    before = n - window
+    padded = np.concatenate([np.zeros(kernel // 2), votes[:before], np.zeros(kernel // 2)])
+    scores[:before] = [padded[i : i + kernel].mean() for i in range(before)]
+    return scores
+
+
+@pytest.mark.parametrize("name", ["tova", "h2o", "snapkv"])
+def test_each_layer_and_head_keeps_what_its_own_statistics_choose(name: str) -> None:
+    """Per-(layer, KV head) statistics, different in every group: each group's kept set
+    equals the one computed from that group's statistics alone (never a neighbour's row,
+    another layer's votes or a mean over groups)."""
+    layers, heads, n, budget, window = GEOMETRY.num_layers, GEOMETRY.num_kv_heads, 24, 12, 4
+    rng = np.random.default_rng(7)
+    rows = rng.random((window, layers, heads, n)).astype(np.float32)
+    step = rng.random((layers, heads, n)).astype(np.float32)
+    policy = {
+        "tova": lambda: make_policy("tova", granularity="head"),
+        "h2o": lambda: make_policy("h2o", recent_fraction=0.0, granularity="head"),
+        "snapkv": lambda: make_policy("snapkv", window=window, kernel_size=3, granularity="head"),
+    }[name]()
+    manager = VTokenManager(StandaloneBlockPool(16), 4, geometry=GEOMETRY)
+    manager.add_request("r", n, policy=policy)
+    manager.allocate("r", n)
+    evicted = manager.evict("r", budget, StepAttention(step_scores=step, window_rows=rows))
+    assert evicted.shape == (layers * heads, n - budget)
+    kept = manager.requests["r"].table.group_logical_ids().reshape(layers, heads, -1)
+    sets = set()
+    for layer in range(layers):
+        for head in range(heads):
+            protected = np.zeros(n, dtype=bool)
+            if name == "tova":
+                scores = rows[-1, layer, head]
+            elif name == "h2o":
+                scores = step[layer, head]
+            else:
+                scores = _snapkv_scores(rows[:, layer, head], window, 3)
+                protected[n - window :] = True
+            expected = _kept_lowest_evicted(scores, protected, n - budget)
+            assert set(kept[layer, head].tolist()) == expected, (name, layer, head)
+            sets.add(frozenset(expected))
+    assert len(sets) == layers * heads, "every group should keep its own set: vacuous"

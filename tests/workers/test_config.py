@@ -30,6 +30,9 @@ from workers.vllm_patches import UnsupportedVLLMError, check_version
 from workers.vllm_patches.support import (
     UnsupportedEngineError,
     grouping_geometry,
+    grouping_problems,
+    model_is_hybrid,
+    refuse_grouped_request,
     version_guard,
 )
 
@@ -404,3 +407,29 @@ def test_granularity_is_a_policy_arg_and_refused_where_grouped_repacks_cannot_ru
             grouping_geometry(vllm_config, refused)
         one_set = parse_config({"vtoken": {**head, "policy_args": {}, **settings}})
         assert grouping_geometry(vllm_config, one_set) is None  # one set: runs as before
+
+
+def test_grouping_problems_name_every_setting_and_refuse_grouped_overrides_only():
+    engine = parse_config({"vtoken": {"policy": "tova", "keep_ratio": 0.5}})
+    assert grouping_problems(_vllm_config(), engine) == []
+    refused = parse_config({"vtoken": {"policy": "tova", "keep_ratio": 0.5, "score_layers": 4}})
+    problems = grouping_problems(_vllm_config("cuda", 2), refused, hybrid=True)
+    assert len(problems) == 4
+    for name in ("CUDA engine", "tensor parallelism", "score_layers", "sliding-window"):
+        assert any(name in problem for problem in problems), name
+    assert grouping_problems(_vllm_config(), refused.model_copy(update={"mode": "block"}))[-1:] == [
+        "block mode (whole blocks of one set)"
+    ]
+    head = request_policy_spec(
+        {REQUEST_KEY: {"policy": "h2o", "budget_tokens": 8, "policy_args": {"granularity": "head"}}}
+    )
+    one_set = request_policy_spec({REQUEST_KEY: {"policy": "h2o", "budget_tokens": 8}})
+    assert head is not None and one_set is not None
+    with pytest.raises(ValueError, match="granularity 'head', which this engine cannot run: a"):
+        refuse_grouped_request(head, problems)
+    refuse_grouped_request(head, [])  # the engine can group: the override stands
+    refuse_grouped_request(one_set, problems)  # one set per request runs anywhere
+    hybrid = SimpleNamespace(hf_text_config=SimpleNamespace(layer_types=["sliding_attention"]))
+    assert model_is_hybrid(hybrid) and not model_is_hybrid(
+        SimpleNamespace(hf_text_config=SimpleNamespace())
+    )

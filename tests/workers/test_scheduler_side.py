@@ -935,3 +935,46 @@ def test_a_cache_hit_stops_where_the_policy_reads_the_prompts_attention(config, 
     every query whose attention it reads (caching never changes what it keeps)."""
     state = VTokenScheduler(VTokenConfig(**config), FakeBlockPool(8), FakeBlockManager())
     assert state.hit_limit(FakeRequest("r", num_prompt_tokens=40)) == limit
+
+
+def test_a_spec_the_engine_cannot_group_is_refused_without_raising():
+    """A grouped override that got past the request checks (no geometry here): the
+    scheduler side takes nothing for it, remembers it as refused (vLLM finishes it with an
+    error) and serves the next request."""
+    state, pool, _ = make_state(ReclaimMode.VTOKEN)
+    override = {"policy": "h2o", "budget_tokens": 8, "policy_args": {"granularity": "layer"}}
+    params = SimpleNamespace(extra_args={"vtoken_policy": override})
+    free_before = pool.get_num_free_blocks()
+    grouped = FakeRequest("g", num_prompt_tokens=10, sampling_params=params)
+    assert state.allocate(grouped, 10) is None and state.allocate(grouped, 10) is None
+    assert state.refused == {"g"} and not state.manages("g")
+    assert pool.get_num_free_blocks() == free_before
+    run_prefill(state, FakeRequest("r", num_prompt_tokens=10))
+    state.check_invariants()
+
+
+def test_a_hole_in_a_later_group_counts_as_a_hole():
+    """Per-layer sets: only layer 1 evicts from block 0 (layer 0 evicts from the tail
+    block). The live mask, the in-place prefix check and the prefix rule all see the
+    hole in block 0: its published blocks from there on are unpublished."""
+    from vtoken.groups import ModelGeometry
+
+    pool, manager = FakeBlockPool(16), FakeBlockManager()
+    layer = {"granularity": "layer"}
+    config = VTokenConfig(policy="tova", policy_args=layer, keep_ratio=0.5, check_invariants=True)
+    state = VTokenScheduler(config, pool, manager, geometry=ModelGeometry(2, 2))
+    run_prefill(state, FakeRequest("r", num_prompt_tokens=16))
+    manager.num_cached_block["r"] = 4
+    published = [b.block_id for b in manager.req_to_blocks["r"]]
+    record = state.requests["r"]
+    table = record.kv.table
+    assert table.holds_in_place(16) and table.live_mask.all()
+    state.manager.evict_ids("r", np.array([[13], [1]]))  # layer 0: block 3; layer 1: block 0
+    assert np.flatnonzero(~table.live_mask).tolist() == [1, 13]
+    assert table.holds_in_place(1) and not table.holds_in_place(4)
+    state.prefix.unpublish_changed(record)
+    assert manager.num_cached_block["r"] == 0 and pool.unpublished == set(published)
+    assert record.cacheable == 0
+    state._reclaim(record)  # layer 1 compacts block 0: all live, not in place
+    assert table.live_mask.all() and table.holds_in_place(1) and not table.holds_in_place(4)
+    state.check_invariants()

@@ -1,7 +1,8 @@
 """Request validation: a request's ``extra_args["vtoken_policy"]`` and
 ``extra_args["tenant_weight"]`` are checked where vLLM
 checks its parameters (the front end) and again as the engine core takes it in, so the
-scheduler never sees a bad one.
+scheduler never sees a bad one. An override that keeps a set per layer or per (layer, KV
+head) is refused on an engine that cannot (``support.grouping_problems``).
 """
 
 from __future__ import annotations
@@ -9,9 +10,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from workers.config import CONFIG_KEY, request_policy_spec
+from workers.config import CONFIG_KEY, parse_config, request_policy_spec
 from workers.fair_share import tenant_weight
 from workers.vllm_patches.scheduler_hooks import scheduler_state
+from workers.vllm_patches.support import (
+    grouping_problems,
+    model_is_hybrid,
+    refuse_grouped_request,
+)
 
 
 def validate_params(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -24,8 +30,10 @@ def validate_params(original: Callable[..., Any]) -> Callable[..., Any]:
             from vllm.exceptions import VLLMValidationError
 
             try:
-                request_policy_spec(getattr(params, "extra_args", None))
+                spec = request_policy_spec(getattr(params, "extra_args", None))
                 tenant_weight(getattr(params, "extra_args", None))
+                if spec is not None:
+                    refuse_grouped_request(spec, _front_end_problems(self.vllm_config))
             except ValueError as error:
                 raise VLLMValidationError(str(error), parameter="extra_args") from None
         return result
@@ -39,9 +47,20 @@ def preprocess_add_request(original: Callable[..., Any]) -> Callable[..., Any]:
     an engine-core process vLLM answers that request alone with ``FinishReason.ERROR``."""
 
     def preprocess_add_request(self: Any, request: Any) -> Any:
-        if scheduler_state(self.scheduler) is not None and request.sampling_params is not None:
-            request_policy_spec(request.sampling_params.extra_args)
+        state = scheduler_state(self.scheduler)
+        if state is not None and request.sampling_params is not None:
+            spec = request_policy_spec(request.sampling_params.extra_args)
             tenant_weight(request.sampling_params.extra_args)
+            if spec is not None:
+                refuse_grouped_request(spec, state.grouping_problems)
         return original(self, request)
 
     return preprocess_add_request
+
+
+def _front_end_problems(vllm_config: Any) -> list[str]:
+    """``grouping_problems`` as the front end sees the engine (hybrid from the model's
+    layer types: its KV cache groups exist in the engine core only)."""
+    config = parse_config(vllm_config.additional_config)
+    assert config is not None
+    return grouping_problems(vllm_config, config, model_is_hybrid(vllm_config.model_config))

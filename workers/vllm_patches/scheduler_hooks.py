@@ -23,7 +23,7 @@ from workers.messages import OPS_ATTRIBUTE, SCORES_ATTRIBUTE
 from workers.scheduler_side import VTokenScheduler
 from workers.vllm_patches.kv_groups import group_layout
 from workers.vllm_patches.sliding_groups import SlidingGroups
-from workers.vllm_patches.support import check_engine, grouping_geometry
+from workers.vllm_patches.support import check_engine, grouping_geometry, grouping_problems
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +68,7 @@ def scheduler_init(original: Callable[..., Any]) -> Callable[..., Any]:
             grouping_geometry(vllm_config, config, hybrid=layout.hybrid),
             sliding,
         )
+        manager.vtoken.grouping_problems = grouping_problems(vllm_config, config, layout.hybrid)
         fair_hooks.install_queues(self, manager.vtoken)
         logger.info("vToken active: %s", config.model_dump_json())
 
@@ -96,6 +97,10 @@ def update_from_output(original: Callable[..., Any]) -> Callable[..., Any]:
     def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
         state = scheduler_state(self)
         if state is not None:
+            # Requests the scheduler side could not take in (``VTokenScheduler.refused``):
+            # vLLM finishes them with an error in this update, as a failed grammar.
+            self.grammar_compile_error_reqs.update(state.refused)
+            state.refused.clear()
             scores = getattr(model_runner_output, SCORES_ATTRIBUTE, None)
             on_demand = state.config.eviction == "on_demand"  # the only reader of the victim
             above = fair_hooks.tenants_above_share(state) if on_demand else set()

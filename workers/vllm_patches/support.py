@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vtoken.groups import ModelGeometry
-from workers.config import CONFIG_KEY, VTokenConfig, parse_config
+from workers.config import CONFIG_KEY, PolicySpec, VTokenConfig, parse_config
 from workers.vllm_patches.kv_groups import kv_group_problems
 
 logger = logging.getLogger(__name__)
@@ -282,14 +282,12 @@ def refuse_runner(original: Callable[..., Any]) -> Callable[..., Any]:
     return __init__
 
 
-def grouping_geometry(
-    vllm_config: Any, config: VTokenConfig, hybrid: bool = False
-) -> ModelGeometry | None:
-    """The model's layers and KV heads when this engine can keep a set per layer or per
-    (layer, KV head) (``vtoken/groups.py``), else ``None``. Grouped repacks run on CPU
-    caches only, on one rank, with every layer scored, outside block mode and on models
-    without sliding-window layers (``hybrid``): an engine
-    policy that asks for them elsewhere raises ``UnsupportedEngineError`` naming why."""
+def grouping_problems(vllm_config: Any, config: VTokenConfig, hybrid: bool = False) -> list[str]:
+    """Why this engine cannot keep a set per layer or per (layer, KV head)
+    (``vtoken/groups.py``); empty when it can. Grouped repacks run on CPU caches only, on
+    one rank, with every layer scored, outside block mode and on models without
+    sliding-window layers (``hybrid``). They hold for the engine's own policy and for any
+    request's override alike (``refuse_grouped_request``)."""
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
     num_layers = model.get_num_layers(parallel)
     problems = []
@@ -303,6 +301,16 @@ def grouping_geometry(
         problems.append("block mode (whole blocks of one set)")
     if hybrid:
         problems.append("a model with sliding-window layers (one set for its full layers)")
+    return problems
+
+
+def grouping_geometry(
+    vllm_config: Any, config: VTokenConfig, hybrid: bool = False
+) -> ModelGeometry | None:
+    """The model's layers and KV heads when this engine can keep a set per layer or per
+    (layer, KV head), else ``None`` (``grouping_problems`` says why): an engine policy
+    that asks for them where it cannot raises ``UnsupportedEngineError`` naming why."""
+    problems = grouping_problems(vllm_config, config, hybrid)
     granularity = config.policy_args.get("granularity", "request")
     if problems and granularity != "request":
         raise UnsupportedEngineError(
@@ -310,4 +318,29 @@ def grouping_geometry(
             + "; ".join(problems)
             + ". Use granularity 'request', or change those settings"
         )
-    return None if problems else ModelGeometry(num_layers, model.get_num_kv_heads(parallel))
+    if problems:
+        return None
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    return ModelGeometry(model.get_num_layers(parallel), model.get_num_kv_heads(parallel))
+
+
+def model_is_hybrid(model_config: Any) -> bool:
+    """Whether the model has layers other than full attention (``layer_types``, as Gemma 3
+    names them): what the front end knows before the KV cache groups exist."""
+    kinds = getattr(model_config.hf_text_config, "layer_types", None) or ()
+    return any(kind != "full_attention" for kind in kinds)
+
+
+def refuse_grouped_request(spec: PolicySpec, problems: list[str]) -> None:
+    """Raise ``ValueError`` when a request's policy override (``extra_args["vtoken_policy"]``)
+    keeps a set per layer or per (layer, KV head) on an engine that cannot
+    (``problems``: ``grouping_problems``): refused where the request enters, never run
+    under a granularity it did not ask for, never left to fail inside the scheduler."""
+    if not problems:
+        return
+    granularity = spec.make_policy().granularity
+    if granularity != "request":
+        raise ValueError(
+            f"extra_args['vtoken_policy'] asks for granularity {granularity!r}, which this"
+            " engine cannot run: " + "; ".join(problems) + ". Use granularity 'request'"
+        )

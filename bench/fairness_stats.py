@@ -18,8 +18,8 @@ target), ``jain_mean`` their mean. A judged window in which no backlogged tenant
 served at all is no evidence of fairness: it counts as index 0 and is reported in
 ``windows_unknown``.
 
-TTFT percentiles count a request never served (throttled until the arrivals ended, or
-failed before its first token) as an infinite TTFT, so a light tenant's throttled
+TTFT percentiles count a request never served (throttled until the arrivals ended; a
+failed one is counted in ``requests_failed``) as an infinite TTFT, so a light tenant's throttled
 requests cannot vanish from its p99 (``None`` in the JSON where the percentile is
 infinite, with ``ttft_unserved`` the count). A request's client-side wait
 (``client_wait_s``) runs from its first send to its admission (the response's headers),

@@ -46,7 +46,6 @@ from controlplane.retry_after import (
 )
 
 
-
 class Renewal(enum.IntEnum):
     RENEWED = 1
     RESERVED_AGAIN = 2  # it had lapsed; its blocks count again

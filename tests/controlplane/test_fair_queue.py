@@ -451,7 +451,9 @@ async def test_tenants_arriving_one_by_one_keep_the_cluster_total_bounded(
     got = []
     for tenant in tenants[1:]:
         count = 0
-        while (await admission.admit(tenant, f"{tenant.tenant_id}-{count}", PROMPT, MAX_TOKENS)).admitted:
+        while (
+            await admission.admit(tenant, f"{tenant.tenant_id}-{count}", PROMPT, MAX_TOKENS)
+        ).admitted:
             count += 1
             assert count <= 12
         got.append(count)
@@ -474,10 +476,31 @@ async def test_a_long_running_tenant_still_counts_as_present(
         assert (await admission.admit(old, f"old-{index}", PROMPT, MAX_TOKENS)).admitted
     assert not await redis.exists(keys.usage)
     await asyncio.sleep(10.5)  # longer than any "recently admitted" window
-    results = [(await admission.admit(new, f"new-{i}", PROMPT, MAX_TOKENS)).admitted for i in range(4)]
+    results = [
+        (await admission.admit(new, f"new-{i}", PROMPT, MAX_TOKENS)).admitted for i in range(4)
+    ]
     assert results == [True, True, False, False]
     # once the old tenant released everything it no longer counts: the newcomer's share
     # is the whole cluster (and the cluster has room)
     for index in range(4):
         await release(admission, old, f"old-{index}")
     assert (await admission.admit(new, "new-9", PROMPT, MAX_TOKENS)).admitted
+
+
+@pytest.mark.parametrize(("light_weight", "expected"), [(3.0, 6), (1.0 / 3.0, 2)])
+async def test_the_share_a_full_cluster_grants_follows_the_weights(
+    redis: aioredis.Redis, keys: KeySpace, store: RedisStore, light_weight: float, expected: int
+) -> None:
+    """A flood of weight 1 holds the whole cluster (eight requests); a newcomer of weight
+    3 is admitted up to 3/4 of it (six), one of weight 1/3 up to 1/4 (two)."""
+    admission, _ = await make(redis, keys, requests_fit=8)
+    flood, light = quota("flood", 10_000, weight=1.0), quota("light", 10_000, weight=light_weight)
+    for tenant in (flood, light):
+        await store.put_quota(tenant)
+    for index in range(8):
+        assert (await admission.admit(flood, f"f-{index}", PROMPT, MAX_TOKENS)).admitted
+    count = 0
+    while (await admission.admit(light, f"l-{count}", PROMPT, MAX_TOKENS)).admitted:
+        count += 1
+        assert count <= 8
+    assert count == expected

@@ -6,8 +6,8 @@ tenant with the smallest virtual counter; ties go to the earlier arrival, so wit
 tenant (or none named) the queue is vLLM's own. Under the ``priority`` policy a request's
 priority orders it only within its own tenant's sub-queue: the tenants are ordered by
 their counters (their weights) whatever priority their requests carry, so no tenant can
-jump ahead of the operator's weights by sending a low priority value. Finding the head reads every tenant with
-a waiting request once: O(tenants), never O(requests).
+jump ahead of the operator's weights by sending a low priority value. Finding the head
+reads every tenant with a waiting request once: O(tenants), never O(requests).
 """
 
 from __future__ import annotations

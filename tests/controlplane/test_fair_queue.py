@@ -504,3 +504,26 @@ async def test_the_share_a_full_cluster_grants_follows_the_weights(
         count += 1
         assert count <= 8
     assert count == expected
+
+
+async def test_an_admission_into_a_cluster_with_room_reads_no_other_tenant(
+    redis: aioredis.Redis, keys: KeySpace, store: RedisStore
+) -> None:
+    """With room in the cluster the share is not computed: many tenants holding
+    reservations cost an admission nothing (no per-tenant read: HGETALL, HKEYS)."""
+    admission, _ = await make(redis, keys, requests_fit=200)
+    tenants = [quota(f"t{index}", 10_000) for index in range(60)]
+    for tenant in tenants:
+        await store.put_quota(tenant)
+        assert (await admission.admit(tenant, f"{tenant.tenant_id}-0", PROMPT, MAX_TOKENS)).admitted
+
+    async def calls() -> dict[str, int]:
+        stats = await redis.info("commandstats")
+        return {
+            name: stats.get(f"cmdstat_{name}", {}).get("calls", 0) for name in ("hgetall", "hkeys")
+        }
+
+    before = await calls()
+    for index in range(1, 5):
+        assert (await admission.admit(tenants[0], f"t0-{index}", PROMPT, MAX_TOKENS)).admitted
+    assert await calls() == before

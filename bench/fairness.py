@@ -26,9 +26,8 @@ Modes, each on a fresh deployment (``mode_settings``):
 one tenant (``OVERHEAD_CLIENTS`` clients back to back, A's requests), on the ``fair`` and
 the ``fcfs`` deployments before their mixes: output tokens/s with fairness on over off.
 
-Every request streams (with its usage): TTFT from its first attempt (429 answers,
-retries and queueing included), TPOT, the queue wait the ingress reports
-(``X-VToken-Queue-Wait``). The statistics are ``bench/fairness_stats.py``'s.
+Every request streams: TTFT from its first attempt, TPOT, its wait to admission, its chunks'
+times; statistics and the ``targets`` each mode judges: ``bench/fairness_stats.py``.
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ from typing import Annotated, Any
 import typer
 
 from bench.common import csv_items, pyplot, save_figure, write_json
-from bench.fairness_stats import Costs, Outcome, Record, mode_summary, throughput
+from bench.fairness_stats import Costs, Outcome, Record, mode_summary, mode_targets, throughput
 
 MODES = ("fair", "fcfs", "priority")
 EXTRA = ("solo", "overhead")
@@ -138,11 +137,11 @@ async def send(phase: Phase, tenant: FairTenant, body: dict[str, Any], t0: float
                     await asyncio.sleep(wait_s)
                     continue
                 if response.status_code != 200:
-                    text = (await response.aread()).decode()[-200:]
-                    error = f"{response.status_code}: {text}"
+                    error = f"{response.status_code}: {(await response.aread()).decode()[-200:]}"
                     return Record(
                         outcome="failed", throttle_responses=throttles, error=error, **fields
                     )
+                fields["admitted_s"] = time.monotonic() - t0  # admitted: its answer starts
                 waited = response.headers.get("x-vtoken-queue-wait")
                 fields["queue_wait_s"] = None if waited is None else float(waited)
                 return await _read_stream(response, t0, throttles, fields)
@@ -156,6 +155,7 @@ async def send(phase: Phase, tenant: FairTenant, body: dict[str, Any], t0: float
 async def _read_stream(response: Any, t0: float, throttles: int, fields: dict[str, Any]) -> Record:
     first: float | None = None
     usage: dict[str, int] = {}
+    chunks: list[float] = []
     async for line in response.aiter_lines():
         if not line.startswith("data: "):
             continue
@@ -168,6 +168,7 @@ async def _read_stream(response: Any, t0: float, throttles: int, fields: dict[st
                 completion_tokens=usage.get("completion_tokens", 0),
                 first_token_s=first,
                 done_s=done,
+                chunk_times_s=tuple(chunks),
                 throttle_responses=throttles,
                 error="" if outcome == "ok" else "stream ended without tokens or usage",
                 **fields,
@@ -176,8 +177,9 @@ async def _read_stream(response: Any, t0: float, throttles: int, fields: dict[st
         if "error" in event:
             error = f"stream error: {event['error'].get('message', '')}"[:200]
             return Record(outcome="failed", throttle_responses=throttles, error=error, **fields)
-        if first is None and any(c.get("text") for c in event.get("choices", [])):
-            first = time.monotonic() - t0
+        if any(c.get("text") for c in event.get("choices", [])):
+            chunks.append(time.monotonic() - t0)
+            first = chunks[0]
         usage = event.get("usage") or usage
     return Record(outcome="failed", throttle_responses=throttles, error="no [DONE]", **fields)
 
@@ -357,13 +359,12 @@ def run(modes: list[str], settings: Settings) -> dict[str, Any]:
     }
     if "solo" in results.get("fair", {}):
         summary["solo"] = results["fair"]["solo"]["tenants"][0]
+    for result in summary["modes"].values():  # judged against B alone
+        result["targets"] = mode_targets(result, summary.get("solo"))
     if all("overhead" in results.get(m, {}) for m in ("fair", "fcfs")):
         on, off = results["fair"]["overhead"], results["fcfs"]["overhead"]
-        ratio = (
-            on["tokens_per_s"] / off["tokens_per_s"]
-            if on["tokens_per_s"] and off["tokens_per_s"]
-            else None
-        )
+        both = on["tokens_per_s"] and off["tokens_per_s"]
+        ratio = on["tokens_per_s"] / off["tokens_per_s"] if both else None
         summary["overhead"] = {
             "fair": on,
             "fcfs": off,

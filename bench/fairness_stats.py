@@ -5,15 +5,28 @@ drives the stack and makes the records).
 Service is what the engines' fair order counts (``workers/fair_share.py``): a request's
 prompt tokens at ``fair_prompt_cost`` each and its output tokens at ``fair_output_cost``
 each, divided by its tenant's weight. From the client's side a request's prompt is served
-when its first token arrives, and its output tokens evenly from its first token to its
-last; service is summed per window of ``WINDOW_S`` seconds from the start of the load.
+when its first token arrives, and its output tokens as the stream's chunks carrying text
+arrive (``chunk_times_s``: the completion's tokens shared evenly among its chunks; a
+record without chunk times spreads them evenly from its first token to its last);
+service is summed per window of ``WINDOW_S`` seconds from the start of the load.
 
 Jain's index of the backlogged tenants' weighted service, ``(sum x)^2 / (n * sum x^2)``
 (1: equal; ``1/n``: one tenant got everything), is computed per window after the warm-up
 and up to the end of the arrivals (afterwards the tenants are no longer backlogged);
 ``jain_index`` is the smallest of those windows' values (every window must meet the
-target), ``jain_mean`` their mean. ``requests`` lists every request's outcome (one row
-each, ``REQUEST_FIELDS``), to find out why a figure is what it is.
+target), ``jain_mean`` their mean. A judged window in which no backlogged tenant was
+served at all is no evidence of fairness: it counts as index 0 and is reported in
+``windows_unknown``.
+
+TTFT percentiles count a request never served (throttled until the arrivals ended; a
+failed one is counted in ``requests_failed``) as an infinite TTFT, so a light tenant's throttled
+requests cannot vanish from its p99 (``None`` in the JSON where the percentile is
+infinite, with ``ttft_unserved`` the count). A request's client-side wait
+(``client_wait_s``) runs from its first send to its admission (the response's headers),
+over all its attempts, 429-then-retry included; ``waits_past_max`` counts the waits over
+the tenant's ``max_queue_wait_s``, a request never admitted included. ``requests`` lists
+every request's outcome (one row each, ``REQUEST_FIELDS``), to find out why a figure is
+what it is.
 """
 
 from __future__ import annotations
@@ -46,6 +59,19 @@ class Record:
     queue_wait_s: float | None = None
     throttle_responses: int = 0
     error: str = ""
+    admitted_s: float | None = None
+    chunk_times_s: tuple[float, ...] = ()
+
+    @property
+    def client_wait_s(self) -> float:
+        """From its first send to its admission, over all attempts (``inf``: never)."""
+        return math.inf if self.admitted_s is None else self.admitted_s - self.sent_s
+
+    @property
+    def ttft_or_inf_s(self) -> float:
+        """``ttft_s``, or ``inf`` for a request never served."""
+        ttft = self.ttft_s
+        return math.inf if ttft is None or self.outcome != "ok" else ttft
 
     @property
     def ttft_s(self) -> float | None:
@@ -90,6 +116,11 @@ def service_per_window(
         if record.completion_tokens <= 0:
             continue
         per_token = costs.output
+        if record.chunk_times_s:  # credited as the chunks arrived
+            share = record.completion_tokens * per_token / len(record.chunk_times_s)
+            for at_s in record.chunk_times_s:
+                add(at_s, share)
+            continue
         if done == first or record.completion_tokens == 1:
             add(first, record.completion_tokens * per_token)
             continue
@@ -127,7 +158,8 @@ def tenant_row(
     """One tenant's row of the JSON (``records``: its own)."""
     ok = [r for r in records if r.outcome == "ok"]
     waits = [r.queue_wait_s for r in records if r.queue_wait_s is not None]
-    ttfts = [t for r in ok if (t := r.ttft_s) is not None]
+    client_waits = [r.client_wait_s for r in records if r.outcome != "failed"]
+    ttfts = [r.ttft_or_inf_s for r in records if r.outcome != "failed"]
     tpots = [t for r in ok if (t := r.tpot_s) is not None]
     return {
         "id": tenant_id,
@@ -140,15 +172,17 @@ def tenant_row(
         "requests_failed": sum(r.outcome == "failed" for r in records),
         "throttle_responses": sum(r.throttle_responses for r in records),
         "output_tokens": sum(r.completion_tokens for r in ok),
-        "ttft_p50_s": percentile(ttfts, 0.5),
-        "ttft_p99_s": percentile(ttfts, 0.99),
+        "ttft_p50_s": finite(percentile(ttfts, 0.5)),
+        "ttft_p99_s": finite(percentile(ttfts, 0.99)),
+        "ttft_unserved": sum(math.isinf(t) for t in ttfts),
         "tpot_p50_s": percentile(tpots, 0.5),
         "tpot_p99_s": percentile(tpots, 0.99),
         "queue_wait_p99_s": percentile(waits, 0.99),
         "queue_wait_max_s": round(max(waits), 3) if waits else None,
+        "client_wait_max_s": finite(round(max(client_waits), 3) if client_waits else None),
         "max_queue_wait_s": max_queue_wait_s,
         "waits_past_max": sum(
-            1 for w in waits if max_queue_wait_s is not None and w > max_queue_wait_s
+            1 for w in client_waits if max_queue_wait_s is not None and w > max_queue_wait_s
         ),
         "errors": sorted({r.error for r in records if r.error})[:5],
     }
@@ -183,12 +217,14 @@ def mode_summary(
         jain([service[tenant][index] for tenant in backlogged])
         for index in judged_windows(duration_s, warmup_s)
     ]
-    known = [value for value in per_window if value is not None]
+    # a window where no backlogged tenant was served counts as 0, not as skipped
+    judged = [0.0 if value is None else value for value in per_window]
     return {
-        "jain_index": round(min(known), 4) if known else None,
-        "jain_index_of": "the minimum over the windows after the warm-up",
-        "jain_mean": round(sum(known) / len(known), 4) if known else None,
+        "jain_index": round(min(judged), 4) if judged else None,
+        "jain_index_of": "the minimum over the windows after the warm-up (unserved: 0)",
+        "jain_mean": round(sum(judged) / len(judged), 4) if judged else None,
         "jain_per_window": [None if v is None else round(v, 4) for v in per_window],
+        "windows_unknown": sum(value is None for value in per_window),
         "backlogged": list(backlogged),
         "window_s": WINDOW_S,
         "warmup_s": warmup_s,
@@ -205,6 +241,36 @@ REQUEST_FIELDS = (
     "tenant", "outcome", "sent_s", "first_token_s", "done_s", "queue_wait_s",
     "prompt_tokens", "completion_tokens", "throttle_responses",
 )  # fmt: skip
+
+
+def finite(value: float | None) -> float | None:
+    """``value``, or ``None`` where it is infinite (JSON has no infinity)."""
+    return None if value is None or math.isinf(value) else value
+
+
+def target(figure: float | None, bound: float, at_most: bool = True) -> dict[str, Any]:
+    """A target's judgement: the figure, its bound, and whether it is met (an unknown or
+    infinite figure never is)."""
+    met = figure is not None and (figure <= bound if at_most else figure >= bound)
+    return {"figure": figure, "bound": bound, "met": met}
+
+
+JAIN_BOUND = 0.95  # every judged window's index of the backlogged tenants' service
+B_TTFT_X_SOLO = 1.25  # B's TTFT p99 in the mix: at most this times its p99 alone
+
+
+def mode_targets(result: dict[str, Any], solo: dict[str, Any] | None) -> dict[str, Any]:
+    """A mode's targets judged explicitly: Jain's index (``JAIN_BOUND``), no wait past a
+    tenant's ``max_queue_wait_s``, and B's TTFT p99 (a request never served: infinite)
+    within ``B_TTFT_X_SOLO`` x its p99 alone (unknown without a solo run: not met)."""
+    b_row = next((row for row in result["tenants"] if row["id"] == "B"), None)
+    solo_p99 = solo.get("ttft_p99_s") if solo else None
+    b_p99 = b_row["ttft_p99_s"] if b_row and not b_row["ttft_unserved"] else None
+    return {
+        "jain_index": target(result["jain_index"], JAIN_BOUND, at_most=False),
+        "waits_past_max": target(result["waits_past_max"], 0),
+        "b_ttft_p99_s": target(b_p99, B_TTFT_X_SOLO * solo_p99 if solo_p99 else 0.0),
+    }
 
 
 def request_row(record: Record) -> list[Any]:

@@ -45,10 +45,6 @@ from controlplane.retry_after import (
     HeldSchedule,
 )
 
-PRESENT_FOR_S = 10.0
-"""A tenant admitted this recently counts as present in the weighted shares of a full
-cluster even before the replicas' reports (the plan's ``usage``) show its KV."""
-
 
 class Renewal(enum.IntEnum):
     RENEWED = 1
@@ -233,7 +229,7 @@ class Admission:
                     ticket,
                     self.config.cluster_kv_blocks or 0,
                     int(self.config.queue_ticket_ttl_s * 1000),
-                    int(PRESENT_FOR_S * 1000),
+                    self.keys.reservation_total(""),
                 ],
             )
             if reason == "kv_budget":
@@ -277,7 +273,7 @@ class Admission:
             *queue_keys(keys, tenant_id),
             keys.queue_counters,
             keys.queue_virtual_time,
-            keys.queue_present,
+            keys.queue_present_weights,
         ]
 
     def _decision(

@@ -114,10 +114,10 @@ end
 # KEYS: quotas, usage, reservations, deadlines, rate bucket, reservation starts, total,
 # sequences, lapsed, lapsed-at, cluster total, then the fair queue's (tenant's tickets,
 # their leases, active tenants, contending tenants, tenant leases, counters, virtual time,
-# recently admitted tenants).
+# admitted tenants' weights).
 # ARGV: tenant, request id, blocks, lease_ms, prompt_tokens, rate burst seconds,
 # max_tokens, steady blocks, n (sequences), ticket ('' for a request not queued),
-# cluster capacity in blocks (0: none), ticket lease_ms, presence ms.
+# cluster capacity in blocks (0: none), ticket lease_ms, the reservation totals' key prefix.
 # Returns {outcome, reason, retry_after_ms}. A request that can never be admitted as asked
 # (over its tenant's budget or the cluster's capacity, `n` over its concurrency limit) is
 # rejected before anything else. A request queued behind its tenant's tickets
@@ -184,14 +184,13 @@ local counter = counter_of(KEYS[17], tenant)
 -- Charged at the stored weight: an ingress's cached quota may predate an admin change.
 local weight = quota['weight']
 if type(weight) ~= 'number' or weight <= 0 then weight = 1 end
--- A tenant within its weighted share of the capacity does not wait for a full cluster:
--- the room is the share that tenants above theirs hold (they wait until it is given back).
+-- The cluster's turn and room first; only when it says no, whether the tenant is within
+-- its weighted share (then it does not wait for a full cluster, within a bounded total:
+-- `within_share`): a cluster with room costs no read of the other tenants.
 local held_now = math.max(reserved, reported)
-local within = capacity > 0
-  and within_share(KEYS[1], KEYS[2], queue[3], KEYS[19], now - tonumber(ARGV[13]), tenant,
-    weight, held_now, blocks, capacity)
-if not within
-  and not cluster_turn(KEYS[11], contending, tenant, ticket, counter, blocks, capacity) then
+if not cluster_turn(KEYS[11], contending, tenant, ticket, counter, blocks, capacity)
+  and not within_share(KEYS[1], KEYS[19], queue[3], ARGV[13], tenant, weight, held_now,
+    blocks, capacity, tonumber(redis.call('GET', KEYS[11]) or '0')) then
   return {'throttled', 'cluster_full', -1}
 end
 local rate = quota['prompt_tokens_per_s']
@@ -208,10 +207,7 @@ if ticket ~= '' then
       < math.min(tonumber(ARGV[5]), rate * tonumber(ARGV[6])))
   served(queue, KEYS[17], KEYS[18], tenant, ticket, counter, blocks / weight, held)
 end
-if capacity > 0 then
-  redis.call('ZADD', KEYS[19], now, tenant)
-  redis.call('PEXPIRE', KEYS[19], tonumber(ARGV[13]))
-end
+if capacity > 0 then redis.call('HSET', KEYS[19], tenant, string.format('%.17g', weight)) end
 redis.call('HSET', KEYS[3], ARGV[2], blocks)
 redis.call('INCRBY', KEYS[7], blocks)
 redis.call('INCRBY', KEYS[11], blocks)

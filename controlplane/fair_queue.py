@@ -20,10 +20,15 @@ client left. The state every ingress must agree on lives in Redis (:class:`KeySp
   another floods the queue waits for at most one of its requests.
 - **Within its share, no wait**: a request whose tenant, with it, holds no more than its
   weighted share of the capacity (capacity x its weight / the weights of the tenants
-  present: holding KV in the replicas' reports, queued, or admitted in the last
-  ``admission.PRESENT_FOR_S``) is admitted even when the cluster is full. Only requests
-  over their tenant's share wait; the room is what the tenants above their shares hold,
-  and none of theirs is admitted again until the total is back under the capacity.
+  present: holding reservations, or queued) is admitted even when the cluster is full,
+  as long as the cluster's reservation total stays within twice the capacity. Only
+  requests over their tenant's share wait; the room is what the tenants above their
+  shares hold (the engines' fair squeeze and preemption take it back from them), and
+  none of theirs is admitted again until the total is back under the capacity. The bound
+  keeps tenants arriving one by one from growing the total without limit (each new
+  share would otherwise add capacity / k); a tenant within its share that meets it waits
+  for its turn, which its small counter gives it first. The share is computed only when
+  the cluster has no room.
 - **Liveness**: a ticket's lease is renewed by each poll; a ticket whose ingress died lapses
   after ``queue_ticket_ttl_s`` and is dropped by the next script touching its tenant, and a
   tenant whose tickets all lapsed leaves the contention for the cluster. A ticket that

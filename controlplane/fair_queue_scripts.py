@@ -72,26 +72,48 @@ local function cluster_turn(total, contending, tenant, ticket, counter, blocks, 
 end
 
 -- Whether the tenant, `blocks` more included, stays within its weighted share of the
--- cluster's `capacity`: capacity x `weight` / the weights of the tenants present (those
--- holding KV, the `usage` hash; those waiting, the `active` tenants; those admitted since
--- `since` ms, `recent`; itself). A deleted tenant weighs nothing. O(present tenants).
-local function within_share(quotas, usage, active, recent, since, tenant, weight, held,
-                            blocks, capacity)
-  local present, total = {[tenant] = true}, weight
-  local function add(name)
-    if present[name] then return end
-    present[name] = true
-    local raw = redis.call('HGET', quotas, name)
-    if not raw then return end
-    local other = cjson.decode(raw)['weight']
-    if type(other) ~= 'number' or other <= 0 then other = 1 end
-    total = total + other
+-- cluster's `capacity` (capacity x `weight` / the weights of the tenants present) and the
+-- cluster's reservation total, `blocks` more included, stays within twice the capacity.
+-- Present: the tenant itself, the tenants queued (`active`), and those in `weights`
+-- (tenant -> weight, written at each admission) whose reservation total (the string at
+-- `total_prefix` .. tenant, kept by the admit, settle, release, renew and lapse scripts)
+-- is above 0; an entry whose total is 0 is dropped here. Only asked when the cluster is
+-- full; O(present tenants), numbers only (a queued tenant never admitted is the one read
+-- from its quota). The reservation totals are read by name: standalone Redis only.
+local function within_share(quotas, weights, active, total_prefix, tenant, weight, held,
+                            blocks, capacity, cluster_total)
+  if cluster_total + blocks > 2 * capacity then return false end
+  if held + blocks > capacity then return false end
+  local present, sum = {[tenant] = true}, weight
+  local known = {}
+  local flat = redis.call('HGETALL', weights)
+  for i = 1, #flat, 2 do known[flat[i]] = tonumber(flat[i + 1]) end
+  for name, other in pairs(known) do
+    if not present[name] then
+      if tonumber(redis.call('GET', total_prefix .. name) or '0') > 0 then
+        present[name] = true
+        sum = sum + other
+      else
+        redis.call('HDEL', weights, name)
+      end
+    end
   end
-  for _, name in ipairs(redis.call('ZRANGE', active, 0, -1)) do add(name) end
-  for _, name in ipairs(redis.call('HKEYS', usage)) do add(name) end
-  redis.call('ZREMRANGEBYSCORE', recent, '-inf', since)
-  for _, name in ipairs(redis.call('ZRANGE', recent, 0, -1)) do add(name) end
-  return held + blocks <= capacity * weight / total
+  for _, name in ipairs(redis.call('ZRANGE', active, 0, -1)) do
+    if not present[name] then
+      present[name] = true
+      local other = known[name]
+      if other == nil then
+        local raw = redis.call('HGET', quotas, name)
+        other = 0  -- a deleted tenant weighs nothing
+        if raw then
+          other = cjson.decode(raw)['weight']
+          if type(other) ~= 'number' or other <= 0 then other = 1 end
+        end
+      end
+      sum = sum + other
+    end
+  end
+  return held + blocks <= capacity * weight / sum
 end
 
 -- The tenant's first ticket is admitted: it leaves the queue, the tenant's counter grows

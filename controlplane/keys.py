@@ -164,10 +164,10 @@ class KeySpace:
         return f"{self.prefix}:queue:vtime"
 
     @property
-    def queue_present(self) -> str:
-        """Sorted set: tenant -> Redis ms of its latest admission while the cluster had a
-        bound: who holds KV before the replicas' reports show it (the weighted shares)."""
-        return f"{self.prefix}:queue:present"
+    def queue_present_weights(self) -> str:
+        """Hash: tenant -> its weight at its latest admission while the cluster had a bound;
+        present in the weighted shares while its reservation total is above 0."""
+        return f"{self.prefix}:queue:present-weights"
 
     def rate_bucket(self, tenant_id: str) -> str:
         """Hash `tokens`, `at_ms`: the tenant's prompt-token bucket."""

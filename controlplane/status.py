@@ -141,12 +141,19 @@ def _held(snapshot: ReportSnapshot) -> dict[str, dict[str, int]]:
 
 def _virtual_counters(snapshot: ReportSnapshot) -> dict[str, dict[str, tuple[float, float]]]:
     """Tenant -> replica -> (its virtual counter there, that counter less the smallest one
-    the replica reports): the engines' fair order (``EngineCounters.tenant_counters``)."""
+    among the tenants present on the replica, holding requests there; all reported when
+    none is): the engines' fair order (``EngineCounters.tenant_counters``). A long-idle
+    tenant's counter stays low and would make every present tenant look ahead."""
     counters: dict[str, dict[str, tuple[float, float]]] = {}
     for replica_id, report in sorted(snapshot.fresh.items()):
         if not report.tenant_counters:
             continue  # fairness off there
-        least = min(report.tenant_counters.values())
+        present = [
+            counter
+            for tenant_id, counter in report.tenant_counters.items()
+            if (usage := report.tenants.get(tenant_id)) and (usage.requests or usage.blocks)
+        ]
+        least = min(present or report.tenant_counters.values())
         for tenant_id, counter in report.tenant_counters.items():
             counters.setdefault(tenant_id, {})[replica_id] = (counter, counter - least)
     return counters

@@ -2,10 +2,12 @@
 
 One sub-queue per tenant, each of vLLM's own kind (first come, first served, or its
 ``priority`` heap): within a tenant vLLM's order is kept. The head is the head of the
-tenant with the smallest virtual counter (under the ``priority`` policy: the smallest
-priority value first, then the counter); ties go to the earlier arrival, so with one
-tenant (or none named) the queue is vLLM's own. Finding the head reads every tenant with
-a waiting request once: O(tenants), never O(requests).
+tenant with the smallest virtual counter; ties go to the earlier arrival, so with one
+tenant (or none named) the queue is vLLM's own. Under the ``priority`` policy a request's
+priority orders it only within its own tenant's sub-queue: the tenants are ordered by
+their counters (their weights) whatever priority their requests carry, so no tenant can
+jump ahead of the operator's weights by sending a low priority value. Finding the head
+reads every tenant with a waiting request once: O(tenants), never O(requests).
 """
 
 from __future__ import annotations
@@ -43,10 +45,10 @@ class FairRequestQueue(RequestQueue):
             queue = self.queues[tenant] = self.make_queue()
         return queue
 
-    def _key(self, tenant: str) -> tuple[float, float, float]:
+    def _key(self, tenant: str) -> tuple[float, float]:
+        # priority is not part of the key: it orders only within the tenant's sub-queue
         head = self.queues[tenant].peek_request()
-        priority = float(head.priority) if self.by_priority else 0.0
-        return (priority, self.fair.counter(tenant), head.arrival_time)
+        return (self.fair.counter(tenant), head.arrival_time)
 
     def _head_tenant(self) -> str:
         if not self.queues:

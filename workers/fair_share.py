@@ -257,11 +257,12 @@ def victim_order(
     end. First come, first served (``running`` in vLLM's order): the requests of tenants
     above their share (``above``) move behind the others, each group in its order.
     ``by_priority`` (vLLM's ``priority`` policy, which preempts the largest ``(priority,
-    arrival_time)``): by priority, then above share, then arrival. With no tenant above
-    its share this is the victim vLLM itself would take."""
+    arrival_time)``): above share first (whatever their priority: a tenant cannot shield
+    itself with a low priority value), then by priority, then arrival. With no tenant
+    above its share this is the victim vLLM itself would take."""
     if not by_priority:  # a stable partition, O(running)
         within = [entry.request_id for entry in running if entry.tenant not in above]
         return within + [entry.request_id for entry in running if entry.tenant in above]
     indexed = list(enumerate(running))
-    indexed.sort(key=lambda e: (e[1].priority, e[1].tenant in above, e[1].arrival_time, e[0]))
+    indexed.sort(key=lambda e: (e[1].tenant in above, e[1].priority, e[1].arrival_time, e[0]))
     return [entry.request_id for _, entry in indexed]

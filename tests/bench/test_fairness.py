@@ -8,7 +8,7 @@ import json
 import pytest
 
 from bench.fairness import SMOKE, TENANTS, plan, plot, run
-from bench.fairness_stats import Costs, Record, service_per_window
+from bench.fairness_stats import JAIN_BOUND, jain
 
 pytestmark = pytest.mark.slow
 ROW_FIELDS = {
@@ -29,29 +29,30 @@ def test_fair_and_priority_run_on_the_real_stack_and_report_what_was_served(tmp_
     for mode, result in summary["modes"].items():
         assert result["failed"] == 0, (mode, result)
         assert len(result["jain_per_window"]) == 2  # 20 s of arrivals, no warm-up
-        # Both windows may pass before a slow machine serves a backlogged tenant: then
-        # its index is unknown (None), never made up.
-        known = [j for j in result["jain_per_window"] if j is not None]
-        assert result["jain_index"] == (min(known) if known else None)
-        assert all(0.5 <= j <= 1.0 for j in known)
         rows = {row["id"]: row for row in result["tenants"]}
+        # Each window's index is Jain's of A's and C's weighted service in it, as listed
+        # (recomputed here, so it comes from the requests served, not a constant); a
+        # window where neither was served is unknown (None), counted 0 and reported.
+        for index, judged in enumerate(result["jain_per_window"]):
+            expected = jain([rows[t]["service_per_window"][index] for t in ("A", "C")])
+            assert judged == (None if expected is None else pytest.approx(expected, abs=1e-3))
+        values = [0.0 if j is None else j for j in result["jain_per_window"]]
+        assert result["jain_index"] == min(values)
+        assert result["windows_unknown"] == result["jain_per_window"].count(None)
+        targets = result["targets"]
+        assert targets["jain_index"]["met"] == (result["jain_index"] >= JAIN_BOUND)
+        assert targets["waits_past_max"]["met"] == (result["waits_past_max"] == 0)
+        if rows["B"]["requests_throttled"]:  # a B request never served fails its target
+            assert targets["b_ttft_p99_s"]["met"] is False
         assert list(rows) == ["A", "B", "C"]
         for tenant in TENANTS:
             row = rows[tenant.tenant_id]
             assert set(row) >= ROW_FIELDS and row["weight"] == tenant.weight
             assert row["requests_ok"] > 0 and row["output_tokens"] > 0, (mode, row)
-            assert row["ttft_p99_s"] >= row["ttft_p50_s"] > 0
+            if row["ttft_unserved"] == 0:
+                assert row["ttft_p99_s"] >= row["ttft_p50_s"] > 0
             assert len(row["service_per_window"]) == 2
-        # The windows' service is the listed requests' (a starved machine may serve none
-        # of it inside the 20 s: then zeros, never made up).
-        records = [
-            Record(**dict(zip(result["requests_fields"], r, strict=True)))
-            for r in result["requests"]
-        ]
-        for row in rows.values():
-            mine = [r for r in records if r.tenant == row["id"]]
-            expected = service_per_window(mine, row["weight"], Costs(), 2)
-            assert row["service_per_window"] == pytest.approx(expected, abs=1.0), mode
+        assert sum(sum(row["service_per_window"]) for row in rows.values()) > 0
         # Every figure comes from the requests listed, one row each.
         assert len(result["requests"]) == sum(row["requests"] for row in rows.values())
         served = [r for r in result["requests"] if r[1] == "ok"]

@@ -10,6 +10,7 @@ from bench.fairness_stats import (
     jain,
     judged_windows,
     mode_summary,
+    mode_targets,
     service_per_window,
     throughput,
 )
@@ -52,7 +53,7 @@ def test_mode_summary_weighs_service_and_judges_each_window() -> None:
         *(served("a", 10.0 * w + 1, 10.0 * w + 9, 100, 0) for w in range(4)),
         served("a", 22.0, 23.0, 100, 0),
         *(served("c", 10.0 * w + 1, 10.0 * w + 9, 200, 0) for w in range(4)),
-        served("b", 3.0, 4.0, 10, 2, sent=2.5, queue_wait_s=0.25),
+        served("b", 3.0, 4.0, 10, 2, sent=2.5, queue_wait_s=0.25, admitted_s=2.75),
         Record("b", "failed", 30.0, error="503: replica gone"),
         Record("a", "throttled", 31.0, throttle_responses=3),
     ]
@@ -64,6 +65,7 @@ def test_mode_summary_weighs_service_and_judges_each_window() -> None:
     assert summary["jain_index"] == pytest.approx(0.9, abs=1e-4)
     assert summary["jain_mean"] == pytest.approx((1.0 + 0.9 + 1.0) / 3, abs=1e-4)
     assert summary["failed"] == 1 and summary["waits_past_max"] == 1  # b waited 0.25 > 0.2
+    assert summary["windows_unknown"] == 0
     a, b, c = summary["tenants"]
     assert a["service_per_window"] == [100.0, 100.0, 200.0, 100.0]
     assert c["service_per_window"] == [100.0, 100.0, 100.0, 100.0]
@@ -78,3 +80,44 @@ def test_throughput_counts_output_tokens_from_first_send_to_last_token() -> None
     records = [served("t", 1.0, 5.0, 10, 40, sent=0.0), served("t", 6.0, 10.0, 10, 60)]
     assert throughput(records)["tokens_per_s"] == 10.0
     assert throughput([])["tokens_per_s"] is None
+
+
+def test_throttled_requests_count_as_an_infinite_ttft_and_fail_the_target() -> None:
+    """20 fast answers and 5 requests throttled until the end: the p99 is not 0.1."""
+    fast = [
+        served("B", 1.0 + i, 1.5 + i, 10, 2, sent=0.9 + i, admitted_s=0.9 + i) for i in range(20)
+    ]
+    throttled = [Record("B", "throttled", 2.0 + i, throttle_responses=4) for i in range(5)]
+    summary = mode_summary(fast + throttled, {"B": 1.0}, [], 30.0, 0.0, Costs(), {"B": None})
+    (row,) = summary["tenants"]
+    assert row["ttft_p99_s"] is None and row["ttft_unserved"] == 5
+    assert row["ttft_p50_s"] == pytest.approx(0.1)
+    judged = mode_targets(summary, {"ttft_p99_s": 0.1})["b_ttft_p99_s"]
+    assert judged == {"figure": None, "bound": 0.2, "met": False}
+    # served alone, the same fast answers meet it
+    alone = mode_summary(fast, {"B": 1.0}, [], 30.0, 0.0, Costs(), {"B": None})
+    assert mode_targets(alone, {"ttft_p99_s": 0.1})["b_ttft_p99_s"]["met"] is True
+
+
+def test_a_wait_past_the_max_is_measured_on_the_client_over_retries() -> None:
+    """The ingress reported no queue wait (a 429 then a retry): the client saw 70 s."""
+    retried = served("A", 71.0, 72.0, 10, 2, sent=0.5, admitted_s=70.5, throttle_responses=2)
+    never = Record("A", "throttled", 10.0, throttle_responses=9)
+    summary = mode_summary([retried, never], {"A": 1.0}, [], 80.0, 0.0, Costs(), {"A": 60.0})
+    (row,) = summary["tenants"]
+    assert row["waits_past_max"] == 2 and row["client_wait_max_s"] is None
+    assert mode_targets(summary, None)["waits_past_max"]["met"] is False
+
+
+def test_a_window_where_no_backlogged_tenant_was_served_counts_as_zero() -> None:
+    records = [served("a", 5.0, 6.0, 100, 0), served("c", 5.0, 6.0, 200, 0)]
+    summary = mode_summary(records, {"a": 1.0, "c": 2.0}, ["a", "c"], 20.0, 0.0, Costs())
+    assert summary["jain_per_window"] == [1.0, None]
+    assert summary["windows_unknown"] == 1 and summary["jain_index"] == 0.0
+    assert mode_targets(summary, None)["jain_index"]["met"] is False
+
+
+def test_output_tokens_are_credited_when_their_chunks_arrive() -> None:
+    """4 tokens over 5 s .. 25 s, all streamed in the first window: all in window 0."""
+    record = served("a", 5.0, 25.0, 0, 4, chunk_times_s=(5.0, 6.0, 7.0, 8.0))
+    assert service_per_window([record], 1.0, Costs(1.0, 2.0), 3) == [8.0, 0.0, 0.0]

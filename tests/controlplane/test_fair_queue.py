@@ -432,3 +432,98 @@ async def test_a_tenant_within_its_weighted_share_does_not_wait_for_a_full_clust
         expected = "admitted" if index == 2 else "cluster_full"
         assert await ask(admission, flood, "f-0") == expected, index
     await queue.check_invariants()
+
+
+async def test_tenants_arriving_one_by_one_keep_the_cluster_total_bounded(
+    redis: aioredis.Redis, keys: KeySpace, store: RedisStore
+) -> None:
+    """One tenant holds the whole cluster (12 requests); seven more arrive one by one and
+    each takes what it is admitted. Without a bound each would get capacity / k more
+    (31 requests in all); the total stays within twice the capacity, and the first
+    newcomer still gets its half share at once."""
+    admission, _ = await make(redis, keys, requests_fit=12)
+    unit = one_request_blocks(admission)
+    tenants = [quota(f"t{index}", 10_000) for index in range(8)]
+    for tenant in tenants:
+        await store.put_quota(tenant)
+    for index in range(12):
+        assert (await admission.admit(tenants[0], f"t0-{index}", PROMPT, MAX_TOKENS)).admitted
+    got = []
+    for tenant in tenants[1:]:
+        count = 0
+        while (
+            await admission.admit(tenant, f"{tenant.tenant_id}-{count}", PROMPT, MAX_TOKENS)
+        ).admitted:
+            count += 1
+            assert count <= 12
+        got.append(count)
+    total = int(await redis.get(keys.cluster_reservation_total) or 0)
+    assert total <= 2 * 12 * unit, (got, total // unit)
+    assert got[0] == 6  # t1's share: half the cluster
+
+
+async def test_a_long_running_tenant_still_counts_as_present(
+    redis: aioredis.Redis, keys: KeySpace, store: RedisStore
+) -> None:
+    """A tenant whose requests were admitted long ago (no replica report in ``usage``)
+    still holds reservations, so it is present: a newcomer of the same weight gets half
+    the cluster, not all of it."""
+    admission, _ = await make(redis, keys, requests_fit=4)
+    old, new = quota("old", 10_000), quota("new", 10_000)
+    for tenant in (old, new):
+        await store.put_quota(tenant)
+    for index in range(4):
+        assert (await admission.admit(old, f"old-{index}", PROMPT, MAX_TOKENS)).admitted
+    assert not await redis.exists(keys.usage)
+    await asyncio.sleep(10.5)  # longer than any "recently admitted" window
+    results = [
+        (await admission.admit(new, f"new-{i}", PROMPT, MAX_TOKENS)).admitted for i in range(4)
+    ]
+    assert results == [True, True, False, False]
+    # once the old tenant released everything it no longer counts: the newcomer's share
+    # is the whole cluster (and the cluster has room)
+    for index in range(4):
+        await release(admission, old, f"old-{index}")
+    assert (await admission.admit(new, "new-9", PROMPT, MAX_TOKENS)).admitted
+
+
+@pytest.mark.parametrize(("light_weight", "expected"), [(3.0, 6), (1.0 / 3.0, 2)])
+async def test_the_share_a_full_cluster_grants_follows_the_weights(
+    redis: aioredis.Redis, keys: KeySpace, store: RedisStore, light_weight: float, expected: int
+) -> None:
+    """A flood of weight 1 holds the whole cluster (eight requests); a newcomer of weight
+    3 is admitted up to 3/4 of it (six), one of weight 1/3 up to 1/4 (two)."""
+    admission, _ = await make(redis, keys, requests_fit=8)
+    flood, light = quota("flood", 10_000, weight=1.0), quota("light", 10_000, weight=light_weight)
+    for tenant in (flood, light):
+        await store.put_quota(tenant)
+    for index in range(8):
+        assert (await admission.admit(flood, f"f-{index}", PROMPT, MAX_TOKENS)).admitted
+    count = 0
+    while (await admission.admit(light, f"l-{count}", PROMPT, MAX_TOKENS)).admitted:
+        count += 1
+        assert count <= 8
+    assert count == expected
+
+
+async def test_an_admission_into_a_cluster_with_room_reads_no_other_tenant(
+    redis: aioredis.Redis, keys: KeySpace, store: RedisStore
+) -> None:
+    """With room in the cluster the share is not computed: many tenants holding
+    reservations cost an admission nothing (no per-tenant read: HGETALL, HKEYS)."""
+    admission, _ = await make(redis, keys, requests_fit=200)
+    tenants = [quota(f"t{index}", 10_000) for index in range(60)]
+    for tenant in tenants:
+        await store.put_quota(tenant)
+        assert (await admission.admit(tenant, f"{tenant.tenant_id}-0", PROMPT, MAX_TOKENS)).admitted
+
+    async def calls() -> dict[str, int]:
+        stats = await redis.info("commandstats")
+        return {
+            name: stats.get(f"cmdstat_{name}", {}).get("calls", 0) for name in ("hgetall", "hkeys")
+        }
+
+    before = await calls()
+    for index in range(1, 5):
+        assert (await admission.admit(tenants[0], f"t0-{index}", PROMPT, MAX_TOKENS)).admitted
+    assert await calls() == before

@@ -132,7 +132,8 @@ async def test_status_shows_each_tenants_virtual_counters_and_its_lead(
     on_r1 = report("r1", clock.now(), {"flood": 5, "light": 1})
     on_r2 = report("r2", clock.now(), {"flood": 3})
     off = report("r3", clock.now(), {"elsewhere": 2})  # fairness off: no counters
-    counters = {"r1": {"flood": 1500.0, "light": 300.25}, "r2": {"flood": 800.0}}
+    # "idle" left r1 long ago: its low counter is no lead's reference
+    counters = {"r1": {"flood": 1500.0, "light": 300.25, "idle": 3.0}, "r2": {"flood": 800.0}}
     for replica in (on_r1, on_r2, off):
         replica = replica.model_copy(
             update={"tenant_counters": counters.get(replica.replica_id, {})}

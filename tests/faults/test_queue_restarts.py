@@ -127,6 +127,7 @@ async def burst_then_kill(stack: Any, tenant_id: str, kill: Any) -> dict[str, An
         await until(drained, 30)
         redis = aioredis.Redis.from_url(stack.redis_url)
         reserved = int(await redis.get(KeySpace().reservation_total(tenant_id)) or 0)
+        cluster = int(await redis.get(KeySpace().cluster_reservation_total) or 0)
         await redis.aclose()
     return {
         "outcomes": Counter(outcome for outcome, _ in results),
@@ -135,6 +136,7 @@ async def burst_then_kill(stack: Any, tenant_id: str, kill: Any) -> dict[str, An
         "depth_at_kill": depth,
         "killed": killed,
         "reserved_after": reserved,
+        "cluster_reserved_after": cluster,
     }
 
 
@@ -149,7 +151,7 @@ async def test_queued_requests_survive_a_controller_killed_while_they_wait(stack
     assert seen["outcomes"] == Counter({Outcome.OK: REQUESTS}), seen
     assert seen["queued"] >= seen["depth_at_kill"]  # they did wait, and were served
     assert int(alive_actor("controller")["Pid"]) != seen["killed"]  # Serve started another
-    assert seen["reserved_after"] == 0
+    assert seen["reserved_after"] == 0 and seen["cluster_reserved_after"] == 0
 
 
 async def test_queued_requests_survive_a_replica_killed_while_they_wait(stack: Any) -> None:
@@ -168,4 +170,4 @@ async def test_queued_requests_survive_a_replica_killed_while_they_wait(stack: A
     assert documented <= seen["killed"], seen
     assert outcomes[Outcome.OK] == REQUESTS - documented and seen["depth_at_kill"] >= 4
     assert seen["queued"] >= seen["depth_at_kill"] - documented
-    assert seen["reserved_after"] == 0
+    assert seen["reserved_after"] == 0 and seen["cluster_reserved_after"] == 0

@@ -126,13 +126,23 @@ def test_removed_requests_leave_their_tenant_inactive():
     assert not q and not q.fair.waiting
 
 
-def test_priority_comes_before_the_counters_and_orders_within_a_tenant():
+def test_priority_orders_only_within_a_tenant_and_counters_order_the_tenants():
     q = queue(SchedulingPolicy.PRIORITY)
     q.add_request(Req("a-low", "a", priority=1))
     q.add_request(Req("a-high", "a", priority=0))
     q.add_request(Req("b-low", "b", priority=1))
-    q.fair.counters["a"] = 1000.0  # a was served much more: b first at equal priority
-    assert drain(q) == ["a-high", "b-low", "a-low"]
+    q.fair.counters["a"] = 1000.0  # a was served much more: b first, whatever a's priority
+    assert drain(q) == ["b-low", "a-high", "a-low"]
+
+
+def test_a_flooding_tenant_cannot_jump_the_weights_with_a_low_priority():
+    q = queue(SchedulingPolicy.PRIORITY)
+    for i in range(3):
+        q.add_request(Req(f"flood-{i}", "flood", priority=-(2**31) + 1))
+    q.add_request(Req("light-0", "light", priority=0))
+    q.fair.counters["flood"] = 50.0  # flood was served more than light
+    assert q.peek_request().request_id == "light-0"
+    assert drain(q)[0] == "light-0"
 
 
 def test_a_tenants_queue_made_while_the_policy_is_swapped_still_orders_by_priority():

@@ -165,6 +165,18 @@ def test_victim_order_under_priority_is_vllms_when_nobody_is_above_share():
     ]
     # vLLM preempts the largest (priority, arrival_time): z, then y, then x
     assert victim_order(running, set(), by_priority=True) == ["x", "y", "z"]
-    # among the lowest priority, the tenant above its share goes first; priority still wins
+    # a tenant above its share is preempted first, whatever its priority
     assert victim_order(running, {"b"}, by_priority=True) == ["x", "z", "y"]
-    assert victim_order(running, {"a"}, by_priority=True) == ["x", "y", "z"]
+    assert victim_order(running, {"a"}, by_priority=True) == ["y", "x", "z"]
+
+
+def test_a_low_priority_value_does_not_shield_a_tenant_above_its_share():
+    flood = -(2**31) + 1
+    running = [
+        Running("flood-1", "flood", flood, 1.0),
+        Running("flood-2", "flood", flood, 2.0),
+        Running("light-1", "light", 0, 3.0),
+    ]
+    order = victim_order(running, above={"flood"}, by_priority=True)
+    assert order[-1] == "flood-2"  # vLLM preempts from the end
+    assert order == ["light-1", "flood-1", "flood-2"]

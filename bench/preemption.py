@@ -90,6 +90,22 @@ def engine_vtoken(
     }
 
 
+def record_live_at_end(state: Any) -> list[int]:
+    """A list that fills with each finished request's live tokens as ``state`` (a
+    ``VTokenScheduler``, or ``None`` for vanilla: the list stays empty) frees it."""
+    live_at_end: list[int] = []
+    if state is not None:
+        original_free, running = state.free, state.manager.requests
+
+        def free(request_id: str, preempted: bool = False) -> None:
+            if not preempted:
+                live_at_end.append(running[request_id].table.num_live)
+            original_free(request_id, preempted)
+
+        state.free = free
+    return live_at_end
+
+
 def run_engine(
     path: str,
     engine: str,
@@ -117,16 +133,7 @@ def run_engine(
     )
     counter = PreemptionCounter(engine_scheduler(llm))
     state = engine_state(llm)
-    live_at_end: list[int] = []
-    if state is not None:
-        original_free, running = state.free, state.manager.requests
-
-        def free(request_id: str, preempted: bool = False) -> None:
-            if not preempted:
-                live_at_end.append(running[request_id].table.num_live)
-            original_free(request_id, preempted)
-
-        state.free = free  # type: ignore[method-assign]
+    live_at_end = record_live_at_end(state)
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     started = time.perf_counter()
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.concurrency import TrialRunner, engine_settings, max_concurrency
-from bench.preemption import BLOCK_SIZE, engine_vtoken, run_engine
+from bench.preemption import BLOCK_SIZE, engine_vtoken, record_live_at_end, run_engine
 from sim.attention import AttentionSource, ReplayedAttention, SyntheticAttention, recording_scores
 from sim.replica import ExactReplica, ReplicaConfig
 from vtoken.policy import StepAttention
@@ -82,16 +82,7 @@ def simulate_preemption(
         attention,
     )
     state = replica.state
-    live_at_end: list[int] = []
-    if state is not None:
-        original_free, running = state.free, state.manager.requests
-
-        def free(request_id: str, preempted: bool = False) -> None:
-            if not preempted:
-                live_at_end.append(running[request_id].table.num_live)
-            original_free(request_id, preempted)
-
-        state.free = free  # type: ignore[method-assign]
+    live_at_end = record_live_at_end(state)
     for index, prompt in enumerate(prompts):
         replica.add_request(str(index), prompt, new_tokens)
     completed = 0

@@ -119,3 +119,41 @@ def test_per_layer_kv_sizes_that_differ_are_refused_with_their_sizes():
     (problem,) = kv_group_problems(_config(([0, 1], mixed)))
     sizes = sorted({FULL.page_size_bytes, wide.page_size_bytes})
     assert f"full attention with per-layer KV sizes {sizes} bytes per block (layers 0-1)" in problem
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (
+            FullAttentionSpec(**SHAPE, attention_chunk_size=8192),
+            r"chunked local attention 8192 allocated as full attention \(layers 2-3\)",
+        ),
+        (
+            FullAttentionSpec(**SHAPE, sliding_window=512),
+            r"sliding window 512 allocated as full attention \(layers 2-3\)",
+        ),
+    ],
+    ids=["chunked-local-promoted", "sliding-promoted"],
+)
+def test_layers_vllm_promoted_to_full_attention_are_refused_by_their_type(spec, message):
+    """With vLLM's hybrid KV cache manager off, chunked local and sliding-window layers
+    arrive as ``FullAttentionSpec`` with a chunk size or window: not plain full attention
+    (vToken's physical lengths would move their chunk boundaries and windows)."""
+    config = _config(([0, 1], FULL), ([2, 3], spec))
+    (problem,) = kv_group_problems(config)
+    with pytest.raises(ValueError, match=message):
+        group_layout(config)
+    assert "group 0: full attention (layers 0-1)" in problem
+
+
+def test_groups_whose_blocks_differ_from_the_full_group_are_refused():
+    """One repack and one layout serve every layer's cache: a sliding group with another
+    block size or head size (vLLM unifies page sizes that way) is refused at start."""
+    for other in (
+        SlidingWindowSpec(**{**SHAPE, "block_size": 16}, sliding_window=512),
+        SlidingWindowSpec(**{**SHAPE, "head_size": 64}, sliding_window=512),
+    ):
+        (problem,) = kv_group_problems(_config(([0, 1], other), ([2], FULL)))
+        assert "KV cache groups whose blocks differ" in problem
+    padded = FullAttentionSpec(**SHAPE, page_size_padded=FULL.page_size_bytes * 2)
+    assert kv_group_problems(_config(([0, 1], padded)))

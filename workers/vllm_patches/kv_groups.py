@@ -66,8 +66,13 @@ def _kind(spec: Any) -> str:
     if isinstance(spec, UniformTypeKVCacheSpecs):
         sizes = sorted({s.page_size_bytes for s in spec.kv_cache_specs.values()})
         return f"{kind} with per-layer KV sizes {sizes} bytes per block"
-    window = getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None)
-    return f"{kind} {window}" if window and "full" not in kind else kind
+    window = getattr(spec, "sliding_window", None)
+    chunk = getattr(spec, "attention_chunk_size", None)
+    if "full" not in kind:
+        return f"{kind} {window or chunk}" if window or chunk else kind
+    if window:  # vLLM's hybrid KV cache manager is off: sliding layers allocated as full
+        return f"sliding window {window} allocated as full attention"
+    return f"chunked local attention {chunk} allocated as full attention" if chunk else kind
 
 
 def describe_groups(kv_cache_config: Any) -> str:
@@ -83,10 +88,24 @@ def describe_groups(kv_cache_config: Any) -> str:
 
 
 def _is_full(spec: Any) -> bool:
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+    """Plain full attention: not a sliding window or chunked local attention that vLLM
+    promoted to a full-attention spec (its hybrid manager off), not a padded page."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    return (type(spec) is FullAttentionSpec and spec.sliding_window is None) and not isinstance(
-        spec, MLAAttentionSpec
+    return (
+        type(spec) is FullAttentionSpec
+        and spec.sliding_window is None
+        and getattr(spec, "attention_chunk_size", None) is None
+        and getattr(spec, "page_size_padded", None) is None
+    )
+
+
+def _geometry(spec: Any) -> tuple[Any, ...]:
+    """What one block of a layer looks like in memory: every group vToken runs beside must
+    match the full group's (one repack, one layout for every layer's cache)."""
+    return tuple(
+        getattr(spec, name, None)
+        for name in ("block_size", "num_kv_heads", "head_size", "dtype", "page_size_padded")
     )
 
 
@@ -109,7 +128,10 @@ def kv_group_problems(kv_cache_config: Any) -> list[str]:
     specs = [group.kv_cache_spec for group in groups]
     full = [i for i, spec in enumerate(specs) if _is_full(spec)]
     other = [i for i, spec in enumerate(specs) if not _is_full(spec) and not _is_sliding(spec)]
-    if len(full) == 1 and not other:
+    differ = [
+        i for i in range(len(specs)) if full and _geometry(specs[i]) != _geometry(specs[full[0]])
+    ]
+    if len(full) == 1 and not other and not differ:
         return []
     if not groups:
         return ["attention-free models (no KV cache group)"]
@@ -123,6 +145,13 @@ def kv_group_problems(kv_cache_config: Any) -> list[str]:
         reasons.append(f"{len(full)} full-attention KV cache groups (vToken manages one)")
     if not full:
         reasons.append("no full-attention KV cache group")
+    if differ and not other:
+        sizes = sorted({str(_geometry(specs[i])[:3]) for i in [full[0], *differ]})
+        reasons.append(
+            "KV cache groups whose blocks differ (block size, KV heads, head size: "
+            + ", ".join(sizes)
+            + "; dtype or padded pages)"
+        )
     return [f"this model's KV cache ({'; '.join(reasons)}): {describe_groups(kv_cache_config)}"]
 
 

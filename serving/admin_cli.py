@@ -185,7 +185,10 @@ def status(url: Url = DEFAULT_URL, admin_token: Token = "") -> None:
     console = Console()
     replicas = Table(title=f"replicas (plan version {snapshot['plan_version']})")
     columns = ("replica", "fresh", "used/total", "reclaimable", "reclaimed", "running", "preempted")
-    for column in columns:
+    # Ids are never elided, however narrow the terminal: the other columns fold instead.
+    ids = [r["id"] for r in snapshot["replicas"]]
+    replicas.add_column(columns[0], no_wrap=True, min_width=max(map(len, ids), default=7))
+    for column in columns[1:]:
         replicas.add_column(column)
     for r in snapshot["replicas"]:
         fresh = r.get("fresh", False)
@@ -203,7 +206,9 @@ def status(url: Url = DEFAULT_URL, admin_token: Token = "") -> None:
         "tenant", "budget", "active KV", "floor", "reclaimable", "shared", "running", "queued",
         "oldest wait", "VTC lead", "pressure",
     )  # fmt: skip
-    for column in tenant_columns:
+    ids = [t["id"] for t in snapshot["tenants"]]
+    tenants.add_column(tenant_columns[0], no_wrap=True, min_width=max(map(len, ids), default=6))
+    for column in tenant_columns[1:]:
         tenants.add_column(column)
     for t in snapshot["tenants"]:
         pressure = t.get("pressure") or {}

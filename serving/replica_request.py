@@ -44,7 +44,7 @@ class PromptEncoder:
 
     def ids(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
         """The prompt's token ids; :class:`HTTPError` 404 for another model, 400 for a token
-        id outside the vocabulary or a prompt over the context."""
+        id outside the vocabulary, a prompt with no tokens or one over the context."""
         if body.model != self.model_name:
             raise HTTPError(404, f"model {body.model!r} is not served here", "not_found")
         if isinstance(body, ChatCompletionRequest):
@@ -66,6 +66,10 @@ class PromptEncoder:
         else:
             encoded = self.tokenizer(body.prompt)["input_ids"]
         ids = [int(token) for token in encoded]
+        if not ids:  # text of characters the tokenizer normalizes away (some control codes)
+            raise HTTPError(
+                400, "prompt: no tokens after tokenizing (the prompt is empty)", "invalid_request"
+            )
         limit = self.max_model_len
         if len(ids) + body.max_tokens > limit:
             raise HTTPError(

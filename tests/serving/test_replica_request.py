@@ -63,6 +63,14 @@ def test_a_token_id_outside_the_vocabulary_is_a_400() -> None:
     assert "token id 100 is outside the model's vocabulary of 100 tokens" in refused.value.message
 
 
+def test_text_that_tokenizes_to_nothing_is_a_400() -> None:
+    # Whitespace here; a real tokenizer drops some control characters (U+0016) the same way.
+    with pytest.raises(HTTPError) as refused:
+        ENCODER.ids(completion("   ", max_tokens=1))
+    assert refused.value.status == 400
+    assert "no tokens after tokenizing" in refused.value.message
+
+
 def test_a_prompt_over_the_context_is_a_400_and_one_at_it_fits() -> None:
     assert len(ENCODER.ids(completion("w1 w2 w3 w4 w5 w6", max_tokens=10))) == 6
     with pytest.raises(HTTPError) as refused:

@@ -348,6 +348,20 @@ def _views(dtype: torch.dtype, num_layers: int, kernel_block_size: int | None = 
     return create_kv_cache_views(raw, spec, num_blocks, layout, tensor, kernel_block_size)
 
 
+def _kv_cache_config(num_layers: int):
+    """One full-attention KV cache group of ``num_layers`` layers, as vLLM groups a plain
+    decoder (the part of ``KVCacheConfig`` ``_make_worker`` reads)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=torch.bfloat16
+    )
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
+    return KVCacheConfig(
+        num_blocks=6, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)]
+    )
+
+
 def _cuda_runner(config, backend: type, cache_dtype: str = "auto", layer_views=None):
     """A V1 ``GPUModelRunner`` as ``_make_worker`` sees it after ``initialize_kv_cache``
     (its ``__init__`` needs CUDA, so only the attributes the hook reads are set)."""
@@ -360,6 +374,7 @@ def _cuda_runner(config, backend: type, cache_dtype: str = "auto", layer_views=N
         _new_attention(config, backend, i).bind_kv_cache(view)
     runner = object.__new__(GPUModelRunner)
     runner.vllm_config, runner.model_config = config, config.model_config
+    runner.kv_cache_config = _kv_cache_config(len(caches))  # initialize_kv_cache sets it
     runner.device, runner.kv_caches, runner.is_mm_prefix_lm = torch.device("cuda"), caches, False
     runner.vtoken_query_capture = QueryCapture(  # as load_model allocates it, on the host
         CaptureSize(2, 64, NUM_HEADS, HEAD_SIZE, torch.bfloat16), [0, 1], CPU

@@ -1,8 +1,8 @@
 """Gemma 3 270M (``vtoken model prepare gemma3-270m``: 15 sliding-window layers with a
 512-token window, 3 full-attention layers; six KV cache groups in vLLM 0.32) on a vToken
 engine. Policy ``none`` is bit-identical to vanilla vLLM, prefix caching off and on, with
-prompts past the window; StreamingLLM evicts from the full-attention layers only and
-equals the transformers reference on the same evictions. One engine at a time (4-5 GB)."""
+prompts past the window; StreamingLLM and H2O evict from the full-attention layers only and
+equal the transformers reference on the same evictions. One engine at a time (4-5 GB)."""
 
 from __future__ import annotations
 
@@ -58,19 +58,24 @@ def test_gemma3_policy_none_is_bit_identical_to_vanilla(gemma3_path, prompts, ca
     assert (hits[0] > 0) == caching
 
 
-def test_gemma3_streaming_llm_equals_reference_on_the_same_evictions(gemma3_path, prompts):
-    """Sinks 4 + 120 recent tokens: the full-attention layers keep 124 tokens of 600, the
-    sliding layers their 512-token window."""
+@pytest.mark.parametrize(
+    "policy",
+    [
+        {"policy": "streaming_llm", "policy_args": {"sinks": 4, "recent": 120}},
+        {"policy": "h2o", "budget_tokens": 124},
+    ],
+    ids=["streaming_llm", "h2o"],
+)
+def test_gemma3_eviction_equals_reference_on_the_same_evictions(gemma3_path, prompts, policy):
+    """The full-attention layers keep 124 tokens of 600 (StreamingLLM: sinks 4 + 120 recent;
+    H2O: a budget of 124 on the full-attention layers' scores), the sliding layers their
+    512-token window."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from workers.hf_sim import HFSimEngine
 
-    config = {
-        "policy": "streaming_llm",
-        "policy_args": {"sinks": 4, "recent": 120},
-        "record_evictions": True,
-    }
+    config = {**policy, "record_evictions": True}
     llm = make_llm(str(gemma3_path), config, max_model_len=1024)
     params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0, ignore_eos=True)
     (output,) = llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], params)

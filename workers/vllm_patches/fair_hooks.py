@@ -5,9 +5,10 @@
 - before each ``schedule``, when a tenant holds more than its weighted share of the pool,
   its running requests move behind the others (:func:`~workers.fair_share.victim_order`):
   vLLM preempts from the end of ``running``, so it takes from them first. Under the
-  ``priority`` policy ``running`` is sorted by priority first and vLLM's first-come,
-  first-served preemption branch takes the last one for that step (``policy`` is swapped
-  around the call; vLLM reads it nowhere else in ``schedule``), so priority still wins;
+  ``priority`` policy ``running`` is sorted the same way (above share first, then
+  priority, then arrival) and vLLM's first-come, first-served preemption branch takes the
+  last one for that step (``policy`` is swapped around the call; vLLM reads it nowhere else
+  in ``schedule``): a tenant cannot shield itself from preemption with a priority value;
 - after each ``schedule`` the counters are charged with what the step computes;
 - the squeeze planner reads the same order to know which request vLLM would preempt.
 """

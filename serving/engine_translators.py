@@ -81,6 +81,7 @@ def counters_from_snapshot(
                 live_tokens=usage.live_tokens,
                 blocks=usage.held_blocks_all_groups,
                 floor_blocks=usage.floor_blocks_all_groups,
+                window_blocks=usage.window_blocks,
                 requests=usage.num_requests,
                 shared_blocks=shared.get(tenant, 0),
             )

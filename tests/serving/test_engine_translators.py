@@ -200,5 +200,6 @@ def test_a_tenants_active_kv_counts_every_kv_cache_group():
     a, b = counters.tenants["a"], counters.tenants["b"]
     assert (a.blocks, a.floor_blocks, a.reclaimable_blocks) == (11, 7, 4)
     assert (b.blocks, b.floor_blocks, b.reclaimable_blocks) == (4, 4, 0)
+    assert (a.window_blocks, b.window_blocks) == (4, 2)  # what pressure cannot take
     assert (counters.used_blocks, counters.reclaimable_blocks) == (20, 4)
     assert a.blocks + b.blocks <= counters.used_blocks

@@ -177,3 +177,45 @@ def test_hybrid_prefix_caching_never_changes_what_a_policy_keeps(tiny_gemma3_pat
     # vLLM's hybrid rule: a hit needs the sliding group's window blocks still cached too
     # (the pool reuses freed ones first come), so fewer than the pinned blocks may hit.
     assert sum(hit for _, _, hit in runs[True][1]) > 0
+
+
+def test_a_sliding_block_requests_share_is_charged_once(tiny_gemma3_path):
+    """Prefix caching on: a request whose prompt repeats a running one's hits its blocks,
+    in the sliding group too (the window at the hit's end), so both hold one sliding
+    block. Reports charge it once, to the first holder: every step the requests' blocks
+    in every group plus the free ones make the pool, as the control plane requires
+    (``EngineCounters``: the tenants' blocks never above the used ones)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from serving.engine_translators import counters_from_snapshot
+
+    llm = make_llm(
+        tiny_gemma3_path,
+        {"policy": "none", "check_invariants": True},
+        skip_tokenizer_init=True,
+        num_blocks=48,
+        max_model_len=320,
+        enable_prefix_caching=True,
+    )
+    engine, state = llm.llm_engine, engine_state(llm)
+    prompt = token_prompts([100], seed=3)[0]  # block 2 (64-95) full within the prompt
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    engine.add_request("first", TokensPrompt(prompt_token_ids=prompt), params)
+    for _ in range(3):  # its prefill, then two tokens: its window spans blocks 2 and 3
+        engine.step()
+    engine.add_request("second", TokensPrompt(prompt_token_ids=prompt + [7, 8, 9]), params)
+    shared_seen = False
+    while engine.has_unfinished_requests():
+        engine.step()
+        report = state.snapshot()
+        if len(report.requests) == 2:
+            ids = [state.sliding.held_block_ids(r.request_id) for r in report.requests]
+            shared_seen |= bool(ids[0] & ids[1])
+            assert sum(r.window_blocks for r in report.requests) == len(ids[0] | ids[1])
+        total = report.total
+        assert total.held_blocks_all_groups + report.free_blocks == report.total_blocks
+        counters = counters_from_snapshot(report, running=len(report.requests))
+        assert sum(t.blocks for t in counters.tenants.values()) == counters.used_blocks
+    assert shared_seen  # the case this test is about happened
+    del llm

@@ -37,7 +37,7 @@ from opentelemetry import trace
 from controlplane import admission_scripts as scripts
 from controlplane import telemetry
 from controlplane.keys import KeySpace, queue_keys, reservation_keys
-from controlplane.kv_bounds import KVBounds, kv_bounds
+from controlplane.kv_bounds import NO_WINDOWS, KVBounds, SlidingWindows, kv_bounds
 from controlplane.models import TenantQuota
 from controlplane.retry_after import (
     MAX_CACHED_SCHEDULES,
@@ -80,7 +80,8 @@ class AdmissionConfig:
     `prefill_chunk_tokens`: the engines' prefill chunk (``max_num_batched_tokens``) when
     their policies evict during chunked prefill, so a request with a budget counts one
     chunk plus its budget until its prefill ends, if that is below its prompt (`None`: no
-    chunking known, a prompt counts whole);
+    chunking known, a prompt counts whole); `sliding`: a hybrid model's sliding-window
+    groups, each holding up to its window beside the rest (:class:`SlidingWindows`);
     `cluster_kv_blocks`: the most blocks all tenants' reservations together may hold
     (`None`: no bound, budgets alone decide); past it requests wait in the fair queue;
     `queue_poll_s`: how often a queued request asks again; `queue_ticket_ttl_s`: how long
@@ -95,6 +96,7 @@ class AdmissionConfig:
     throttle_retry_after_s: float = 1.0
     rate_burst_s: float = 1.0
     prefill_chunk_tokens: int | None = None
+    sliding: SlidingWindows = NO_WINDOWS
     cluster_kv_blocks: int | None = None
     queue_poll_s: float = 0.1
     queue_ticket_ttl_s: float = 3.0
@@ -263,6 +265,7 @@ class Admission:
             protected_tokens=self.config.protected_tokens,
             protected_fraction=self.config.protected_fraction,
             prefill_chunk_tokens=self.config.prefill_chunk_tokens,
+            sliding=self.config.sliding,
         )
 
     def _admit_keys(self, tenant_id: str) -> list[str]:

@@ -128,13 +128,27 @@ class TenantUsage(_Frozen):
     shared block is charged once, to its earliest current holder, whoever's tenant that
     is), counted per request: a block three of its requests hold and another pays for
     counts 3 times. They are not in `blocks`; a block two of its own requests share counts
-    once in `blocks`, for the earlier one."""
+    once in `blocks`, for the earlier one.
+
+    `window_blocks`: of `blocks` (and of `floor_blocks`), those a hybrid model's
+    sliding-window KV cache groups hold: never evicted, so pressure and allowances, which
+    the engine enforces by evicting from the full-attention group, leave them out."""
 
     live_tokens: NonNegativeInt = 0
     blocks: NonNegativeInt = 0
     floor_blocks: NonNegativeInt = 0
     requests: NonNegativeInt = 0
     shared_blocks: NonNegativeInt = 0
+    window_blocks: NonNegativeInt = 0
+
+    @model_validator(mode="after")
+    def _windows_within_floor(self) -> TenantUsage:
+        if self.window_blocks > min(self.blocks, self.floor_blocks):
+            raise ValueError(
+                f"window_blocks ({self.window_blocks}) exceeds blocks ({self.blocks}) "
+                f"or floor_blocks ({self.floor_blocks})"
+            )
+        return self
 
     @property
     def reclaimable_blocks(self) -> int:
@@ -247,7 +261,8 @@ class EvictionPressure(_Frozen):
     """A tighter keep budget for an over-budget tenant on one replica.
 
     The replica should shrink the tenant's KV there to about `target_blocks`
-    (`keep_fraction` of what it reported), evicting by its policy.
+    (`keep_fraction` of what it reported; on a hybrid model, of what it reported outside
+    the sliding-window groups, which are kept whole), evicting by its policy.
     """
 
     keep_fraction: float = Field(gt=0, le=1)

@@ -24,6 +24,22 @@ headroom keeps that growth under the budget for a while instead of crossing it a
 the next step."""
 
 
+MIN_KEEP_FRACTION = 0.01
+"""The least keep fraction pressure asks for: a tenant whose sliding-window blocks alone
+pass its budget keeps what its policy protects (the engine never evicts below that)."""
+
+
+def tenant_window_blocks(reports: Mapping[str, ReplicaReport]) -> dict[str, int]:
+    """Sliding-window blocks per tenant summed over the given reports (tenants with 0
+    omitted): the part of their usage no eviction gives back (hybrid models)."""
+    windows: dict[str, int] = {}
+    for report in reports.values():
+        for tenant_id, tenant in report.tenants.items():
+            if tenant.window_blocks:
+                windows[tenant_id] = windows.get(tenant_id, 0) + tenant.window_blocks
+    return windows
+
+
 def eviction_pressure(
     reports: Mapping[str, ReplicaReport],
     quotas: Mapping[str, TenantQuota],
@@ -34,23 +50,32 @@ def eviction_pressure(
     whose cluster-wide usage exceeds its `kv_budget_blocks`: each replica should keep
     `(1 - headroom) * budget / usage` of the tenant's blocks there, so the tenant's total
     shrinks back under its budget. Tenants without a quota (deleted) get no pressure; their
-    requests drain on their own."""
+    requests drain on their own.
+
+    On a hybrid model the engine evicts from the full-attention group only, never from
+    the sliding-window groups (`TenantUsage.window_blocks`, `W` in all): the fraction is of
+    what it can evict, `((1 - headroom) * budget - W) / (usage - W)`, at least
+    `MIN_KEEP_FRACTION`; `target_blocks` counts the windows kept whole."""
+    windows = tenant_window_blocks(reports)
     keep: dict[str, float] = {}
     for tenant_id, blocks in usage.items():
         quota = quotas.get(tenant_id)
         if quota is not None and blocks > quota.kv_budget_blocks:
-            keep[tenant_id] = (1.0 - headroom) * quota.kv_budget_blocks / blocks
+            window = windows.get(tenant_id, 0)
+            target = (1.0 - headroom) * quota.kv_budget_blocks - window
+            keep[tenant_id] = max(MIN_KEEP_FRACTION, target / (blocks - window))
     pressure: dict[str, dict[str, dict[str, float | int]]] = {}
     if not keep:
         return pressure
     for replica_id, report in reports.items():
         for tenant_id, tenant in report.tenants.items():
             fraction = keep.get(tenant_id)
-            if fraction is None or tenant.blocks == 0:
+            evictable = tenant.blocks - tenant.window_blocks
+            if fraction is None or evictable == 0:
                 continue
             pressure.setdefault(replica_id, {})[tenant_id] = {
                 "keep_fraction": fraction,
-                "target_blocks": int(tenant.blocks * fraction),
+                "target_blocks": tenant.window_blocks + int(evictable * fraction),
             }
     return pressure
 
@@ -70,12 +95,19 @@ def kv_allowance(
     `held there x budget / held everywhere`, which the replica takes back at its next step
     by evicting the tenant's requests to their budgets (deeper than that is `pressure`'s).
     Either way the shares sum to at most the budget. A tenant with no quota (deleted) has
-    no limit; its requests drain on their own."""
+    no limit; its requests drain on their own.
+
+    On a hybrid model each share is sent less the tenant's sliding-window blocks on that
+    replica (`TenantUsage.window_blocks`, at least 0): the engine holds a tenant's
+    full-attention blocks to its allowance, the only ones it can evict."""
     held: dict[str, dict[str, int]] = {}
+    windows: dict[tuple[str, str], int] = {}
     for replica_id, report in reports.items():
         for tenant_id, tenant in report.tenants.items():
             if tenant.blocks:
                 held.setdefault(tenant_id, {})[replica_id] = tenant.blocks
+            if tenant.window_blocks:
+                windows[replica_id, tenant_id] = tenant.window_blocks
     allowance: dict[str, dict[str, int]] = {}
     for tenant_id, quota in quotas.items():
         mine, weights = held.get(tenant_id, {}), warm.get(tenant_id, {})
@@ -86,5 +118,6 @@ def kv_allowance(
                 share = here * budget // total
             else:
                 share = here + int((budget - total) * weights.get(replica_id, 0.0))
-            allowance.setdefault(replica_id, {})[tenant_id] = share
+            window = windows.get((replica_id, tenant_id), 0)
+            allowance.setdefault(replica_id, {})[tenant_id] = max(0, share - window)
     return allowance

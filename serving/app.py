@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
@@ -15,6 +16,7 @@ from ray.serve.config import RequestRouterConfig
 
 from controlplane.admin_token import AdminTokenSource, check_admin_token
 from controlplane.admission import AdmissionConfig
+from controlplane.kv_bounds import SlidingWindows
 from controlplane.openai_models import DEFAULT_MAX_N, MAX_N
 from controlplane.redis_conn import RedisConfig
 from serving.controller import ControllerDeployment
@@ -120,15 +122,15 @@ class AppArgs(AdminTokenSource):
         """The ingress replicas' settings, serving ``engine`` replicas."""
         from workers.models import resolve_model
 
+        model_dir = resolve_model(engine.model)
+        admission = admission_config(engine, self.admission, model_dir)
         return IngressSettings(
             model_name=engine.name,
-            tokenizer_path=str(resolve_model(engine.model)),
+            tokenizer_path=str(model_dir),
             max_model_len=engine.max_model_len,
             admin_token=admin_token,
             redis_url=redis_url,
-            admission=dataclasses.replace(
-                admission_config(engine, self.admission), cluster_kv_blocks=self.cluster_kv_blocks
-            ),
+            admission=dataclasses.replace(admission, cluster_kv_blocks=self.cluster_kv_blocks),
             key_prefix=self.key_prefix,
             max_n=self.max_n,
             limits=self.limits,
@@ -196,13 +198,22 @@ def build_app(args: dict[str, Any], *, admin_token: str | None = None) -> Applic
 
 
 def admission_config(
-    engine: ReplicaSettings, admission: Literal["active_kv", "worst_case"]
+    engine: ReplicaSettings,
+    admission: Literal["active_kv", "worst_case"],
+    model_dir: str | Path | None = None,
 ) -> AdmissionConfig:
     """How the ingresses admit requests to ``engine`` replicas: in ``active_kv`` mode, what
     the engines' policy evicts to and keeps (``VTokenConfig.admission_keep_ratio`` and
     ``admission_floor_tokens``) and their prefill chunk when it evicts during prefill
     (``admission_prefill_chunk_tokens``); in either mode, what it protects past any budget
-    (``VTokenConfig.admission_protection``), since a tenant's cap bounds its requests in both."""
+    (``VTokenConfig.admission_protection``), since a tenant's cap bounds its requests in
+    both, and a hybrid model's sliding-window groups (read from the config of the model in
+    ``model_dir``, by default ``engine.model``'s folder: ``workers.model_windows``), which
+    hold up to their window whatever the policy evicts."""
+    from workers.model_windows import sliding_windows
+    from workers.models import resolve_model
+
+    windows = sliding_windows(model_dir if model_dir is not None else resolve_model(engine.model))
     vtoken = engine.vtoken
     active_kv = admission == "active_kv"
     protection = vtoken.admission_protection(engine.block_size)
@@ -214,4 +225,5 @@ def admission_config(
         protected_tokens=protection.tokens,
         protected_fraction=protection.fraction,
         prefill_chunk_tokens=chunk if active_kv else None,
+        sliding=SlidingWindows(windows, engine.max_num_batched_tokens, engine.max_model_len),
     )

@@ -43,7 +43,14 @@ def counters_from_snapshot(
 ) -> EngineCounters:
     """The control plane's counters (its report schema) from the engine's ``EngineReport``:
     the one place the two meet; every total is the engine report's own. ``prefix_keys``:
-    what the replica's prefix cache was given, most recent first."""
+    what the replica's prefix cache was given, most recent first.
+
+    A tenant's active KV (``blocks``, what quotas, the plan, pressure and allowances
+    compare to budgets) and its floor count every KV cache group: on a hybrid model its
+    requests' sliding-window blocks too (``KVUsage.held_blocks_all_groups``,
+    ``floor_blocks_all_groups``), which eviction never takes, so what is reclaimable is
+    the full-attention group's alone. The pool is one for every group: ``used_blocks``
+    (total - free) counts them all."""
     shared: dict[str, int] = {}
     for request in report.requests:
         shared[request.tenant] = shared.get(request.tenant, 0) + request.shared_blocks
@@ -72,8 +79,9 @@ def counters_from_snapshot(
         tenants={
             tenant: TenantUsage(
                 live_tokens=usage.live_tokens,
-                blocks=usage.allocated_blocks,
-                floor_blocks=usage.floor_blocks,
+                blocks=usage.held_blocks_all_groups,
+                floor_blocks=usage.floor_blocks_all_groups,
+                window_blocks=usage.window_blocks,
                 requests=usage.num_requests,
                 shared_blocks=shared.get(tenant, 0),
             )

@@ -177,7 +177,13 @@ class IngressState:
             try:
                 raise_if_cancelled()
                 generate = generate_request(
-                    quota, request_id, ids, body, reservation, settings.block_size
+                    quota,
+                    request_id,
+                    ids,
+                    body,
+                    reservation,
+                    settings.block_size,
+                    settings.admission.sliding,
                 )
                 chunks = self.answers.chunks(generate, held, started)
                 answer = Answer.of(request_id, body, chat, int(started))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from controlplane.admission import Reservation
+from controlplane.kv_bounds import NO_WINDOWS, SlidingWindows
 from controlplane.models import TenantQuota
 from controlplane.openai_models import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from controlplane.prefix import cache_salt, prefix_keys
@@ -88,11 +89,13 @@ def generate_request(
     body: CompletionRequest | ChatCompletionRequest,
     reservation: Reservation,
     block_size: int,
+    sliding: SlidingWindows = NO_WINDOWS,
 ) -> GenerateRequest:
     """What the replica is asked: the prompt's ids, the body's sampling, the tenant's
     cap and prefix group, the prompt's prefix keys (router affinity, per ``block_size``
-    tokens), the bound the engine holds the request to and the trace to join (the
-    current span's: call it inside the request's span)."""
+    tokens), the bound the engine holds the request to (``sliding``: the model's
+    sliding-window groups admission counted) and the trace to join (the current span's:
+    call it inside the request's span)."""
     return GenerateRequest(
         request_id=request_id,
         tenant_id=quota.tenant_id,
@@ -114,15 +117,26 @@ def generate_request(
         prefix_keys=list(
             prefix_keys(ids, block_size, cache_salt(quota.tenant_id, quota.prefix_group))
         ),
-        hold_to_blocks=hold_to_blocks(reservation, len(ids), body.max_tokens, body.n, block_size),
+        hold_to_blocks=hold_to_blocks(
+            reservation, len(ids), body.max_tokens, body.n, block_size, sliding
+        ),
         trace_context=inject_context(),
     )
 
 
 def hold_to_blocks(
-    reservation: Reservation, prompt_tokens: int, max_tokens: int, n: int, block_size: int
+    reservation: Reservation,
+    prompt_tokens: int,
+    max_tokens: int,
+    n: int,
+    block_size: int,
+    sliding: SlidingWindows = NO_WINDOWS,
 ) -> int | None:
     """Each sequence's steady bound in blocks when admission counts it below its
-    worst case (then the engine holds it there), else ``None``."""
-    worst = n * -(-(prompt_tokens + max_tokens) // block_size)
-    return reservation.steady // n if reservation.steady < worst else None
+    worst case (then the engine holds it there), else ``None``. The engine holds its
+    full-attention group to it: the blocks admission counted for a hybrid model's
+    sliding-window groups (``sliding``, never evicted from) are left out."""
+    longest = prompt_tokens + max_tokens
+    steady = reservation.steady - n * sliding.blocks(longest, block_size)
+    worst = n * -(-longest // block_size)
+    return steady // n if steady < worst else None

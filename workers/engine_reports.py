@@ -27,11 +27,18 @@ def request_report(state: VTokenScheduler, request_id: str) -> RequestReport | N
 def with_windows(
     state: VTokenScheduler, reports: tuple[RequestReport, ...]
 ) -> tuple[RequestReport, ...]:
-    """``reports`` with the blocks each request holds in the sliding groups (hybrid)."""
+    """``reports`` with the blocks each request holds in the sliding groups (hybrid); a
+    block several of them share through the prefix cache is charged once, to the first
+    of ``reports`` holding it (so a tenant's and the engine's sums count it once)."""
     if state.sliding is None:
         return reports
-    held = state.sliding.held_blocks
-    return tuple(r.model_copy(update={"window_blocks": held(r.request_id)}) for r in reports)
+    charged: set[int] = set()
+    with_blocks = []
+    for report in reports:
+        mine = state.sliding.held_block_ids(report.request_id) - charged
+        charged |= mine
+        with_blocks.append(report.model_copy(update={"window_blocks": len(mine)}))
+    return tuple(with_blocks)
 
 
 def engine_snapshot(state: VTokenScheduler) -> EngineReport:

@@ -22,12 +22,20 @@ def report(
     draining: bool = False,
     floors: dict[str, int] | None = None,
     prefix_keys: tuple[str, ...] = (),
+    windows: dict[str, int] | None = None,
 ) -> ReplicaReport:
     """A consistent report: used = the tenants' blocks + `extra_used`; a tenant's floor is
-    what it holds unless `floors` says less."""
-    floors = floors or {}
+    what it holds unless `floors` says less; `windows`: of its blocks, those its
+    sliding-window groups hold (a hybrid model)."""
+    floors, windows = floors or {}, windows or {}
     usage = {
-        t: TenantUsage(blocks=b, floor_blocks=floors.get(t, b), live_tokens=b * 16, requests=1)
+        t: TenantUsage(
+            blocks=b,
+            floor_blocks=floors.get(t, b),
+            live_tokens=b * 16,
+            requests=1,
+            window_blocks=windows.get(t, 0),
+        )
         for t, b in (tenants or {}).items()
     }
     used = sum(u.blocks for u in usage.values()) + extra_used

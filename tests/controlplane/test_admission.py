@@ -21,6 +21,7 @@ from controlplane.admission import (
 )
 from controlplane.admission_scripts import TAKE_PROMPT_TOKENS
 from controlplane.keys import KeySpace
+from controlplane.kv_bounds import SlidingWindows
 from controlplane.redis_conn import RedisConfig, connect
 from controlplane.retry_after import HELD_SCHEDULE_MIN_AGE_S, HeldSchedule
 from controlplane.store import RedisStore
@@ -98,6 +99,27 @@ async def test_a_request_for_three_choices_reserves_three_sequences(
     # A request whose n sequences alone exceed the budget can never be held.
     too_many = await admission.admit(tenant, "never", 200, 64, n=5)  # 45 > 40
     assert (too_many.outcome, too_many.reason) == (AdmissionOutcome.REJECTED, "exceeds_budget")
+
+
+async def test_a_hybrid_models_request_reserves_its_sliding_windows_too(
+    redis: aioredis.Redis, keys: KeySpace, store: RedisStore
+) -> None:
+    """200-token prompt, 64 new tokens, cap 48 tokens, block size 32, one sliding group of
+    window 16 on engines scheduling 64 tokens a step (bound: ceil(79 / 32) + 1 = 4 blocks):
+    7 + 4 blocks until the first token, 3 + 4 after; the window is never evicted from."""
+    sliding = SlidingWindows((16,), in_flight_tokens=64, max_model_len=1024)
+    admission = Admission(redis, AdmissionConfig(block_size=32, sliding=sliding), keys)
+    tenant = quota("acme", budget=18).model_copy(update={"eviction_budget_tokens": 48})
+    await store.put_quota(tenant)
+    first = (await admission.admit(tenant, "r1", 200, 64)).reservation
+    assert first is not None and (first.blocks, first.steady) == (11, 7)
+    assert (await admission.admit(tenant, "r2", 200, 64)).reason == "kv_budget"  # 11 + 11
+    await admission.settle(first)
+    assert await admission.reserved_blocks("acme") == 7
+    assert (await admission.admit(tenant, "r2", 200, 64)).admitted  # 7 + 11 = 18
+    too_long = await admission.admit(tenant, "r3", 500, 64)  # 16 + 4 > 18 even alone
+    assert (too_long.outcome, too_long.reason) == (AdmissionOutcome.REJECTED, "exceeds_budget")
+    await admission.check_invariants("acme")
 
 
 async def test_a_prompt_larger_than_the_budget_is_never_held(

@@ -1,12 +1,12 @@
 """Admission's prefill peak when the engines evict during chunked prefill (``kv_bounds``
-with ``prefill_chunk_tokens``); the rest of ``kv_bounds`` is tested with admission
-(tests/controlplane/test_admission.py)."""
+with ``prefill_chunk_tokens``) and a hybrid model's sliding-window groups (``sliding``);
+the rest of ``kv_bounds`` is tested with admission (tests/controlplane/test_admission.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from controlplane.kv_bounds import KVBounds, kv_bounds
+from controlplane.kv_bounds import NO_WINDOWS, KVBounds, SlidingWindows, kv_bounds
 
 
 def test_a_chunked_prefill_counts_one_chunk_plus_its_budget():
@@ -59,3 +59,41 @@ def test_the_whole_prompt_counts_without_a_chunk_a_budget_or_with_several_choice
 def test_a_bad_chunk_is_refused():
     with pytest.raises(ValueError, match="prefill_chunk_tokens"):
         kv_bounds(2000, 100, 16, 64, prefill_chunk_tokens=0)
+
+
+# A hybrid model's sliding-window groups (window 16 tokens), blocks of 32, engines
+# scheduling 64 tokens a step: each group's bound is ceil((16 - 1 + 64) / 32) + 1 = 4.
+SLIDING = SlidingWindows((16,), in_flight_tokens=64, max_model_len=1024)
+
+
+def test_a_sliding_group_counts_the_sequence_up_to_its_window_bound():
+    assert [SLIDING.blocks(t, 32) for t in (1, 32, 33, 97, 128, 129, 1024)] == [1, 1, 2, 4, 4, 4, 4]
+    two = SlidingWindows((16, 100), 64, 1024)  # ceil(163 / 32) + 1 = 7 for the second
+    assert two.blocks(1024, 32) == 4 + 7 and two.blocks(40, 32) == 2 + 2
+    # The context bounds it too: min(511 + 4096, 1024) tokens = 32 blocks + 1.
+    assert SlidingWindows((512,), 4096, 1024).blocks(1024, 32) == 32
+    # Engines' step size unknown: no cap, the sequence's blocks (never under vLLM's).
+    assert SlidingWindows((16,)).blocks(1024, 32) == 32
+    assert NO_WINDOWS.blocks(1024, 32) == 0
+    for bad in ({"windows": (0,)}, {"in_flight_tokens": 0}, {"max_model_len": 0}):
+        with pytest.raises(ValueError):
+            SlidingWindows(**bad)  # type: ignore[arg-type]
+
+
+def test_kv_bounds_add_the_sliding_groups_to_both_bounds_whatever_the_budget():
+    """200-token prompt, 100 new tokens, a cap of 64 tokens: the full-attention group peaks
+    at the prompt's 7 blocks and settles at 3; the sliding group holds min(its blocks, 4)
+    at both, never evicted from."""
+    plain = kv_bounds(200, 100, 32, 64)
+    assert plain == KVBounds(prefill_peak=7, steady=3, window=0)
+    hybrid = kv_bounds(200, 100, 32, 64, sliding=SLIDING)
+    assert hybrid == KVBounds(prefill_peak=7 + 4, steady=3 + 4, window=4)
+    # A short request: its window term is its own length (1 block of 32).
+    assert kv_bounds(10, 6, 32, None, sliding=SLIDING) == KVBounds(2, 2, 1)
+    # Chunked prefill, floors and keep ratios lower the full group's bound only.
+    chunked = kv_bounds(2000, 100, 32, 64, prefill_chunk_tokens=256, sliding=SLIDING)
+    assert chunked == KVBounds(prefill_peak=2 + 8 + 4, steady=3 + 4, window=4)
+    squeezed = kv_bounds(200, 100, 32, None, 0.5, floor_tokens=32, sliding=SLIDING)
+    assert squeezed.steady == 2 + 4
+    # n choices: each holds its own window beside its own worst case.
+    assert kv_bounds(200, 100, 32, 64, n=2, sliding=SLIDING) == KVBounds(2 * 11, 2 * 14, 2 * 4)

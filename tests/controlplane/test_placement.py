@@ -6,6 +6,7 @@ import pytest
 
 from controlplane.models import ReplicaReport, RoutingPlan, TenantQuota
 from controlplane.placement import PlanInputs, PlannerConfig, PlanResult, compute_plan
+from controlplane.pressure import MIN_KEEP_FRACTION
 from tests.controlplane.builders import quota, report
 
 CONFIG = PlannerConfig(high_watermark=0.9, low_watermark=0.75, hot_tenant_fraction=0.25)
@@ -156,6 +157,31 @@ def test_allowances_split_each_budget_by_where_the_tenant_holds_kv() -> None:
         shares = [a[tenant_id] for a in allowance.values() if tenant_id in a]
         assert budget - len(route) < sum(shares) <= budget
     assert all("gone" not in a for a in allowance.values())  # deleted: no limit, drains
+
+
+def test_a_hybrid_tenants_windows_count_but_only_its_full_attention_blocks_are_squeezed() -> None:
+    """A tenant on a hybrid model holds 60 blocks, 20 of them in sliding-window groups the
+    engine never evicts from. Its active KV is all 60; pressure asks for a fraction of the
+    other 40 that brings the total to 0.9 x 45 (40.5), and allowances leave the windows
+    out (the engine holds the full-attention group to them)."""
+    reports = [
+        report("r1", 10.0, {"a": 40}, windows={"a": 15}),
+        report("r2", 10.0, {"a": 20}, windows={"a": 5}),
+    ]
+    plan = plan_once(reports, [quota("a", budget=45)]).plan
+    assert plan.tenants["a"].usage_blocks == 60 and plan.tenants["a"].over_budget
+    keep = plan.pressure["r1"]["a"].keep_fraction
+    assert keep == pytest.approx((0.9 * 45 - 20) / 40)  # not 0.9 x 45 / 60
+    targets = [plan.pressure[r]["a"].target_blocks for r in ("r1", "r2")]
+    assert targets == [15 + int(25 * keep), 5 + int(15 * keep)]
+    assert sum(targets) <= 0.9 * 45
+    # over budget: 45 / 60 of what it holds there (30, 15), less its windows there
+    assert (plan.allowance["r1"]["a"], plan.allowance["r2"]["a"]) == (30 - 15, 15 - 5)
+    # Windows alone over the budget: the least keep fraction (what the policy protects).
+    only_windows = [report("r1", 10.0, {"a": 60}, windows={"a": 50})]
+    squeezed = plan_once(only_windows, [quota("a", budget=45)]).plan
+    assert squeezed.pressure["r1"]["a"].keep_fraction == MIN_KEEP_FRACTION
+    assert squeezed.allowance["r1"]["a"] == 0
 
 
 def test_no_live_replicas_gives_an_empty_plan() -> None:

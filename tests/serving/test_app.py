@@ -154,3 +154,26 @@ def test_the_engines_scheduling_policy_reaches_the_ingress():
         engine = ReplicaSettings(scheduling_policy=policy)
         settings = AppArgs().ingress_settings(engine, "t" * 40, "redis://x")
         assert settings.scheduling_policy == policy
+
+
+def test_admission_learns_a_hybrid_models_sliding_windows_from_its_config(tmp_path):
+    """The ingress counts each sliding-window group of the engines' model (read from its
+    config.json, no engine started) with the engines' step size and context; a model
+    without sliding layers adds nothing."""
+    import json
+
+    from serving.settings import ReplicaSettings
+
+    layer_types = ["sliding_attention"] * 5 + ["full_attention"]
+    config = {"num_hidden_layers": 18, "sliding_window": 512, "layer_types": layer_types * 3}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    engine = ReplicaSettings(model=str(tmp_path), max_num_batched_tokens=256, max_model_len=4096)
+    sliding = admission_config(engine, "active_kv").sliding
+    assert (sliding.windows, sliding.in_flight_tokens, sliding.max_model_len) == (
+        (512,) * 5,
+        256,
+        4096,
+    )
+    assert admission_config(engine, "worst_case").sliding == sliding  # never evicted from
+    assert admission_config(ReplicaSettings(), "active_kv", tmp_path).sliding.windows
+    assert admission_config(ReplicaSettings(), "active_kv").sliding.windows == ()  # SmolLM2

@@ -164,3 +164,42 @@ def test_published_blocks_follow_the_pinning_rule():
     assert published_blocks(evicting, override) >= 64
     off = ReplicaSettings(model="m", enable_prefix_caching=False, vtoken={"policy": "none"})
     assert published_blocks(off, None) == 0
+
+
+def test_a_tenants_active_kv_counts_every_kv_cache_group():
+    """A hybrid model: the requests' sliding-window blocks (``window_blocks``) are in their
+    tenant's active KV and floor (never evicted), none of them reclaimable; the pool is
+    one, so the engine's used blocks count them already."""
+    report = EngineReport(
+        mode=ReclaimMode.VTOKEN,
+        policy="h2o",
+        block_size=32,
+        total_blocks=100,
+        free_blocks=80,
+        requests=(
+            RequestReport(
+                request_id="r1",
+                tenant="a",
+                live_tokens=200,
+                allocated_blocks=7,
+                ideal_blocks=7,
+                floor_blocks=3,
+                window_blocks=4,
+            ),
+            RequestReport(
+                request_id="r2",
+                tenant="b",
+                live_tokens=40,
+                allocated_blocks=2,
+                ideal_blocks=2,
+                window_blocks=2,
+            ),
+        ),
+    )
+    counters = counters_from_snapshot(report, running=2)
+    a, b = counters.tenants["a"], counters.tenants["b"]
+    assert (a.blocks, a.floor_blocks, a.reclaimable_blocks) == (11, 7, 4)
+    assert (b.blocks, b.floor_blocks, b.reclaimable_blocks) == (4, 4, 0)
+    assert (a.window_blocks, b.window_blocks) == (4, 2)  # what pressure cannot take
+    assert (counters.used_blocks, counters.reclaimable_blocks) == (20, 4)
+    assert a.blocks + b.blocks <= counters.used_blocks

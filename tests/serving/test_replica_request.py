@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from controlplane.admission import Reservation
+from controlplane.kv_bounds import SlidingWindows
 from controlplane.models import TenantQuota
 from controlplane.openai_models import ChatCompletionRequest, CompletionRequest
 from serving.errors import HTTPError
@@ -113,3 +114,16 @@ def test_the_generate_request_carries_the_body_the_quota_and_the_bound() -> None
     assert sent.eviction_budget_tokens == 32
     assert sent.hold_to_blocks == 2
     assert len(sent.prefix_keys) == len(ids) // BLOCK_SIZE  # one key per full block
+
+
+def test_the_engine_holds_a_hybrid_requests_full_attention_group_without_its_windows() -> None:
+    """Admission counted a sequence's sliding-window blocks (never evicted) in its steady
+    bound; the engine's hold bound is on its full-attention group alone. 200 + 64 tokens,
+    blocks of 32, one sliding group bounded at 4 blocks, a cap of 48 tokens: steady 3 + 4."""
+    sliding = SlidingWindows((16,), in_flight_tokens=64, max_model_len=1024)
+    held = Reservation("acme", "r", blocks=11, steady=7)
+    assert hold_to_blocks(held, 200, 64, 1, 32, sliding) == 3
+    assert hold_to_blocks(held, 200, 64, 1, 32) == 7  # without the windows: wrong by 4
+    # n = 2 at the worst case (2 x (9 + 4)): nothing to hold.
+    worst = Reservation("acme", "r", blocks=26, steady=26)
+    assert hold_to_blocks(worst, 200, 64, 2, 32, sliding) is None

@@ -9,12 +9,16 @@ import pytest
 
 from tests.workers.conftest import token_prompts
 from workers.engine import engine_scheduler, engine_state, make_llm
+from workers.models import TINY_SLIDING_WINDOW
 
 pytestmark = pytest.mark.slow
 
 # Prompts past the window (16) and over several blocks (32), a shared prefix for caching.
 PROMPTS = token_prompts([5, 40, 97, 150]) + [token_prompts([96])[0] + [7, 8, 9]]
 CHUNKED = {"max_num_batched_tokens": 64, "enable_chunked_prefill": True}
+MAX_MODEL_LEN = 1024
+# Sequence lengths under, at and past the sliding group's bound (ceil(79 / 32) + 1 = 4).
+WINDOW_LENGTHS = (1, 5, 32, 33, 97, 128, 129, 150, 600, MAX_MODEL_LEN)
 
 
 def _generate(llm, prompts, max_tokens=30):
@@ -43,7 +47,7 @@ def outputs(request, tiny_gemma3_path):
             vtoken,
             skip_tokenizer_init=True,
             num_blocks=96,
-            max_model_len=1024,
+            max_model_len=MAX_MODEL_LEN,
             enable_prefix_caching=caching,
             **CHUNKED,
         )
@@ -52,6 +56,9 @@ def outputs(request, tiny_gemma3_path):
         assert len(groups) == 2
         state = engine_state(llm)
         assert (state is None) == (vtoken is None)
+        if state is not None:  # what admission counts, from the engine's own bounds
+            results["layout"] = state.sliding.layout
+            results["bounds"] = {t: state.blocks_needed_for(t) for t in WINDOW_LENGTHS}
         # Twice: the second round hits the prefix cache (caching on).
         results[name] = [_generate(llm, PROMPTS), _generate(llm, PROMPTS)]
         if state is not None:
@@ -70,6 +77,27 @@ def test_policy_none_is_bit_identical_to_vanilla_on_a_hybrid_model(outputs):
         assert sum(cached) >= 32 * len(PROMPTS[1:]), cached
     else:
         assert not any(cached)
+
+
+def test_admission_counts_a_request_as_the_engine_does(outputs, tiny_gemma3_path):
+    """The ingress reads the sliding windows from the model's config
+    (``workers.model_windows``) as the engine's layout has them, and counts a fresh
+    request of every length at the engine's own admission bound: its full-attention
+    blocks plus each sliding group's window bound (vLLM's ``apply_admission_cap``)."""
+    from controlplane.kv_bounds import SlidingWindows, kv_bounds
+    from workers.model_windows import sliding_windows
+
+    layout = outputs["layout"]
+    windows = sliding_windows(tiny_gemma3_path)
+    assert windows == layout.windows == (TINY_SLIDING_WINDOW,)
+    sliding = SlidingWindows(windows, CHUNKED["max_num_batched_tokens"], MAX_MODEL_LEN)
+    for length, engine_bound in outputs["bounds"].items():
+        # A request of ``length`` tokens without a budget: its prompt, then its whole length.
+        bounds = kv_bounds(length, 0, 32, None, sliding=sliding)
+        assert bounds.prefill_peak == bounds.steady == engine_bound, length
+        if length > 1:  # a one-token prompt generating the rest: its steady bound
+            assert kv_bounds(1, length - 1, 32, None, sliding=sliding).steady == engine_bound
+    assert outputs["bounds"][MAX_MODEL_LEN] == 32 + 4  # the window's bound, not 32 more
 
 
 def test_hybrid_accounting_counts_every_group(tiny_gemma3_path):
@@ -149,3 +177,45 @@ def test_hybrid_prefix_caching_never_changes_what_a_policy_keeps(tiny_gemma3_pat
     # vLLM's hybrid rule: a hit needs the sliding group's window blocks still cached too
     # (the pool reuses freed ones first come), so fewer than the pinned blocks may hit.
     assert sum(hit for _, _, hit in runs[True][1]) > 0
+
+
+def test_a_sliding_block_requests_share_is_charged_once(tiny_gemma3_path):
+    """Prefix caching on: a request whose prompt repeats a running one's hits its blocks,
+    in the sliding group too (the window at the hit's end), so both hold one sliding
+    block. Reports charge it once, to the first holder: every step the requests' blocks
+    in every group plus the free ones make the pool, as the control plane requires
+    (``EngineCounters``: the tenants' blocks never above the used ones)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from serving.engine_translators import counters_from_snapshot
+
+    llm = make_llm(
+        tiny_gemma3_path,
+        {"policy": "none", "check_invariants": True},
+        skip_tokenizer_init=True,
+        num_blocks=48,
+        max_model_len=320,
+        enable_prefix_caching=True,
+    )
+    engine, state = llm.llm_engine, engine_state(llm)
+    prompt = token_prompts([100], seed=3)[0]  # block 2 (64-95) full within the prompt
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    engine.add_request("first", TokensPrompt(prompt_token_ids=prompt), params)
+    for _ in range(3):  # its prefill, then two tokens: its window spans blocks 2 and 3
+        engine.step()
+    engine.add_request("second", TokensPrompt(prompt_token_ids=prompt + [7, 8, 9]), params)
+    shared_seen = False
+    while engine.has_unfinished_requests():
+        engine.step()
+        report = state.snapshot()
+        if len(report.requests) == 2:
+            ids = [state.sliding.held_block_ids(r.request_id) for r in report.requests]
+            shared_seen |= bool(ids[0] & ids[1])
+            assert sum(r.window_blocks for r in report.requests) == len(ids[0] | ids[1])
+        total = report.total
+        assert total.held_blocks_all_groups + report.free_blocks == report.total_blocks
+        counters = counters_from_snapshot(report, running=len(report.requests))
+        assert sum(t.blocks for t in counters.tenants.values()) == counters.used_blocks
+    assert shared_seen  # the case this test is about happened
+    del llm

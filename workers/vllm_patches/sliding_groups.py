@@ -95,7 +95,7 @@ class SlidingGroups:
             return [[] for _ in self.managers]
         return [hit_blocks[i] for i in self.layout.sliding_groups]
 
-    def held_blocks(self, request_id: str | None = None) -> int:
+    def held_block_ids(self, request_id: str | None = None) -> set[int]:
         """Distinct pool blocks the sliding groups hold (for ``request_id``, or all
         requests); a block several requests share through the prefix cache counts once."""
         held: set[int] = set()
@@ -107,7 +107,11 @@ class SlidingGroups:
             )
             for blocks in lists:
                 held.update(b.block_id for b in blocks if b is not self.null_block)
-        return len(held)
+        return held
+
+    def held_blocks(self, request_id: str | None = None) -> int:
+        """How many :meth:`held_block_ids` there are."""
+        return len(self.held_block_ids(request_id))
 
     def admission_blocks(self, num_tokens: int) -> int:
         """The most blocks a fresh request of ``num_tokens`` tokens holds in the sliding

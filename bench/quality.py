@@ -668,7 +668,10 @@ def cli(
     keeps: Annotated[str, typer.Option(help="Keep ratios, comma-separated.")] = "0.2,0.5",
     on_demand_blocks: Annotated[
         int | None,
-        typer.Option(help="Pool of the on_demand engine (default: twice the longest prompt)."),
+        typer.Option(
+            help="Pool of the on_demand engine (default: twice the longest request, every"
+            " KV cache group counted)."
+        ),
     ] = None,
     ppl_docs: Annotated[int, typer.Option(min=0, help="Documents for perplexity (0: skip).")] = 8,
     ppl_context: Annotated[int, typer.Option(min=32)] = 512,
@@ -693,7 +696,9 @@ def cli(
     """Passkey accuracy, output length and perplexity under eviction; PAGE calibrated."""
     from transformers import AutoTokenizer
 
+    from controlplane.kv_bounds import SlidingWindows
     from kernels.intmath import cdiv
+    from workers.model_windows import sliding_windows
     from workers.models import resolve_model
 
     names = policy_names(policies, allow_none=False)
@@ -707,7 +712,11 @@ def cli(
     )
     path = str(resolve_model(model))
     tokenizer = AutoTokenizer.from_pretrained(path)
-    longest = cdiv(sizes.max_tokens + ANSWER_TOKENS, BLOCK_SIZE) + 1
+    # Every KV cache group draws from the one pool: a hybrid model's sliding-window groups
+    # hold up to the whole request too (no window cap counted: a bound from above).
+    request_tokens = sizes.max_tokens + ANSWER_TOKENS
+    windows = SlidingWindows(sliding_windows(path))
+    longest = cdiv(request_tokens, BLOCK_SIZE) + 1 + windows.blocks(request_tokens, BLOCK_SIZE)
     blocks = on_demand_blocks if on_demand_blocks is not None else 2 * longest
     if blocks <= longest:
         raise typer.BadParameter(f"on-demand-blocks must exceed the longest request's {longest}")

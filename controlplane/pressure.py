@@ -55,15 +55,20 @@ def eviction_pressure(
     On a hybrid model the engine evicts from the full-attention group only, never from
     the sliding-window groups (`TenantUsage.window_blocks`, `W` in all): the fraction is of
     what it can evict, `((1 - headroom) * budget - W) / (usage - W)`, at least
-    `MIN_KEEP_FRACTION`; `target_blocks` counts the windows kept whole."""
+    `MIN_KEEP_FRACTION` (a tenant holding windows only gets none); `target_blocks` counts
+    the windows kept whole."""
     windows = tenant_window_blocks(reports)
     keep: dict[str, float] = {}
     for tenant_id, blocks in usage.items():
         quota = quotas.get(tenant_id)
         if quota is not None and blocks > quota.kv_budget_blocks:
             window = windows.get(tenant_id, 0)
-            target = (1.0 - headroom) * quota.kv_budget_blocks - window
-            keep[tenant_id] = max(MIN_KEEP_FRACTION, target / (blocks - window))
+            if window == 0:  # every block evictable: as for any model without windows
+                keep[tenant_id] = (1.0 - headroom) * quota.kv_budget_blocks / blocks
+            elif blocks > window:
+                target = (1.0 - headroom) * quota.kv_budget_blocks - window
+                keep[tenant_id] = max(MIN_KEEP_FRACTION, target / (blocks - window))
+            # else: only sliding-window blocks, which no eviction gives back
     pressure: dict[str, dict[str, dict[str, float | int]]] = {}
     if not keep:
         return pressure

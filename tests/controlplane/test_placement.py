@@ -182,6 +182,17 @@ def test_a_hybrid_tenants_windows_count_but_only_its_full_attention_blocks_are_s
     squeezed = plan_once(only_windows, [quota("a", budget=45)]).plan
     assert squeezed.pressure["r1"]["a"].keep_fraction == MIN_KEEP_FRACTION
     assert squeezed.allowance["r1"]["a"] == 0
+    # Nothing but windows: nothing to evict, no pressure (and no division by zero).
+    windows_only = [report("r1", 10.0, {"a": 60}, windows={"a": 60})]
+    assert "a" not in plan_once(windows_only, [quota("a", budget=45)]).plan.pressure.get("r1", {})
+
+
+def test_without_windows_pressure_keeps_its_fraction_however_small() -> None:
+    """No sliding-window blocks: keep 0.9 x budget / usage, not clamped to
+    MIN_KEEP_FRACTION (a budget of 1 block against 95 held)."""
+    plan = plan_once([report("r1", 10.0, {"a": 95})], [quota("a", budget=1)]).plan
+    assert plan.pressure["r1"]["a"].keep_fraction == pytest.approx(0.9 / 95)
+    assert plan.pressure["r1"]["a"].target_blocks == 0
 
 
 def test_no_live_replicas_gives_an_empty_plan() -> None:

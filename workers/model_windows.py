@@ -28,28 +28,30 @@ def _text_config(config: dict[str, Any]) -> dict[str, Any]:
     """The language model's part of a config (a multimodal Gemma 3 nests it under
     ``text_config``)."""
     text = config.get("text_config")
-    if isinstance(text, dict) and "num_hidden_layers" in text:
+    if isinstance(text, dict):
         return text
     return config
 
 
 def layer_windows(config: dict[str, Any]) -> list[int | None]:
     """Each decoder layer's sliding window in tokens, ``None`` for full attention, from a
-    Hugging Face config (its ``layer_types``, or an older Gemma 3's
-    ``sliding_window_pattern``: every ``pattern``-th layer full). A config naming
-    neither is all full attention. ``ValueError`` on what it cannot read."""
-    text = _text_config(config)
-    num_layers = text.get("num_hidden_layers")
-    if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
-        raise ValueError(f"the model config needs num_hidden_layers >= 1 (got {num_layers!r})")
-    window = text.get("sliding_window")
-    types = text.get("layer_types")
-    pattern = text.get("sliding_window_pattern")
-    if types is None and isinstance(pattern, int) and pattern > 0 and window is not None:
+    language model's config (its ``layer_types``, or an older Gemma 3's
+    ``sliding_window_pattern``: every ``pattern``-th layer full). No window (``None`` or
+    0, as vLLM reads it) or no layer types: every layer full attention (``[]`` when the
+    layer count is unknown too). ``ValueError`` on what it cannot read."""
+    window = config.get("sliding_window")
+    types = config.get("layer_types")
+    pattern = config.get("sliding_window_pattern")
+    num_layers = config.get("num_hidden_layers")
+    if not window:  # vLLM runs every layer as full attention
+        types = None
+    elif types is None and isinstance(pattern, int) and pattern > 0:
+        if not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"the model config needs num_hidden_layers >= 1 (got {num_layers!r})")
         types = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers)]
     if types is None:
-        return [None] * num_layers
-    if not isinstance(types, list) or len(types) != num_layers:
+        return [None] * num_layers if isinstance(num_layers, int) and num_layers > 0 else []
+    if not isinstance(types, list) or (isinstance(num_layers, int) and len(types) != num_layers):
         raise ValueError(
             f"the model config's layer_types must list one type per layer "
             f"({num_layers} layers, got {types!r})"
@@ -65,6 +67,21 @@ def layer_windows(config: dict[str, Any]) -> list[int | None]:
             f"the model config has {SLIDING} layers but no sliding_window >= 1 (got {window!r})"
         )
     return [window if kind == SLIDING else None for kind in types]
+
+
+def _as_transformers_reads_it(model_dir: Path, raw: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config as vLLM gets it: through transformers, which fills in
+    defaults a config file leaves out (Gemma 2's and Gemma 3's layer types, ``n_layer``
+    as ``num_hidden_layers``). A config transformers cannot load (no ``model_type``) is
+    read as written."""
+    from transformers import AutoConfig
+
+    try:
+        text = AutoConfig.from_pretrained(str(model_dir)).get_text_config()
+    except (ValueError, KeyError, OSError):
+        return _text_config(raw)
+    names = ("num_hidden_layers", "sliding_window", "layer_types", "sliding_window_pattern")
+    return {name: getattr(text, name, None) for name in names}
 
 
 def group_windows(windows: list[int | None]) -> tuple[int, ...]:
@@ -97,6 +114,6 @@ def sliding_windows(model_dir: str | Path) -> tuple[int, ...]:
     if not isinstance(config, dict):
         raise ValueError(f"the model config {path} is not a JSON object")
     try:
-        return group_windows(layer_windows(config))
+        return group_windows(layer_windows(_as_transformers_reads_it(path.parent, config)))
     except ValueError as error:
         raise ValueError(f"{path}: {error}") from error

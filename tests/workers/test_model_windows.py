@@ -58,6 +58,30 @@ def _gemma3(num_layers: int, every: int = 6) -> list[str]:
         ({"num_hidden_layers": 4, "sliding_window": None, "layer_types": [FULL] * 4}, ()),
         ({"num_hidden_layers": 30, "hidden_size": 576}, ()),  # a Llama: no layer types
         ({"num_hidden_layers": 30, "sliding_window": 4096, "use_sliding_window": False}, ()),
+        # A window of 0 or none: vLLM runs every layer as full attention.
+        ({"num_hidden_layers": 2, "sliding_window": 0, "layer_types": [SLIDING, FULL]}, ()),
+        ({"num_hidden_layers": 2, "layer_types": [SLIDING, FULL]}, ()),
+        ({"sliding_window": 16}, ()),  # no layer types, no layer count: nothing slides
+        # Configs as published, read through transformers as vLLM reads them: the layer
+        # types come from transformers' defaults, the layer count from ``n_layer``.
+        (
+            {"model_type": "gemma2", "num_hidden_layers": 26, "sliding_window": 4096},
+            (4096,),  # alternating: 13 sliding + 13 full, one group each
+        ),
+        ({"model_type": "gemma3_text", "num_hidden_layers": 26, "sliding_window": 512}, (512,) * 6),
+        (
+            {
+                "model_type": "gemma3",
+                "text_config": {
+                    "model_type": "gemma3_text",
+                    "num_hidden_layers": 34,
+                    "sliding_window": 1024,
+                },
+                "vision_config": {"model_type": "siglip_vision_model"},
+            },
+            (1024,) * 6,
+        ),
+        ({"model_type": "gpt2", "n_layer": 12}, ()),
     ],
 )
 def test_sliding_windows_per_kv_cache_group(
@@ -69,7 +93,6 @@ def test_sliding_windows_per_kv_cache_group(
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        ({"sliding_window": 16}, "num_hidden_layers"),
         (
             {"num_hidden_layers": 4, "sliding_window": 16, "layer_types": [SLIDING, FULL]},
             "one type per layer",
@@ -78,7 +101,10 @@ def test_sliding_windows_per_kv_cache_group(
             {"num_hidden_layers": 2, "sliding_window": 16, "layer_types": [SLIDING, "mamba"]},
             "mamba",
         ),
-        ({"num_hidden_layers": 2, "layer_types": [SLIDING, FULL]}, "no sliding_window"),
+        (
+            {"num_hidden_layers": 2, "sliding_window": "wide", "layer_types": [SLIDING, FULL]},
+            "no sliding_window",
+        ),
         ([1, 2], "not a JSON object"),
     ],
 )

@@ -10,8 +10,10 @@ from typing import Annotated, Any
 import typer
 
 from bench.common import csv_floats, csv_items, write_json
+from sim.cluster import FIDELITIES
 from sim.cost_model import DEVICES, MODELS, gpu_cost_model
 from sim.experiment import ENGINES, Case, Deployment, gpu_deployment, run_case
+from sim.fast_replica import FAST_ENGINES
 from sim.routing import ROUTERS
 from sim.workloads import KINDS
 
@@ -23,6 +25,10 @@ BLOCKS_HELP = "KV blocks per replica (default: from the GPU's memory)."
 DRAIN_HELP = (
     "Virtual seconds after the last arrival before unfinished requests count as SLO"
     " misses (default: twice the last arrival's time, plus 1)."
+)
+FIDELITY_HELP = (
+    "exact: vLLM's scheduler with vToken per replica; fast: block counts (up to 1,000"
+    " replicas, sim/fast_replica.py)."
 )
 PROFILE_HELP = "With --gpu cpu: a profile written by `vtoken sim fit-cpu`."
 
@@ -91,12 +97,17 @@ def cluster(
     num_blocks: Annotated[int | None, typer.Option(help=BLOCKS_HELP)] = None,
     cpu_profile: Annotated[Path | None, typer.Option(help=PROFILE_HELP)] = None,
     drain_s: Annotated[float | None, typer.Option(min=0.0, help=DRAIN_HELP)] = None,
+    fidelity: Annotated[str, typer.Option(help=FIDELITY_HELP)] = "exact",
 ) -> None:  # fmt: skip
-    """Simulate serving on N exact replicas (vLLM's scheduler with vToken, virtual time):
+    """Simulate serving on N replicas (vLLM's scheduler with vToken, virtual time):
     one JSONL row per (engine, router, replicas, workload, rate, seed)."""
     chosen_engines = _choices(engines, ENGINES, "--engines")
     chosen_routers = _choices(routers, ROUTERS, "--routers")
     kinds = _choices(workload, KINDS, "--workload")
+    if fidelity not in FIDELITIES:
+        raise typer.BadParameter(f"--fidelity must be one of {', '.join(FIDELITIES)}")
+    if fidelity == "fast" and set(chosen_engines) - set(FAST_ENGINES):
+        raise typer.BadParameter(f"--fidelity fast runs {', '.join(FAST_ENGINES)}")
     if gpu != CPU and gpu not in DEVICES:
         raise typer.BadParameter(f"--gpu must be among {', '.join(DEVICES)}, cpu; got {gpu!r}")
     counts, seed_list = _ints(replicas, "--replicas"), _ints(seeds, "--seeds")
@@ -111,6 +122,7 @@ def cluster(
         "num_blocks": num_blocks,
         "tenant_budget_blocks": tenant_budget_blocks,
         "drain_s": drain_s,
+        "fidelity": fidelity,
     }
     deployment = _deployment(
         model, gpu, dtype, tp, {"policy": policy, "keep_ratio": keep}, fields, cpu_profile

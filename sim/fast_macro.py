@@ -133,6 +133,9 @@ def commit(replica: FastReplica, plan: MacroPlan) -> None:
     steps = len(plan.starts)
     bs, engine = replica.bs, replica.engine
     for index, request in enumerate(replica.running):
+        if request.publishes:
+            start = request.computed // bs
+            replica._insert(request.hashes[start : (request.computed + steps) // bs])
         request.computed += steps
         request.output += steps
         if engine in ("vanilla", "on_demand"):

@@ -67,6 +67,7 @@ class FastRequest:
     shared: int = 0  # leading prompt blocks it shares through the prefix cache
     scheduled: bool = False  # scheduled at least once (its prefix hit is counted)
     cached: int = 0  # prompt tokens served by the prefix cache at first scheduling
+    publishes: bool = True  # its full blocks enter the prefix cache (until it evicts)
 
     @property
     def num_tokens(self) -> int:
@@ -163,6 +164,9 @@ class FastReplica:
         if self.config.enable_prefix_caching:
             hashes = block_hashes((*prompt, *(output_tokens or ())), self.bs, cache_salt)
         request = FastRequest(request_id, len(prompt), max_tokens, hashes)
+        # Eager engines evict from the first chunk on (workers/prefix_cache.py: a request
+        # publishes nothing past its first eviction): nothing of theirs is cached.
+        request.publishes = self.engine in ("vanilla", "on_demand")
         self.requests[request_id] = request
         self.waiting.append(request)
 
@@ -290,11 +294,20 @@ class FastReplica:
             if need <= self.free:
                 break
             self._release(request)  # its shared blocks are repacked: its own from now on
+            self._unpublish(request)
             request.live = kept
             request.held = blocks
             self.private += blocks
             self.state.num_evictions_under_pressure += 1
         return need <= self.free
+
+    def _unpublish(self, request: FastRequest) -> None:
+        """An evicting request's blocks leave the cache (those other requests hold stay)
+        and it publishes nothing more (``workers/prefix_cache.py``)."""
+        request.publishes = False
+        for key in request.hashes[: request.computed // self.bs]:
+            if key not in self.refs:
+                self.cache.pop(key, None)
 
     def _preempt(self, request: FastRequest) -> None:
         self.running.remove(request)
@@ -343,11 +356,14 @@ class FastReplica:
             pairs += new * reads
             held += request.held
             scored += reads if self.scored else 0
-            if in_prompt and request.hashes:
-                full = min(request.computed, request.prompt_len) // self.bs
-                self._insert(request.hashes[:full])
-                if request.live == request.computed:
-                    self._share(request, full)
+            if request.publishes:  # vLLM caches each block as it fills, outputs included
+                self._insert(
+                    request.hashes[
+                        (request.computed - new) // self.bs : request.computed // self.bs
+                    ]
+                )
+                if in_prompt and request.live == request.computed:
+                    self._share(request, min(request.computed, request.prompt_len) // self.bs)
             if request.computed >= request.num_tokens:
                 if request.output == 0:
                     first.append(request.request_id)
@@ -362,8 +378,6 @@ class FastReplica:
             request = self.requests.pop(request_id)
             self.running.remove(request)
             self._release(request)
-            if request.hashes:
-                self._insert(request.hashes[: request.computed // self.bs])
         self.num_steps += 1
         return StepRecord(
             prefill_tokens=prefill,

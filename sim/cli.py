@@ -178,7 +178,7 @@ def validate(
     prompt_tokens: Annotated[int, typer.Option(min=32)] = 128,
     new_tokens: Annotated[int, typer.Option(min=1)] = 48,
     num_blocks: Annotated[int, typer.Option(min=4)] = 24,
-    fast_engines: Annotated[str, typer.Option(help="Fast gate: engines.")] = "vanilla,eager",
+    fast_engines: Annotated[str, typer.Option(help="Fast gate.")] = "vanilla,eager,on_demand",
     fast_replicas: Annotated[int, typer.Option(min=1, help="Fast gate: replicas.")] = 8,
     fast_rate: Annotated[float, typer.Option(min=0.1, help="Fast gate: requests/s.")] = 40.0,
     fast_duration: Annotated[float, typer.Option(min=1.0, help="Fast gate: seconds.")] = 10.0,

@@ -21,7 +21,7 @@ from sim.cost_model import CostModel, KVReads, StepCost
 from sim.fast_replica import FastReplica
 from sim.replica import StepRecord
 
-MAX_MACRO_STEPS = 512
+MAX_MACRO_STEPS = 64  # planned steps past a cut are wasted: a short plan, replanned
 
 
 @dataclass(slots=True)
@@ -35,6 +35,7 @@ class MacroPlan:
     end_s: float
     live: np.ndarray
     held: np.ndarray
+    moves: np.ndarray  # per step: what its evictions leave for the next step's repack
 
 
 def plan_macro(
@@ -61,7 +62,7 @@ def plan_macro(
     if steps < 2:
         return None
     bs = replica.bs
-    j = np.arange(steps)[:, None]
+    j = np.arange(steps + 1)[:, None]  # one row more: the last step's evictions
     computed = np.array([r.computed for r in running])[None, :] + j
     live0 = np.array([r.live for r in running])[None, :]
     held0 = np.array([r.held for r in running])
@@ -73,6 +74,13 @@ def plan_macro(
     else:
         live = np.minimum(computed, np.ceil(replica.keep * computed).astype(np.int64))
         live[0] = live0[0]
+    # Step j copies what step j - 1 evicted (vToken mode: eager; on_demand evicts only
+    # under pressure, never in a plan).
+    moves = np.zeros(steps + 1, dtype=np.int64)
+    moves[0] = replica.pending_moves
+    if engine == "eager":
+        moves[1:] = np.minimum(live[:-1] + 1 - live[1:], live[1:]).sum(axis=1)
+    live, computed = live[:steps], computed[:steps]
     if engine in ("naive", "block"):
         vanilla = -(-(computed + 1) // bs)
         held = np.maximum(held0[None, :], np.ceil(replica.fraction * vanilla).astype(np.int64))
@@ -85,6 +93,7 @@ def plan_macro(
         if steps < 2:
             return None
         live, held, computed = live[:steps], held[:steps], computed[:steps]
+        moves = moves[: steps + 1]
     context = (computed + 1).sum(axis=1)
     reads_live = (live + 1).sum(axis=1)
     held_sum = held.sum(axis=1)
@@ -102,7 +111,7 @@ def plan_macro(
             live_tokens=int(reads_live[step]),
             held_blocks=int(held_sum[step]),
             attention_pairs=int(reads_live[step]),
-            num_moves=0,
+            num_moves=int(moves[step]),
             scored_tokens=int(reads_live[step]) if replica.scored else 0,
             finished=(),
             first_tokens=(),
@@ -113,7 +122,8 @@ def plan_macro(
         time += step_cost.total_s
     if len(starts) < 2:
         return None
-    return MacroPlan(starts, costs, time, live[: len(starts)], held[: len(starts)])
+    planned = len(starts)
+    return MacroPlan(starts, costs, time, live[:planned], held[:planned], moves[1 : planned + 1])
 
 
 def cut(plan: MacroPlan, arrival_s: float) -> float | None:
@@ -148,4 +158,5 @@ def commit(replica: FastReplica, plan: MacroPlan) -> None:
         replica.private += held - request.held
         request.held = held
     replica.num_steps += steps
+    replica.pending_moves = int(plan.moves[steps - 1])
     replica.macro = None

@@ -119,6 +119,9 @@ class FastReplica:
         self.recomputed_tokens = 0
         self.state: FastState | None = None if engine == "vanilla" else FastState()
         self.macro: MacroPlan | None = None
+        # KV slots the repack copies before the next step: vToken mode (eager, on_demand)
+        # fills the holes its evictions leave below the live count (at most the kept).
+        self.pending_moves = 0
 
     @property
     def num_running(self) -> int:
@@ -295,6 +298,7 @@ class FastReplica:
                 break
             self._release(request)  # its shared blocks are repacked: its own from now on
             self._unpublish(request)
+            self.pending_moves += min(request.live - kept, kept)
             request.live = kept
             request.held = blocks
             self.private += blocks
@@ -344,6 +348,7 @@ class FastReplica:
         cached: dict[str, int] = {}
         outputs: dict[str, int] = {}
         finished: list[str] = []
+        moves, self.pending_moves = self.pending_moves, 0
         for request, new in scheduled:
             in_prompt = request.computed < request.prompt_len
             request.computed += new
@@ -387,7 +392,7 @@ class FastReplica:
             live_tokens=live,
             held_blocks=held,
             attention_pairs=pairs,
-            num_moves=0,
+            num_moves=moves,
             scored_tokens=scored,
             finished=tuple(finished),
             first_tokens=tuple(first),
@@ -399,6 +404,8 @@ class FastReplica:
         """After the step: eager, naive and block keep their budgets."""
         kept = self._kept(request)
         if kept < request.live:
+            if self.engine == "eager":
+                self.pending_moves += min(request.live - kept, kept)
             request.live = kept
             if self.engine == "eager":
                 held = -(-kept // self.bs)

@@ -87,3 +87,29 @@ def _with_fidelity(deployment: Deployment, fidelity: str) -> Deployment:
     from dataclasses import replace
 
     return replace(deployment, fidelity=fidelity)
+
+
+def measure_held_fraction(config: Any, requests: list[Any]) -> float:
+    """Held blocks over vanilla's (context tokens / block size), summed over the decode
+    steps of an exact replica of ``config`` serving ``requests`` (``SimRequest``) at once:
+    ``HELD_FRACTION`` of the fast replica for Naive-Evict and block eviction."""
+    from controlplane.prefix import cache_salt
+    from sim.replica import ExactReplica
+
+    exact = ExactReplica(config)
+    for request in requests:
+        exact.add_request(
+            request.request_id,
+            request.prompt,
+            request.max_tokens,
+            output_tokens=request.output_tokens,
+            cache_salt=cache_salt(request.tenant),
+        )
+    held = vanilla = 0.0
+    while (record := exact.step()) is not None:
+        if record.decode_tokens and not record.prefill_tokens:
+            held += record.held_blocks
+            vanilla += record.context_tokens / config.block_size
+    if not vanilla:
+        raise ValueError("no decode-only step: give requests with more than one output")
+    return round(held / vanilla, 3)

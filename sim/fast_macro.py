@@ -81,12 +81,10 @@ def plan_macro(
     if engine == "eager":
         moves[1:] = np.minimum(live[:-1] + 1 - live[1:], live[1:]).sum(axis=1)
     live, computed = live[:steps], computed[:steps]
+    held = -(-(live + 1) // bs)
     if engine in ("naive", "block"):
         vanilla = -(-(computed + 1) // bs)
-        held = np.maximum(held0[None, :], np.ceil(replica.fraction * vanilla).astype(np.int64))
-        held = np.maximum.accumulate(held, axis=0)
-    else:
-        held = -(-(live + 1) // bs)
+        held = np.maximum(held, np.ceil(replica.fraction * vanilla).astype(np.int64))
     fits = held.sum(axis=1) <= replica.free + int(held0.sum())
     if not fits.all():
         steps = int(np.argmin(fits))
@@ -153,8 +151,10 @@ def commit(replica: FastReplica, plan: MacroPlan) -> None:
         else:
             request.live = min(request.computed, replica.budget(request.computed))
         held = int(plan.held[steps - 1, index])
-        if engine == "eager":  # evicted after the step: its live tokens' blocks
+        if engine != "on_demand" and engine != "vanilla":  # evicted after the step
             held = -(-request.live // bs)
+            if engine != "eager":
+                held = max(held, replica._share_of_vanilla(request.computed))
         replica.private += held - request.held
         request.held = held
     replica.num_steps += steps

@@ -144,6 +144,8 @@ def run_cluster(spec: ClusterSpec, cost: CostModel, requests: list[SimRequest]) 
         now, kind, index, payload = heapq.heappop(events)
         if now > horizon:
             break
+        if kind == STEP and payload != generation[index]:
+            continue  # a macro-step's end that a cut moved earlier
         clock.time_s = run.end_s = now
         if kind == ARRIVAL:
             chosen = _arrive(payload, replicas, router, admission, run)
@@ -156,8 +158,6 @@ def run_cluster(spec: ClusterSpec, cost: CostModel, requests: list[SimRequest]) 
                     generation[chosen] += 1
                     heapq.heappush(events, (end, STEP, chosen, generation[chosen]))
             continue
-        if payload != generation[index]:
-            continue  # a macro-step's end that a cut moved earlier
         replica = replicas[index]
         tick = time.perf_counter()
         if fast:
@@ -184,6 +184,7 @@ def run_cluster(spec: ClusterSpec, cost: CostModel, requests: list[SimRequest]) 
         heapq.heappush(events, (end, STEP, index, generation[index]))
     for replica in replicas if fast else ():
         if replica.macro is not None:  # planned steps that start by the horizon
+            run.end_s = max(run.end_s, replica.macro.starts[-1])
             _commit(run, replica, admission)
     run.wall_s = time.perf_counter() - started
     return run

@@ -141,3 +141,23 @@ def test_fast_matches_exact_on_eight_replicas(tmp_path):
     assert gate["passed"], row["metrics"]
     fast_row = run_case(Case("vanilla", "project", 8, "chat", 12.0, 0), deployment)
     assert fast_row["fidelity"] == "exact"
+
+
+@pytest.mark.parametrize("engine", ["vanilla", "eager", "on_demand"])
+def test_a_fast_cluster_gives_the_same_row_without_macro_steps(engine, tmp_path, monkeypatch):
+    """Macro-steps cut by arrivals change nothing a row reports (only the wall time)."""
+    folder = model_folder("llama-3.1-8b", tmp_path)
+    deployment = gpu_deployment(
+        COST, "llama-3.1-8b", "h200", POLICY, duration_s=4.0, num_blocks=384,
+        model_dir=folder, fidelity="fast",
+    )  # fmt: skip
+    case = Case(engine, "project", 4, "chat", 16.0, 1)
+    with_macro = run_case(case, deployment)
+    monkeypatch.setattr("sim.fast_macro.MAX_MACRO_STEPS", 1)
+    single = run_case(case, deployment)
+    assert with_macro["fidelity"] == "fast" and with_macro["completed"] > 20
+    assert with_macro["steps"] == single["steps"]
+    drop = ("wall_s", "scheduler_wall_s")
+    assert {k: v for k, v in with_macro.items() if k not in drop} == {
+        k: v for k, v in single.items() if k not in drop
+    }

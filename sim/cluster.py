@@ -192,6 +192,7 @@ def run_cluster(spec: ClusterSpec, cost: CostModel, requests: list[SimRequest]) 
 
 def _commit(run: ClusterRun, replica: FastReplica, admission: Admission) -> None:
     plan = replica.macro
+    assert plan is not None
     commit(replica, plan)
     for step in plan.costs:
         _account(run, _NO_TOKENS, step, 0.0, admission)

@@ -10,8 +10,10 @@ from typing import Annotated, Any
 import typer
 
 from bench.common import csv_floats, csv_items, write_json
+from sim.cluster import FIDELITIES
 from sim.cost_model import DEVICES, MODELS, gpu_cost_model
 from sim.experiment import ENGINES, Case, Deployment, gpu_deployment, run_case
+from sim.fast_replica import FAST_ENGINES
 from sim.routing import ROUTERS
 from sim.workloads import KINDS
 
@@ -23,6 +25,10 @@ BLOCKS_HELP = "KV blocks per replica (default: from the GPU's memory)."
 DRAIN_HELP = (
     "Virtual seconds after the last arrival before unfinished requests count as SLO"
     " misses (default: twice the last arrival's time, plus 1)."
+)
+FIDELITY_HELP = (
+    "exact: vLLM's scheduler with vToken per replica; fast: block counts (up to 1,000"
+    " replicas, sim/fast_replica.py)."
 )
 PROFILE_HELP = "With --gpu cpu: a profile written by `vtoken sim fit-cpu`."
 
@@ -91,12 +97,17 @@ def cluster(
     num_blocks: Annotated[int | None, typer.Option(help=BLOCKS_HELP)] = None,
     cpu_profile: Annotated[Path | None, typer.Option(help=PROFILE_HELP)] = None,
     drain_s: Annotated[float | None, typer.Option(min=0.0, help=DRAIN_HELP)] = None,
+    fidelity: Annotated[str, typer.Option(help=FIDELITY_HELP)] = "exact",
 ) -> None:  # fmt: skip
-    """Simulate serving on N exact replicas (vLLM's scheduler with vToken, virtual time):
+    """Simulate serving on N replicas (vLLM's scheduler with vToken, virtual time):
     one JSONL row per (engine, router, replicas, workload, rate, seed)."""
     chosen_engines = _choices(engines, ENGINES, "--engines")
     chosen_routers = _choices(routers, ROUTERS, "--routers")
     kinds = _choices(workload, KINDS, "--workload")
+    if fidelity not in FIDELITIES:
+        raise typer.BadParameter(f"--fidelity must be one of {', '.join(FIDELITIES)}")
+    if fidelity == "fast" and set(chosen_engines) - set(FAST_ENGINES):
+        raise typer.BadParameter(f"--fidelity fast runs {', '.join(FAST_ENGINES)}")
     if gpu != CPU and gpu not in DEVICES:
         raise typer.BadParameter(f"--gpu must be among {', '.join(DEVICES)}, cpu; got {gpu!r}")
     counts, seed_list = _ints(replicas, "--replicas"), _ints(seeds, "--seeds")
@@ -111,6 +122,7 @@ def cluster(
         "num_blocks": num_blocks,
         "tenant_budget_blocks": tenant_budget_blocks,
         "drain_s": drain_s,
+        "fidelity": fidelity,
     }
     deployment = _deployment(
         model, gpu, dtype, tp, {"policy": policy, "keep_ratio": keep}, fields, cpu_profile
@@ -153,27 +165,61 @@ def fit_cpu(
     typer.echo(f"{profile.num_samples} steps, R^2 {profile.r_squared}: {profile.coefficients}")
 
 
+GATES = ("exact_counts", "fast")
+
+
 def validate(
     json_path: Annotated[Path, typer.Option("--json", help="Write the gates here.")],
+    gates: Annotated[str, typer.Option(help="exact_counts (real CPU engines), fast.")] = (
+        "exact_counts,fast"
+    ),
     model: Annotated[str, typer.Option(help="Shipped model name or model folder.")] = "smollm2",
     requests: Annotated[int, typer.Option(min=2)] = 8,
     prompt_tokens: Annotated[int, typer.Option(min=32)] = 128,
     new_tokens: Annotated[int, typer.Option(min=1)] = 48,
     num_blocks: Annotated[int, typer.Option(min=4)] = 24,
-) -> None:
-    """Run the gates that exist: (a) exact counts against real CPU engines; (b) and (c)
+    fast_engines: Annotated[str, typer.Option(help="Fast gate.")] = "vanilla,eager,on_demand",
+    fast_replicas: Annotated[int, typer.Option(min=1, help="Fast gate: replicas.")] = 8,
+    fast_rate: Annotated[float, typer.Option(min=0.1, help="Fast gate: requests/s.")] = 40.0,
+    fast_duration: Annotated[float, typer.Option(min=1.0, help="Fast gate: seconds.")] = 10.0,
+    fast_blocks: Annotated[int, typer.Option(min=16, help="Fast gate: blocks/replica.")] = 1024,
+    fast_seed: Annotated[int, typer.Option(min=0, help="Fast gate: workload seed.")] = 0,
+) -> None:  # fmt: skip
+    """Run the gates that exist: (a) exact counts against real CPU engines; the fast
+    mode against exact mode (chat, Llama-3.1-8B on H200, project router); (b) and (c)
     are reported as not built."""
-    from sim.validate import exact_counts_gate
+    chosen = _choices(gates, GATES, "--gates")
+    document: dict[str, Any] = {"gates": {}}
+    failed = False
+    if "exact_counts" in chosen:
+        from sim.validate import exact_counts_gate
 
-    gate = exact_counts_gate(model, requests, prompt_tokens, new_tokens, num_blocks)
-    document = {
-        "gates": {
-            "exact_counts": gate,
-            "cpu_holdout": {"passed": None, "status": "not built"},
-            "gpu_published": {"passed": None, "status": "not built", "max_rel_error": None},
-        }
+        gate = exact_counts_gate(model, requests, prompt_tokens, new_tokens, num_blocks)
+        document["gates"]["exact_counts"] = gate
+        typer.echo(f"exact_counts: passed={gate['passed']} ({len(gate['rows'])} rows)")
+        failed |= not gate["passed"]
+    if "fast" in chosen:
+        from sim.fast_gate import METRICS, fast_gate
+
+        engines = _choices(fast_engines, FAST_ENGINES, "--fast-engines")
+        fields = {"duration_s": fast_duration, "num_blocks": fast_blocks}
+        deployment = _deployment(
+            "llama-3.1-8b", "h200", "bf16", 1, {"policy": "h2o", "keep_ratio": 0.2}, fields,
+            None,
+        )  # fmt: skip
+        cases = [Case(e, "project", fast_replicas, "chat", fast_rate, fast_seed) for e in engines]
+        gate = fast_gate(deployment, cases)
+        document["gates"]["fast_vs_exact"] = gate
+        for row in gate["rows"]:
+            figures = ", ".join(
+                f"{m} {row['metrics'][m]['exact']}/{row['metrics'][m]['fast']}" for m in METRICS
+            )
+            typer.echo(f"fast {row['engine']}: passed={row['passed']} (exact/fast: {figures})")
+        failed |= not gate["passed"]
+    document["gates"] |= {
+        "cpu_holdout": {"passed": None, "status": "not built"},
+        "gpu_published": {"passed": None, "status": "not built", "max_rel_error": None},
     }
     write_json(json_path, document)
-    typer.echo(f"exact_counts: passed={gate['passed']} ({len(gate['rows'])} rows)")
-    if not gate["passed"]:
+    if failed:
         raise typer.Exit(1)

@@ -23,12 +23,15 @@ from typing import Any
 from bench.common import Slo
 from controlplane.prefix import cache_salt, prefix_keys
 from sim.cost_model import ENGINE_READS, CostModel, StepCost
+from sim.fast_macro import commit, cut, plan_macro
+from sim.fast_replica import FastReplica
 from sim.replica import ExactReplica, ReplicaConfig, StepRecord
 from sim.routing import Admission, VirtualClock, make_router
 from sim.workloads import SimRequest
 from workers.config import parse_config
 
 ARRIVAL, STEP = 0, 1
+FIDELITIES = ("exact", "fast")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,10 +46,13 @@ class ClusterSpec:
     seed: int = 0
     tenant_budget_blocks: int | None = None
     drain_s: float | None = None  # None: twice the last arrival's time, plus 1 s
+    fidelity: str = "exact"  # or "fast": block counts (sim/fast_replica.py)
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
             raise ValueError("num_replicas must be >= 1")
+        if self.fidelity not in FIDELITIES:
+            raise ValueError(f"fidelity must be one of {FIDELITIES}, got {self.fidelity!r}")
         if self.engine not in ENGINE_READS:
             raise ValueError(f"engine must be one of {sorted(ENGINE_READS)}, got {self.engine!r}")
 
@@ -76,7 +82,7 @@ class ClusterRun:
     end_s: float = 0.0  # the last event's time
     wall_s: float = 0.0
     scheduler_s: float = 0.0  # wall time in vLLM's scheduler and vToken (host, measured)
-    replicas: list[ExactReplica] = field(default_factory=list)
+    replicas: list[Any] = field(default_factory=list)  # ExactReplica or FastReplica
     admission: Admission | None = None
 
 
@@ -111,7 +117,12 @@ def run_cluster(spec: ClusterSpec, cost: CostModel, requests: list[SimRequest]) 
     """Serve ``requests`` (arrival order) on the cluster of ``spec`` (module docstring)."""
     started = time.perf_counter()
     clock = VirtualClock()
-    replicas = [ExactReplica(spec.replica) for _ in range(spec.num_replicas)]
+    fast = spec.fidelity == "fast"
+    replicas: list[Any] = [
+        FastReplica(spec.replica, spec.engine) if fast else ExactReplica(spec.replica)
+        for _ in range(spec.num_replicas)
+    ]
+    generation = [0] * spec.num_replicas  # a fast replica's macro-step cut makes a new one
     router = make_router(spec.router, spec.num_replicas, clock, spec.replica.block_size, spec.seed)
     config = parse_config({"vtoken": spec.replica.vtoken} if spec.replica.vtoken else {})
     admission = Admission(
@@ -133,15 +144,31 @@ def run_cluster(spec: ClusterSpec, cost: CostModel, requests: list[SimRequest]) 
         now, kind, index, payload = heapq.heappop(events)
         if now > horizon:
             break
+        if kind == STEP and payload != generation[index]:
+            continue  # a macro-step's end that a cut moved earlier
         clock.time_s = run.end_s = now
         if kind == ARRIVAL:
             chosen = _arrive(payload, replicas, router, admission, run)
             if chosen is not None and not stepping[chosen]:
                 stepping[chosen] = True
-                heapq.heappush(events, (now, STEP, chosen, None))
+                heapq.heappush(events, (now, STEP, chosen, generation[chosen]))
+            elif chosen is not None and fast and replicas[chosen].macro is not None:
+                end = cut(replicas[chosen].macro, now)
+                if end is not None:
+                    generation[chosen] += 1
+                    heapq.heappush(events, (end, STEP, chosen, generation[chosen]))
             continue
         replica = replicas[index]
         tick = time.perf_counter()
+        if fast:
+            if replica.macro is not None:
+                _commit(run, replica, admission)
+            plan = plan_macro(replica, cost, reads, now, horizon)
+            if plan is not None:
+                replica.macro = plan
+                run.scheduler_s += time.perf_counter() - tick
+                heapq.heappush(events, (plan.end_s, STEP, index, generation[index]))
+                continue
         record = replica.step()
         run.scheduler_s += time.perf_counter() - tick
         if record is None or (record.num_requests == 0 and not replica.num_running):
@@ -149,19 +176,34 @@ def run_cluster(spec: ClusterSpec, cost: CostModel, requests: list[SimRequest]) 
             stepping[index] = False
             continue
         if record.num_requests == 0:  # vLLM's step that only reports finished requests
-            heapq.heappush(events, (now, STEP, index, None))
+            heapq.heappush(events, (now, STEP, index, generation[index]))
             continue
         step = cost.step(record, reads)
         end = now + step.total_s
         _account(run, record, step, end, admission)
-        heapq.heappush(events, (end, STEP, index, None))
+        heapq.heappush(events, (end, STEP, index, generation[index]))
+    for replica in replicas if fast else ():
+        if replica.macro is not None:  # planned steps that start by the horizon
+            run.end_s = max(run.end_s, replica.macro.starts[-1])
+            _commit(run, replica, admission)
     run.wall_s = time.perf_counter() - started
     return run
 
 
+def _commit(run: ClusterRun, replica: FastReplica, admission: Admission) -> None:
+    plan = replica.macro
+    assert plan is not None
+    commit(replica, plan)
+    for step in plan.costs:
+        _account(run, _NO_TOKENS, step, 0.0, admission)
+
+
+_NO_TOKENS = StepRecord(0, 0, 0, 0, 0, 0, 0, 0, 0, (), ())
+
+
 def _arrive(
     request: SimRequest,
-    replicas: list[ExactReplica],
+    replicas: list[Any],
     router: Any,
     admission: Admission,
     run: ClusterRun,

@@ -50,6 +50,7 @@ class Deployment:
     length_scale: float = 1.0
     model_dir: str | None = None  # a folder with the model's config.json (default: written)
     drain_s: float | None = None  # virtual seconds after the last arrival (ClusterSpec)
+    fidelity: str = "exact"  # or "fast" (ClusterSpec)
 
 
 def engine_vtoken(engine: str, policy: dict[str, Any]) -> dict[str, Any] | None:
@@ -77,7 +78,7 @@ def run_case(case: Case, deployment: Deployment, scratch: Path | None = None) ->
     )
     spec = ClusterSpec(
         case.num_replicas, case.engine, case.router, replica, case.seed,
-        deployment.tenant_budget_blocks, deployment.drain_s,
+        deployment.tenant_budget_blocks, deployment.drain_s, deployment.fidelity,
     )  # fmt: skip
     workload = WorkloadSpec(
         case.workload,
@@ -102,6 +103,7 @@ def run_case(case: Case, deployment: Deployment, scratch: Path | None = None) ->
         "workload": case.workload,
         "rate": case.rate,
         "seed": case.seed,
+        "fidelity": deployment.fidelity,
         "model": deployment.model,
         "gpu": deployment.gpu,
         "policy": deployment.policy if case.engine != "vanilla" else None,

@@ -13,29 +13,14 @@ it ends, or cuts it at the first step boundary after an arrival routed to the re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from sim.cost_model import CostModel, KVReads, StepCost
+from sim.fast_plan import MacroPlan
 from sim.fast_replica import FastReplica
 from sim.replica import StepRecord
 
 MAX_MACRO_STEPS = 64  # planned steps past a cut are wasted: a short plan, replanned
-
-
-@dataclass(slots=True)
-class MacroPlan:
-    """``starts``: each planned step's start time; ``costs``: its cost; ``end_s``: when
-    the last one ends. ``live`` and ``held``: per step and running request, the live
-    tokens before the step and the blocks held during it (``steps x requests``)."""
-
-    starts: list[float]
-    costs: list[StepCost]
-    end_s: float
-    live: np.ndarray
-    held: np.ndarray
-    moves: np.ndarray  # per step: what its evictions leave for the next step's repack
 
 
 def plan_macro(

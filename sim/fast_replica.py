@@ -52,7 +52,7 @@ FAST_ENGINES = ("vanilla", "eager", "on_demand", "naive", "block")
 HELD_FRACTION = {"naive": 0.207, "block": 0.201}
 
 if TYPE_CHECKING:
-    from sim.fast_macro import MacroPlan
+    from sim.fast_plan import MacroPlan
 
 
 @dataclass(slots=True)

@@ -13,7 +13,7 @@ from bench.common import csv_floats, csv_items, write_json
 from sim.cluster import FIDELITIES
 from sim.cost_model import DEVICES, MODELS, gpu_cost_model
 from sim.experiment import ENGINES, Case, Deployment, gpu_deployment, run_case
-from sim.fast_replica import FAST_ENGINES
+from sim.fast_replica import FAST_ENGINES, FAST_POLICIES, HELD_FRACTION, MEASURED_AT
 from sim.routing import ROUTERS
 from sim.workloads import KINDS
 
@@ -127,6 +127,16 @@ def cluster(
     deployment = _deployment(
         model, gpu, dtype, tp, {"policy": policy, "keep_ratio": keep}, fields, cpu_profile
     )
+    measured = {"policy": policy, "keep_ratio": keep, "block_size": deployment.block_size}
+    held_share = set(chosen_engines) & set(HELD_FRACTION)
+    if fidelity == "fast" and held_share and measured != MEASURED_AT:
+        raise typer.BadParameter(
+            f"--fidelity fast runs {', '.join(sorted(held_share))} on a share of vanilla's "
+            f"blocks measured at {MEASURED_AT}, not {measured}: leave them out or use "
+            "--fidelity exact"
+        )
+    if fidelity == "fast" and policy not in FAST_POLICIES:
+        raise typer.BadParameter(f"--fidelity fast does not model policy {policy!r}")
     json_path.parent.mkdir(parents=True, exist_ok=True)
     for combo in itertools.product(
         chosen_engines, chosen_routers, counts, kinds, rate_list, seed_list

@@ -31,7 +31,9 @@ def plan_macro(
     n = len(running)
     if n == 0 or n > config.max_num_batched_tokens:
         return None
-    if any(r.num_tokens - r.computed != 1 for r in running):
+    # Decoding: one token to compute and the first one sampled already (a prompt with one
+    # token left to prefill also has one to compute, and its step reports the first token).
+    if any(r.num_tokens - r.computed != 1 or r.output == 0 for r in running):
         return None
     if replica.waiting and n < config.max_num_seqs:
         if replica.engine == "on_demand":

@@ -50,6 +50,10 @@ FAST_ENGINES = ("vanilla", "eager", "on_demand", "naive", "block")
 # size 16, the first 24 requests of the chat workload at seed 0, served at once); measure
 # again for another policy, keep ratio or block size.
 HELD_FRACTION = {"naive": 0.207, "block": 0.201}
+MEASURED_AT = {"policy": "h2o", "keep_ratio": 0.2, "block_size": 16}  # HELD_FRACTION's run
+# Policies whose kept count fast mode follows (a budget every step); SnapKV and PAGE
+# compress once, at the end of prefill, which it does not model.
+FAST_POLICIES = ("h2o", "tova", "scissorhands", "streaming_llm", "random", "none", None)
 
 if TYPE_CHECKING:
     from sim.fast_plan import MacroPlan
@@ -102,6 +106,19 @@ class FastReplica:
         vtoken = config.vtoken or {}
         if engine != "vanilla" and vtoken.get("keep_ratio") is None:
             raise ValueError(f"fast mode {engine!r} needs a keep_ratio in its vToken config")
+        if vtoken.get("policy") not in FAST_POLICIES:
+            raise ValueError(
+                f"fast mode does not model policy {vtoken.get('policy')!r} (it follows "
+                "policies that hold a budget every step); use --fidelity exact"
+            )
+        measured = {"policy": vtoken.get("policy"), "keep_ratio": vtoken.get("keep_ratio"),
+                    "block_size": config.block_size}  # fmt: skip
+        if engine in HELD_FRACTION and measured != MEASURED_AT:
+            raise ValueError(
+                f"fast mode's {engine!r} holds a share of vanilla's blocks measured at "
+                f"{MEASURED_AT}, not {measured}: measure it again "
+                "(sim.fast_gate.measure_held_fraction) or use --fidelity exact"
+            )
         self.config = config
         self.engine = engine
         self.keep = float(vtoken.get("keep_ratio") or 1.0)
@@ -120,6 +137,7 @@ class FastReplica:
         self.recomputed_tokens = 0
         self.state: FastState | None = None if engine == "vanilla" else FastState()
         self.macro: MacroPlan | None = None
+        self.step_new: dict[str, int] = {}  # the step being scheduled: new tokens per request
         # KV slots the repack copies before the next step: vToken mode (eager, on_demand)
         # fills the holes its evictions leave below the live count (at most the kept).
         self.pending_moves = 0
@@ -204,6 +222,7 @@ class FastReplica:
             return None
         tokens = self.config.max_num_batched_tokens
         scheduled: list[tuple[FastRequest, int]] = []
+        self.step_new = {}  # this step's new tokens per request scheduled so far
         preempted = False
         index = 0
         while index < len(self.running) and tokens > 0:
@@ -215,23 +234,32 @@ class FastReplica:
                     break
                 continue  # retry after the preemption freed blocks
             scheduled.append((request, new))
+            self.step_new[request.request_id] = new
             tokens -= new
             index += 1
         if not preempted:
             while self.waiting and tokens > 0 and len(self.running) < self.config.max_num_seqs:
                 request = self.waiting[0]
-                if request.computed == 0:
-                    self._prefix_hit(request)
+                self._prefix_hit(request)  # it holds nothing: what is cached now
                 new = min(request.num_tokens - request.computed, tokens)
-                need = self._need(request, new) - request.held - self._warm_hits(request)
-                if need > self.free and not self._relieve(need, None):
-                    break
+                need = self._need(request, new) - self._warm_hits(request)
+                if need > self.free:
+                    if not self._relieve(need, None):
+                        break
+                    # Relief releases and unpublishes the evicted requests' blocks: the
+                    # head's hit and the blocks it shares with them, counted again.
+                    self._prefix_hit(request)
+                    new = min(request.num_tokens - request.computed, tokens)
+                    need = self._need(request, new) - self._warm_hits(request)
+                    if need > self.free:
+                        break
                 self.waiting.popleft()
                 request.scheduled = True
                 self._share(request, request.computed // self.bs)
                 self._take(request, new)
                 self.running.append(request)
                 scheduled.append((request, new))
+                self.step_new[request.request_id] = new
                 tokens -= new
         if not scheduled:
             return _empty_record()
@@ -293,7 +321,9 @@ class FastReplica:
         gains = []
         for request in self.running:
             kept = min(request.live, self.budget(request.computed))
-            blocks = -(-(kept + (request is asking)) // self.bs)
+            # what it computes this step still needs room: scheduled already, or asking
+            new = self.step_new.get(request.request_id, int(request is asking))
+            blocks = -(-(kept + new) // self.bs)
             if request.held - blocks > 0:
                 gains.append((request.held - blocks, kept, blocks, request))
         gains.sort(key=lambda g: -g[0])

@@ -28,6 +28,17 @@ class Case:
     rate: float
     seed: int
 
+    def row_fields(self) -> dict[str, Any]:
+        """The fields naming this case in a JSONL row."""
+        return {
+            "engine": self.engine,
+            "router": self.router,
+            "replicas": self.num_replicas,
+            "workload": self.workload,
+            "rate": self.rate,
+            "seed": self.seed,
+        }
+
 
 @dataclass(frozen=True, slots=True)
 class Deployment:
@@ -97,12 +108,7 @@ def run_case(case: Case, deployment: Deployment, scratch: Path | None = None) ->
     )
     ideal = ideal_hit_tokens(requests, deployment.block_size)
     row = {
-        "engine": case.engine,
-        "router": case.router,
-        "replicas": case.num_replicas,
-        "workload": case.workload,
-        "rate": case.rate,
-        "seed": case.seed,
+        **case.row_fields(),
         "fidelity": deployment.fidelity,
         "model": deployment.model,
         "gpu": deployment.gpu,

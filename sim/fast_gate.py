@@ -58,12 +58,7 @@ def fast_gate(deployment: Deployment, cases: list[Case], tolerance: float = 0.05
         }
         rows.append(
             {
-                "engine": case.engine,
-                "router": case.router,
-                "replicas": case.num_replicas,
-                "workload": case.workload,
-                "rate": case.rate,
-                "seed": case.seed,
+                **case.row_fields(),
                 "metrics": checks,
                 "wall_s": {f: measured[f]["wall_s"] for f in ("exact", "fast")},
                 "passed": all(check["within"] for check in checks.values()),

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from sim.replica import ReplicaConfig, StepRecord
+from sim.replica import ReplicaConfig, StepRecord, check_request
 
 FAST_ENGINES = ("vanilla", "eager", "on_demand", "naive", "block")
 # Held blocks over vanilla's (context / block size) in the decode steps of the engines
@@ -173,13 +173,7 @@ class FastReplica:
         """Queue a request of ``max_tokens`` outputs (``output_tokens``: the tokens it
         emits, whose blocks a later prompt may find in the cache)."""
         del arrival_time  # FCFS is the order of the calls
-        if not prompt or max_tokens < 1:
-            raise ValueError(f"request {request_id}: empty prompt or max_tokens < 1")
-        if len(prompt) + max_tokens > self.config.max_model_len:
-            raise ValueError(
-                f"request {request_id}: {len(prompt)} + {max_tokens} tokens exceed"
-                f" max_model_len {self.config.max_model_len}"
-            )
+        check_request(self.config, request_id, prompt, max_tokens)
         if request_id in self.requests:
             raise ValueError(f"request {request_id} is already queued")
         hashes: tuple[int, ...] = ()

@@ -52,6 +52,20 @@ class ReplicaConfig:
             raise ValueError(f"bad replica config: {self}")
 
 
+def check_request(
+    config: ReplicaConfig, request_id: str, prompt: Sequence[int], max_tokens: int
+) -> None:
+    """``ValueError`` for a request a replica of ``config`` cannot take: an empty prompt,
+    ``max_tokens < 1``, or more tokens than ``max_model_len``."""
+    if not prompt or max_tokens < 1:
+        raise ValueError(f"request {request_id}: empty prompt or max_tokens < 1")
+    if len(prompt) + max_tokens > config.max_model_len:
+        raise ValueError(
+            f"request {request_id}: {len(prompt)} + {max_tokens} tokens exceed"
+            f" max_model_len {config.max_model_len}"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class StepRecord:
     """What one step scheduled and returned: the cost model's input.
@@ -154,13 +168,7 @@ class ExactReplica:
         from workers.config import request_policy_spec
         from workers.fair_share import tenant_weight
 
-        if not prompt or max_tokens < 1:
-            raise ValueError(f"request {request_id}: empty prompt or max_tokens < 1")
-        if len(prompt) + max_tokens > self.config.max_model_len:
-            raise ValueError(
-                f"request {request_id}: {len(prompt)} + {max_tokens} tokens exceed"
-                f" max_model_len {self.config.max_model_len}"
-            )
+        check_request(self.config, request_id, prompt, max_tokens)
         if output_tokens is not None:
             if len(output_tokens) != max_tokens:
                 raise ValueError(f"request {request_id}: {len(output_tokens)} output tokens")

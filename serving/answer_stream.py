@@ -4,7 +4,9 @@
 which) inside the request's :class:`~serving.reservation.HeldReservation` (renewed,
 settled once no prefill is left, released when the answer ends however it ends), learns
 the token paces admission reads from the chunks' timing, and turns a replica's refusal
-into a 400 and its failure into a 503 whose text keeps the replica's internals out.
+into a 400 and its failure into a 503 whose text keeps the replica's internals out. A
+replica that dies before the request's first chunk is not a failure the client sees: the
+request goes to another replica (at most ``REPLICA_ATTEMPTS`` in all).
 :class:`ReleasingStream` releases the reservation of an SSE answer even when the response
 never starts; :func:`raise_if_cancelled` honours a cancellation a library swallowed.
 """
@@ -17,6 +19,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi.responses import StreamingResponse
+from ray.exceptions import RayActorError
 
 from controlplane.clock import Clock
 from controlplane.metrics import IngressMetrics
@@ -30,6 +33,10 @@ logger = logging.getLogger(__name__)
 
 REPLICA_RETRY_AFTER_S = 1
 """Retry-After of a 503 when a replica failed (Serve routes the retry to another)."""
+REPLICA_ATTEMPTS = 3
+"""Replicas a request is sent to when each dies before its first chunk (then a 503)."""
+REPLICA_RETRY_BACKOFF_S = 0.2
+"""Wait before the next attempt, times the attempts so far."""
 
 
 class AnswerStreams:
@@ -63,36 +70,52 @@ class AnswerStreams:
         stream: Any = None
         try:
             async with held:
-                try:
-                    raise_if_cancelled()
-                    stream = self.replicas.options(stream=True).generate.remote(
-                        request.model_dump()
-                    )
-                    progress = StreamProgress(request.n, started, seen_at=self.clock.now())
-                    async for raw in stream:
-                        chunk = GenerateChunk.model_validate(raw)
-                        if chunk.error:
-                            raise HTTPError(400, chunk.error, "invalid_request")
-                        self._observe(request.tenant_id, progress.observe(chunk, self.clock.now()))
-                        if progress.past_prefill:  # from here the policy bounds the KV
-                            await held.settle()
-                        yield chunk
-                    stream = None  # ended: nothing to cancel
-                    self._answered(request, progress)
-                except (HTTPError, asyncio.CancelledError):
-                    raise
-                except Exception as error:  # the replica died or refused mid-request
-                    # Its text (a Ray traceback, addresses) is for the logs, not the client.
-                    logger.warning("request %s: replica failed: %r", request.request_id, error)
-                    raise HTTPError(
-                        503,
-                        "the engine replica failed; retry the request",
-                        "server_error",
-                        headers={"Retry-After": str(REPLICA_RETRY_AFTER_S)},
-                    ) from None
-                finally:
-                    if stream is not None and hasattr(stream, "cancel"):
-                        stream.cancel()  # the client left or we failed: the engine aborts
+                for attempt in range(1, REPLICA_ATTEMPTS + 1):
+                    answered = False  # a chunk went on: from there a retry would repeat it
+                    try:
+                        raise_if_cancelled()
+                        stream = self.replicas.options(stream=True).generate.remote(
+                            request.model_dump()
+                        )
+                        progress = StreamProgress(request.n, started, seen_at=self.clock.now())
+                        async for raw in stream:
+                            chunk = GenerateChunk.model_validate(raw)
+                            if chunk.error:
+                                raise HTTPError(400, chunk.error, "invalid_request")
+                            timing = progress.observe(chunk, self.clock.now())
+                            self._observe(request.tenant_id, timing)
+                            if progress.past_prefill:  # from here the policy bounds the KV
+                                await held.settle()
+                            answered = True
+                            yield chunk
+                        stream = None  # ended: nothing to cancel
+                        self._answered(request, progress)
+                        return
+                    except (HTTPError, asyncio.CancelledError):
+                        raise
+                    except Exception as error:  # the replica died or refused mid-request
+                        # Its text (a Ray traceback, addresses) is for the logs, not the client.
+                        logger.warning("request %s: replica failed: %r", request.request_id, error)
+                        if (
+                            isinstance(error, RayActorError)
+                            and not answered
+                            and attempt < REPLICA_ATTEMPTS
+                        ):
+                            # Dead before it answered (a request released from the queue
+                            # to a replica just killed): Serve has dropped that replica
+                            # from its routing, so another one serves the request.
+                            await asyncio.sleep(REPLICA_RETRY_BACKOFF_S * attempt)
+                            continue
+                        raise HTTPError(
+                            503,
+                            "the engine replica failed; retry the request",
+                            "server_error",
+                            headers={"Retry-After": str(REPLICA_RETRY_AFTER_S)},
+                        ) from None
+                    finally:
+                        if stream is not None and hasattr(stream, "cancel"):
+                            stream.cancel()  # the client left or we failed: the engine aborts
+                        stream = None
         finally:
             self.metrics.latency(request.tenant_id, self.clock.now() - started)
 

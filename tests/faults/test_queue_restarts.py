@@ -17,7 +17,7 @@ import os
 import signal
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -102,8 +102,9 @@ async def one(http: httpx.AsyncClient, stack: Any, key: str, index: int) -> tupl
 
 
 async def burst_then_kill(stack: Any, tenant_id: str, kill: Any) -> dict[str, Any]:
-    """Send ``REQUESTS`` at once; when some wait in the queue, ``await kill(http)``; every
-    outcome, how many had queued, what ``kill`` returned, and the queue when it struck."""
+    """Send ``REQUESTS`` at once; when some wait in the queue, ``await kill(http, waiting)``
+    (``waiting()``: how many are not answered yet); every outcome, how many had queued,
+    what ``kill`` returned, and the queue when it struck."""
     async with httpx.AsyncClient(timeout=600) as http:
         key = await tenant(http, stack, tenant_id)
         sends = [asyncio.create_task(one(http, stack, key, i)) for i in range(REQUESTS)]
@@ -116,7 +117,7 @@ async def burst_then_kill(stack: Any, tenant_id: str, kill: Any) -> dict[str, An
         depth = next(
             t["queue_depth"] for t in (await status(http, stack))["tenants"] if t["id"] == tenant_id
         )
-        killed = await kill(http)
+        killed = await kill(http, lambda: sum(1 for send in sends if not send.done()))
         results = await asyncio.gather(*sends)
 
         async def drained() -> bool:
@@ -141,7 +142,7 @@ async def burst_then_kill(stack: Any, tenant_id: str, kill: Any) -> dict[str, An
 
 
 async def test_queued_requests_survive_a_controller_killed_while_they_wait(stack: Any) -> None:
-    async def kill_controller(http: httpx.AsyncClient) -> int:
+    async def kill_controller(http: httpx.AsyncClient, waiting: Callable[[], int]) -> int:
         pid = int(alive_actor("controller")["Pid"])
         os.kill(pid, signal.SIGKILL)
         return pid
@@ -155,8 +156,22 @@ async def test_queued_requests_survive_a_controller_killed_while_they_wait(stack
 
 
 async def test_queued_requests_survive_a_replica_killed_while_they_wait(stack: Any) -> None:
-    async def kill_replica(http: httpx.AsyncClient) -> int:
-        replicas = [r for r in (await status(http, stack))["replicas"] if r.get("fresh")]
+    async def kill_replica(http: httpx.AsyncClient, waiting: Callable[[], int]) -> int:
+        """Kill the replica running the most requests once the replicas' reports count
+        every request past the queue (``waiting()``: those not answered yet, queued or not): a
+        report taken as the burst leaves the queue still says 0."""
+        replicas: list[dict[str, Any]] = []
+
+        async def reported() -> bool:
+            nonlocal replicas
+            body = await status(http, stack)
+            replicas = [r for r in body.get("replicas", []) if r.get("fresh")]
+            rows = [t for t in body.get("tenants", []) if t["id"] == "queued-replica"]
+            unanswered = waiting()
+            running = unanswered - (rows[0]["queue_depth"] if rows else unanswered)
+            return running > 0 and sum(r["running_requests"] for r in replicas) == running
+
+        await until(reported, 30)
         victim = max(replicas, key=lambda r: r["running_requests"])
         os.kill(int(alive_actor("engine", victim["id"])["Pid"]), signal.SIGKILL)
         return int(victim["running_requests"])

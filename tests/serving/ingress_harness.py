@@ -19,6 +19,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from ray.exceptions import ActorDiedError
 
 from controlplane.admission import AdmissionConfig
 from controlplane.keys import KeySpace
@@ -39,7 +40,9 @@ PROMPT = "The secret prompt zebra-42 must never reach a span"
 class FakeReplicas:
     """A Serve handle to engines answering "Hello there" in two chunks. Records every
     request; while answering, waits on `prefill_gate` before the first chunk and on `gate`
-    before the second, and notes the tenant's reserved blocks."""
+    before the second, and notes the tenant's reserved blocks. ``dead`` replicas are
+    called next: each raises Ray's ``ActorDiedError`` before its first chunk; ``fail``
+    makes a replica fail after its first chunk (``fail_with`` says how)."""
 
     def __init__(self, state_of: Any) -> None:
         self.requests: list[dict[str, Any]] = []
@@ -50,6 +53,8 @@ class FakeReplicas:
         self.prefill_gate.set()
         self.arrived = asyncio.Event()
         self.fail = False
+        self.fail_with: type[Exception] = RuntimeError
+        self.dead = 0
         self._state_of = state_of
         self.generate = SimpleNamespace(remote=self._remote)
 
@@ -62,6 +67,9 @@ class FakeReplicas:
         return self._answer(request)
 
     async def _answer(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        if self.dead > 0:
+            self.dead -= 1
+            raise ActorDiedError()
         admission = self._state_of().admission
         self.reserved_while_answering.append(await admission.reserved_blocks(request["tenant_id"]))
         self.arrived.set()
@@ -76,7 +84,7 @@ class FakeReplicas:
             }
         await self.gate.wait()
         if self.fail:
-            raise RuntimeError("replica died")
+            raise self.fail_with("replica died")
         for index in range(n):
             yield {
                 "index": index,

@@ -21,7 +21,7 @@ from controlplane.report_rows import ReportRows, ReportSnapshot, parse_reports
 from controlplane.store import PlanHead, RedisStore, parse_plan, parse_quotas
 
 REPORT_MAX_AGE_S = 3.0
-_SUMMED = ("blocks", "floor_blocks", "requests", "live_tokens", "shared_blocks")
+_SUMMED = ("blocks", "floor_blocks", "window_blocks", "requests", "live_tokens", "shared_blocks")
 
 
 async def cluster_status(
@@ -72,6 +72,7 @@ def _assemble(
                 "quota_blocks": quota.kv_budget_blocks,
                 "kv_blocks": blocks,
                 "floor_blocks": floor,
+                "window_blocks": sums.get("window_blocks", 0),  # sliding-window groups'
                 "reclaimable_blocks": max(0, blocks - floor),
                 "running_requests": sums.get("requests", 0),
                 "live_tokens": sums.get("live_tokens", 0),

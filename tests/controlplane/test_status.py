@@ -89,17 +89,21 @@ async def test_status_sums_each_tenants_shared_prefix_blocks_over_replicas(
     store: RedisStore, clock: FakeClock
 ) -> None:
     """``shared_blocks``: what a tenant's requests hold that others pay for, per replica
-    summed; its active KV (``kv_blocks``) leaves them out."""
+    summed; its active KV (``kv_blocks``) leaves them out. ``window_blocks`` (of a model
+    with sliding-window layers), summed the same way, are part of its active KV."""
     await store.put_quota(quota("member", budget=40))
     on_r1 = report("r1", clock.now(), {"member": 5})
     on_r2 = report("r2", clock.now(), {"member": 2})
     for replica in (on_r1, on_r2):
-        usage = replica.tenants["member"].model_copy(update={"shared_blocks": 3})
+        usage = replica.tenants["member"].model_copy(
+            update={"shared_blocks": 3, "window_blocks": 1}
+        )
         replica = replica.model_copy(update={"tenants": {"member": usage}})
         await store.publish_reports([replica], ttl_s=60)
     status = await cluster_status(store, now_s=clock.now())
     (member,) = status["tenants"]
     assert (member["kv_blocks"], member["shared_blocks"]) == (7, 6)
+    assert member["window_blocks"] == 2
 
 
 async def test_status_is_parsed_and_assembled_off_the_event_loop(

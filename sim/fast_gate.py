@@ -1,9 +1,9 @@
 """The fast mode's gate: the same seeded workload on the same cluster in both fidelities.
 
 Each engine's case runs exact (vLLM's scheduler per replica) and fast (block counts,
-``sim/fast_replica.py``); the gate compares goodput, SLO attainment, TTFT p50, TPOT p50
-and preemptions. Rule: a metric passes when ``|fast - exact| <= tolerance x |exact|``
-(5% by default); preemptions, a count, may also differ by one (``0`` against ``1`` is not
+``sim/fast_replica.py``); the gate compares goodput, SLO attainment, TTFT p50, TPOT p50,
+preemptions and the prefix cache's hit rate. Rule: a metric passes when
+``|fast - exact| <= tolerance x |exact|`` (5% by default); preemptions, a count, may also differ by one (``0`` against ``1`` is not
 a 100% error). The gate passes when every metric of every engine does.
 """
 
@@ -13,7 +13,9 @@ from typing import Any
 
 from sim.experiment import Case, Deployment, run_case
 
-METRICS = ("goodput_rps", "slo_attainment", "ttft_p50_s", "tpot_p50_s", "preemptions")
+METRICS = (
+    "goodput_rps", "slo_attainment", "ttft_p50_s", "tpot_p50_s", "preemptions", "hit_rate",
+)  # fmt: skip
 
 
 def _metrics(row: dict[str, Any]) -> dict[str, float]:
@@ -23,6 +25,7 @@ def _metrics(row: dict[str, Any]) -> dict[str, float]:
         "ttft_p50_s": row["ttft_s"]["p50"] or 0.0,
         "tpot_p50_s": row["tpot_s"]["p50"] or 0.0,
         "preemptions": row["preemptions"],
+        "hit_rate": row["hit_rate"] or 0.0,
     }
 
 

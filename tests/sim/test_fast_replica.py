@@ -138,6 +138,7 @@ def test_fast_matches_exact_on_eight_replicas(tmp_path):
     gate = fast_gate(deployment, [Case("vanilla", "project", 8, "chat", 12.0, 0)])
     row = gate["rows"][0]
     assert row["metrics"]["goodput_rps"]["exact"] > 5  # a loaded run, not an empty one
+    assert row["metrics"]["hit_rate"]["exact"] > 0.3  # chat turns hit their history
     assert gate["passed"], row["metrics"]
     fast_row = run_case(Case("vanilla", "project", 8, "chat", 12.0, 0), deployment)
     assert fast_row["fidelity"] == "exact"

@@ -3,8 +3,9 @@
 Each engine's case runs exact (vLLM's scheduler per replica) and fast (block counts,
 ``sim/fast_replica.py``); the gate compares goodput, SLO attainment, TTFT p50, TPOT p50,
 preemptions and the prefix cache's hit rate. Rule: a metric passes when
-``|fast - exact| <= tolerance x |exact|`` (5% by default); preemptions, a count, may also differ by one (``0`` against ``1`` is not
-a 100% error). The gate passes when every metric of every engine does.
+``|fast - exact| <= tolerance x |exact|`` (5% by default); preemptions, a count, may also
+differ by one (``0`` against ``1`` is not a 100% error). The gate passes when every metric
+of every engine does.
 """
 
 from __future__ import annotations

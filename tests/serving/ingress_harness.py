@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Literal
@@ -41,8 +41,8 @@ class FakeReplicas:
     """A Serve handle to engines answering "Hello there" in two chunks. Records every
     request; while answering, waits on `prefill_gate` before the first chunk and on `gate`
     before the second, and notes the tenant's reserved blocks. ``dead`` replicas are
-    called next: each raises Ray's ``ActorDiedError`` before its first chunk; ``fail``
-    makes a replica fail after its first chunk (``fail_with`` says how)."""
+    called next: each raises ``dead_with`` (Ray's ``ActorDiedError``) before its first
+    chunk; ``fail`` makes a replica fail after its first chunk (``fail_with`` says how)."""
 
     def __init__(self, state_of: Any) -> None:
         self.requests: list[dict[str, Any]] = []
@@ -55,6 +55,7 @@ class FakeReplicas:
         self.fail = False
         self.fail_with: type[Exception] = RuntimeError
         self.dead = 0
+        self.dead_with: Callable[[], Exception] = ActorDiedError
         self._state_of = state_of
         self.generate = SimpleNamespace(remote=self._remote)
 
@@ -69,7 +70,7 @@ class FakeReplicas:
     async def _answer(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         if self.dead > 0:
             self.dead -= 1
-            raise ActorDiedError()
+            raise self.dead_with()
         admission = self._state_of().admission
         self.reserved_while_answering.append(await admission.reserved_blocks(request["tenant_id"]))
         self.arrived.set()

@@ -5,9 +5,11 @@ requests hold, summed over fresh reports; a prefix-cache block shared by several
 is charged once, to its earliest current holder), ``shared_blocks`` (blocks its requests
 hold that another request pays for), ``floor_blocks`` (what eviction to their
 budgets would bring them to; admission charges this), ``reclaimable_blocks`` (the
-difference), its warm set in the current plan, and the plan's eviction pressure on it
-(replica id -> keep fraction; empty while it is within budget), and its requests waiting
-for admission at the ingresses (``queue_depth``, ``queue_oldest_wait_s``)."""
+difference), ``window_blocks`` (of a model with sliding-window layers: the part of its
+active KV in sliding-window groups, which eviction leaves to vLLM), its warm set in the
+current plan, and the plan's eviction pressure on it (replica id -> keep fraction; empty
+while it is within budget), and its requests waiting for admission at the ingresses
+(``queue_depth``, ``queue_oldest_wait_s``)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi.responses import StreamingResponse
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorDiedError
 
 from controlplane.clock import Clock
 from controlplane.metrics import IngressMetrics
@@ -94,16 +94,25 @@ class AnswerStreams:
                     except (HTTPError, asyncio.CancelledError):
                         raise
                     except Exception as error:  # the replica died or refused mid-request
-                        # Its text (a Ray traceback, addresses) is for the logs, not the client.
-                        logger.warning("request %s: replica failed: %r", request.request_id, error)
-                        if (
-                            isinstance(error, RayActorError)
+                        # Dead before it answered (a request released from the queue to a
+                        # replica just killed): Serve drops a dead replica from its routing,
+                        # so another one serves the request. Not an unreachable replica
+                        # (``ActorUnavailableError``): it may be alive and still running it.
+                        retry = (
+                            isinstance(error, ActorDiedError)
                             and not answered
                             and attempt < REPLICA_ATTEMPTS
-                        ):
-                            # Dead before it answered (a request released from the queue
-                            # to a replica just killed): Serve has dropped that replica
-                            # from its routing, so another one serves the request.
+                        )
+                        # Its text (a Ray traceback, addresses) is for the logs, not the client.
+                        logger.warning(
+                            "request %s: replica failed (attempt %d of %d%s): %r",
+                            request.request_id,
+                            attempt,
+                            REPLICA_ATTEMPTS,
+                            ", sent to another" if retry else "",
+                            error,
+                        )
+                        if retry:
                             await asyncio.sleep(REPLICA_RETRY_BACKOFF_S * attempt)
                             continue
                         raise HTTPError(

@@ -158,14 +158,23 @@ async def test_queued_requests_survive_a_controller_killed_while_they_wait(stack
 async def test_queued_requests_survive_a_replica_killed_while_they_wait(stack: Any) -> None:
     async def kill_replica(http: httpx.AsyncClient, waiting: Callable[[], int]) -> int:
         """Kill the replica running the most requests once the replicas' reports count
-        every request past the queue (``waiting()``: those not answered yet, queued or not): a
-        report taken as the burst leaves the queue still says 0."""
+        every request past the queue (``waiting()``: those not answered yet, queued or
+        not): a report taken as the burst leaves the queue still says 0."""
+
+        def fresh(body: dict[str, Any]) -> list[dict[str, Any]]:
+            return [r for r in body.get("replicas", []) if r.get("fresh")]
+
+        # Looked up first: between the reports and the kill, nothing else may run.
+        pids = {
+            r["id"]: int(alive_actor("engine", r["id"])["Pid"])
+            for r in fresh(await status(http, stack))
+        }
         replicas: list[dict[str, Any]] = []
 
         async def reported() -> bool:
             nonlocal replicas
             body = await status(http, stack)
-            replicas = [r for r in body.get("replicas", []) if r.get("fresh")]
+            replicas = fresh(body)
             rows = [t for t in body.get("tenants", []) if t["id"] == "queued-replica"]
             unanswered = waiting()
             running = unanswered - (rows[0]["queue_depth"] if rows else unanswered)
@@ -173,7 +182,7 @@ async def test_queued_requests_survive_a_replica_killed_while_they_wait(stack: A
 
         await until(reported, 30)
         victim = max(replicas, key=lambda r: r["running_requests"])
-        os.kill(int(alive_actor("engine", victim["id"])["Pid"]), signal.SIGKILL)
+        os.kill(pids[victim["id"]], signal.SIGKILL)
         return int(victim["running_requests"])
 
     seen = await burst_then_kill(stack, "queued-replica", kill_replica)

@@ -175,14 +175,14 @@ def fit_cpu(
     typer.echo(f"{profile.num_samples} steps, R^2 {profile.r_squared}: {profile.coefficients}")
 
 
-GATES = ("exact_counts", "fast")
+GATES = ("exact_counts", "fast", "gpu_tables")
+GPU_ROWS_HELP = "GPU tables gate: only rows of these {} (default: every published row)."
+GPU_REQUESTS_HELP = "GPU tables gate: requests per row (default: the source's count)."
 
 
 def validate(
     json_path: Annotated[Path, typer.Option("--json", help="Write the gates here.")],
-    gates: Annotated[str, typer.Option(help="exact_counts (real CPU engines), fast.")] = (
-        "exact_counts,fast"
-    ),
+    gates: Annotated[str, typer.Option(help=", ".join(GATES))] = ",".join(GATES),
     model: Annotated[str, typer.Option(help="Shipped model name or model folder.")] = "smollm2",
     requests: Annotated[int, typer.Option(min=2)] = 8,
     prompt_tokens: Annotated[int, typer.Option(min=32)] = 128,
@@ -194,10 +194,16 @@ def validate(
     fast_duration: Annotated[float, typer.Option(min=1.0, help="Fast gate: seconds.")] = 10.0,
     fast_blocks: Annotated[int, typer.Option(min=16, help="Fast gate: blocks/replica.")] = 1024,
     fast_seed: Annotated[int, typer.Option(min=0, help="Fast gate: workload seed.")] = 0,
+    gpu_models: Annotated[str | None, typer.Option(help=GPU_ROWS_HELP.format("models"))] = None,
+    gpu_gpus: Annotated[str | None, typer.Option(help=GPU_ROWS_HELP.format("GPUs"))] = None,
+    gpu_shapes: Annotated[str | None, typer.Option(help=GPU_ROWS_HELP.format("ISL/OSL"))] = None,
+    gpu_requests: Annotated[int | None, typer.Option(min=1, help=GPU_REQUESTS_HELP)] = None,
+    gpu_fidelity: Annotated[str, typer.Option(help="GPU tables gate: fast or exact.")] = "fast",
 ) -> None:  # fmt: skip
     """Run the gates that exist: (a) exact counts against real CPU engines; the fast
-    mode against exact mode (chat, Llama-3.1-8B on H200, project router); (b) and (c)
-    are reported as not built."""
+    mode against exact mode (chat, Llama-3.1-8B on H200, project router); (c) the GPU
+    step-time model against published serving throughput (sim/published.py); (b) is
+    reported as not built."""
     chosen = _choices(gates, GATES, "--gates")
     document: dict[str, Any] = {"gates": {}}
     failed = False
@@ -226,10 +232,43 @@ def validate(
             )
             typer.echo(f"fast {row['engine']}: passed={row['passed']} (exact/fast: {figures})")
         failed |= not gate["passed"]
-    document["gates"] |= {
-        "cpu_holdout": {"passed": None, "status": "not built"},
-        "gpu_published": {"passed": None, "status": "not built", "max_rel_error": None},
-    }
+    if "gpu_tables" in chosen:
+        gate = _gpu_tables(gpu_models, gpu_gpus, gpu_shapes, gpu_requests, gpu_fidelity)
+        document["gates"]["gpu_published"] = gate
+        failed |= not gate["passed"]
+    else:
+        document["gates"]["gpu_published"] = {"passed": None, "status": "not run"}
+    document["gates"]["cpu_holdout"] = {"passed": None, "status": "not built"}
     write_json(json_path, document)
     if failed:
         raise typer.Exit(1)
+
+
+def _gpu_tables(
+    models: str | None, gpus: str | None, shapes: str | None, requests: int | None,
+    fidelity: str,
+) -> dict[str, Any]:  # fmt: skip
+    from sim.gpu_gate import gpu_tables_gate, select_rows
+
+    if fidelity not in FIDELITIES:
+        raise typer.BadParameter(f"--gpu-fidelity must be one of {', '.join(FIDELITIES)}")
+    try:
+        rows = select_rows(
+            models=csv_items(models) if models else None,
+            gpus=csv_items(gpus) if gpus else None,
+            shapes=csv_items(shapes) if shapes else None,
+        )
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
+    gate = gpu_tables_gate(rows, requests, fidelity)
+    for row in gate["rows"]:
+        typer.echo(
+            f"gpu {row['row']}: published {row['published_tps_per_gpu']}, simulated "
+            f"{row['simulated_tps_per_gpu']} tok/s/GPU, ratio {row['ratio']}, "
+            f"within={row['within']}"
+        )
+    typer.echo(
+        f"gpu_tables: passed={gate['passed']} ({gate['rows_within']} of {len(gate['rows'])}"
+        f" rows within {gate['tolerance']:.0%}, max error {gate['max_rel_error']})"
+    )
+    return gate

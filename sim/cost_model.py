@@ -20,10 +20,11 @@ A step's time (``StepCost.total_s``) is
 - **all-reduce**: with tensor parallelism, two per layer over ``tokens x hidden`` activations
   (ring: ``2 (t - 1) / t`` of the bytes over the link) plus a latency each.
 
-Constants name their public source beside them. ``efficiency`` and ``utilisation`` are
-assumptions (not measured here) until gate (c) compares the model with published serving
-tables. The CPU profile (``cpu_profile.py``) replaces all of this with a linear fit to a
-real CPU run's per-step timings.
+Constants name their public source beside them. ``efficiency``, ``utilisation`` and the host
+time are assumptions, not fitted; gate (c) (``gpu_gate.py``) compares the model with
+published serving throughput (docs/simulator.md has the rows it misses). The CPU
+profile (``cpu_profile.py``) replaces all of this with a linear fit to a real CPU run's
+per-step timings.
 """
 
 from __future__ import annotations
@@ -162,7 +163,8 @@ class GpuCostModel:
 
     ``weight_bytes`` / ``kv_bytes``: bytes per parameter and per KV element (bf16 2, fp8 1).
     ``bandwidth_efficiency``, ``compute_utilisation``, ``host_*`` and
-    ``allreduce_latency_s`` are assumptions, not measured here (gate (c) is to check them).
+    ``allreduce_latency_s`` are assumptions, not measured here (gate (c), ``gpu_gate.py``,
+    checks them).
     """
 
     device: Device

@@ -4,8 +4,9 @@ Gate (a), ``exact_counts``: real CPU engines against exact replicas on ``bench
 preemption``'s workload (every engine; StreamingLLM and Random need no statistics, H2O
 replays the real run's) and ``bench concurrency``'s search (vToken with Random; H2O,
 replayed, in the vtoken, naive and block modes). Passed when every count is equal.
-Gates (b) (a fitted CPU profile predicting held-out ``bench serve`` runs) and (c)
-(published GPU serving tables) are not built.
+Gate (b) (a fitted CPU profile predicting held-out ``bench serve`` runs) is not built;
+gate (c), ``gpu_tables`` (the GPU step-time model against published serving throughput),
+is ``sim/gpu_gate.py``.
 """
 
 from __future__ import annotations

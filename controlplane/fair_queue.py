@@ -40,8 +40,9 @@ client left. The state every ingress must agree on lives in Redis (:class:`KeySp
   A request that could never be admitted (over its tenant's budget or the cluster's
   capacity, ``n`` over its concurrency limit) is rejected before it queues.
 - **Waits within the maximum, or refused early**: a tenant's pace is the mean time its
-  tickets spent first in its queue before they were admitted (each new one weighing a
-  quarter; measured afresh each time its queue fills up from empty): while it is
+  tickets spent first in its queue before they were admitted (the first four averaged
+  alike, each later one weighing a quarter; measured afresh each time its queue fills up
+  from empty): while it is
   backlogged, one of its tickets is admitted about every pace. A ticket with ``k`` tickets
   ahead of it is expected to wait what is left of the pace for the first one, plus ``k``
   paces (a first ticket there for longer than the pace counts in it as if admitted now). A

@@ -9,7 +9,7 @@ counter: every tenant with a ticket), the contending tenants (tenant -> virtual 
 those whose first ticket passed its own limits and waits for the cluster, and those just
 served whose own limits will not hold their next ticket), the tenants' leases
 (tenant -> the latest lease of its tickets) and the tenants' paces (hash: tenant ->
-``pace_ms head_ms``, see ``expected_wait``). Scripts take the pace hash as their last key.
+``pace_ms head_ms count``, see ``expected_wait``). Scripts take the pace hash as their last key.
 """
 
 QUEUE_FUNCTIONS = """
@@ -27,26 +27,33 @@ local function retire(queue, tenant)
 end
 
 -- The tenant's pace in its current backlog: the mean time (ms) a ticket of its spent first
--- in its queue before it was admitted, each new one weighing PACE_WEIGHT (-1: none was
--- admitted since its queue last emptied), and since when (ms) its first ticket is first
--- (0: since it joined). While the tenant is backlogged, a ticket is admitted about every
--- pace: the time first is the time between the tenant's releases from its queue.
-local PACE_WEIGHT = 0.25
+-- in its queue before it was admitted (-1: none was admitted since its queue last
+-- emptied), since when (ms) its first ticket is first (0: since it joined), and how many
+-- times were measured. The first PACE_SAMPLES times are averaged alike, each later one
+-- weighs 1 / PACE_SAMPLES (a moving mean that forgets: no single slow start dominates).
+-- While the tenant is backlogged, a ticket is admitted about every pace: the time first
+-- is the time between the tenant's releases from its queue.
+local PACE_SAMPLES = 4
 local function pace_of(queue, tenant)
   local raw = redis.call('HGET', queue[6], tenant)
-  if not raw then return -1, 0 end
-  local pace, head = string.match(raw, '^(%S+) (%S+)$')
-  return tonumber(pace), tonumber(head)
+  if not raw then return -1, 0, 0 end
+  local pace, head, count = string.match(raw, '^(%S+) (%S+) (%S+)$')
+  return tonumber(pace), tonumber(head), tonumber(count)
 end
 
-local function set_pace(queue, tenant, pace, head)
-  redis.call('HSET', queue[6], tenant, string.format('%.17g %.17g', pace, head))
+local function set_pace(queue, tenant, pace, head, count)
+  redis.call('HSET', queue[6], tenant, string.format('%.17g %.17g %d', pace, head, count))
+end
+
+-- The pace once a ticket first for `first_for` ms is admitted.
+local function paced(pace, count, first_for)
+  return pace + (first_for - pace) / math.min(count + 1, PACE_SAMPLES)
 end
 
 -- Another ticket became the tenant's first at `now` (the one before it left or lapsed).
 local function new_head(queue, tenant, now)
-  local pace = pace_of(queue, tenant)
-  set_pace(queue, tenant, pace, now)
+  local pace, _, count = pace_of(queue, tenant)
+  set_pace(queue, tenant, pace, now, count)
 end
 
 -- How long (ms) a ticket with `ahead` (>= 1) of its tenant's tickets before it is expected
@@ -55,11 +62,11 @@ end
 -- than the pace, the pace counts it as if it were admitted now (the evidence that
 -- releases slowed), and nothing is left for it. -1 while no pace is measured.
 local function expected_wait(queue, tenant, ahead, now)
-  local pace, head = pace_of(queue, tenant)
+  local pace, head, count = pace_of(queue, tenant)
   if pace < 0 then return -1 end
   local first = redis.call('ZRANGE', queue[1], 0, 0, 'WITHSCORES')[2]
   local first_for = now - math.max(head, tonumber(first or now))
-  if first_for > pace then return ahead * (pace + PACE_WEIGHT * (first_for - pace)) end
+  if first_for > pace then return ahead * paced(pace, count, first_for) end
   return (pace - first_for) + ahead * pace
 end
 
@@ -167,10 +174,9 @@ end
 -- than tickets poll. The tenant's pace takes the time the ticket was first (`now`: when it
 -- was admitted, which makes the next ticket first).
 local function served(queue, counters, vtime, tenant, ticket, counter, cost, held, now)
-  local pace, head = pace_of(queue, tenant)
+  local pace, head, count = pace_of(queue, tenant)
   local first_for = now - math.max(head, tonumber(redis.call('ZSCORE', queue[1], ticket)))
-  if pace < 0 then pace = first_for else pace = pace + PACE_WEIGHT * (first_for - pace) end
-  set_pace(queue, tenant, pace, now)
+  set_pace(queue, tenant, paced(pace, count, first_for), now, count + 1)
   local after = counter + cost
   redis.call('HSET', counters, tenant, string.format('%.17g', after))
   local before = tonumber(redis.call('GET', vtime) or '0') or 0

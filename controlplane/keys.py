@@ -165,7 +165,7 @@ class KeySpace:
 
     @property
     def queue_paces(self) -> str:
-        """Hash: tenant -> ``pace_ms head_ms``: the mean time a ticket of its current backlog
+        """Hash: tenant -> ``pace_ms head_ms count``: the mean time a ticket of its current backlog
         spent first in its queue, and since when its first ticket is first (its expected
         waits: ``fair_queue_scripts``)."""
         return f"{self.prefix}:queue:paces"

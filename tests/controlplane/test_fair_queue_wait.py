@@ -86,7 +86,7 @@ async def test_a_first_ticket_there_longer_than_the_pace_slows_the_expected_wait
     redis: aioredis.Redis, keys: KeySpace, store: RedisStore
 ) -> None:
     """The first ticket stays first for four paces: the expected wait of a ticket joining
-    behind one counts it as if admitted now (pace + a quarter of the excess per ticket)
+    behind one counts it as if admitted now (with one time measured, the mean of the two)
     instead of the stale pace."""
     _, queue, _, pace = await backlog(redis, keys, store, tickets=2)
     fresh = await queue.expected_wait_s("acme")
@@ -95,16 +95,16 @@ async def test_a_first_ticket_there_longer_than_the_pace_slows_the_expected_wait
     await asyncio.sleep(4 * pace)
     first_for = time.monotonic() - started
     slowed = await queue.expected_wait_s("acme")
-    assert slowed == pytest.approx(pace + 0.25 * (first_for - pace), abs=0.05)
-    assert slowed > 1.5 * pace  # not the fresh estimate's remaining pace, nor 0
+    assert slowed == pytest.approx((pace + first_for) / 2, abs=0.05)
+    assert slowed is not None and slowed > 2 * pace  # not the stale estimate
 
 
 async def test_a_first_ticket_that_leaves_makes_the_next_one_first_from_then(
     redis: aioredis.Redis, keys: KeySpace, store: RedisStore
 ) -> None:
     _, queue, _, pace = await backlog(redis, keys, store, tickets=3)
-    await asyncio.sleep(2 * pace)  # t-1 first for two paces: its share is used up
-    assert await queue.expected_wait_s("acme") == pytest.approx(2 * (1.25 * pace), abs=0.1)
+    await asyncio.sleep(2 * pace)  # t-1 first for two paces: as if admitted now, 1.5 paces
+    assert await queue.expected_wait_s("acme") == pytest.approx(2 * (1.5 * pace), abs=0.1)
     assert await queue.leave("acme", "t-1")  # t-2 is first now, with a whole pace to go
     assert await queue.expected_wait_s("acme") == pytest.approx(2 * pace, abs=0.05)
     await queue.check_invariants()
@@ -127,3 +127,25 @@ async def test_the_pace_belongs_to_one_backlog(
     await release(admission, acme, "t-1")
     await remove_tenant(redis, keys, "acme")
     assert not await redis.hexists(keys.queue_paces, "acme")
+
+
+async def test_the_first_times_are_averaged_alike_then_each_weighs_a_quarter(
+    redis: aioredis.Redis, keys: KeySpace, store: RedisStore
+) -> None:
+    """A slow start does not dominate: the second time first is averaged with the first
+    one alike; from the fifth on, each new time moves the pace by a quarter."""
+    admission, _, acme, first = await backlog(redis, keys, store, tickets=7)
+    times = [first]
+    for index in range(1, 6):  # t-1 .. t-5 are each first for a short while
+        started = time.monotonic()
+        await release(admission, acme, f"t-{index - 1}")
+        assert await ask(admission, acme, f"t-{index}") == "admitted"
+        times.append(time.monotonic() - started)
+        if index == 1:
+            assert await pace_s(redis, keys, "acme") == pytest.approx(sum(times) / 2, abs=0.03)
+    expected = sum(times[:4]) / 4
+    for later in times[4:]:
+        expected += (later - expected) / 4
+    assert await pace_s(redis, keys, "acme") == pytest.approx(expected, abs=0.03)
+    assert expected < first / 2  # the slow first time is mostly forgotten
+    await release(admission, acme, "t-5")

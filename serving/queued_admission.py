@@ -45,8 +45,8 @@ from serving.stream_progress import TokenPace
 from serving.tenant_gate import throttled
 
 QUEUE_WAIT_HEADER = "X-VToken-Queue-Wait"
-"""Response header of an answer whose request waited in its tenant's queue: the seconds
-it waited (absent when it was admitted without queueing)."""
+"""Response header of an answer (or a 429) whose request waited in its tenant's queue: the
+seconds it waited (absent when it never joined the queue)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +95,7 @@ class QueuedAdmission:
         decision, waited_s = await self._ask(ask, ""), None
         if decision.outcome is AdmissionOutcome.THROTTLED and self._may_queue(ask, decision):
             decision, waited_s = await self._wait(ask, decision, span)
-        return await self._answer(ask, decision, waited_s is not None), waited_s
+        return await self._answer(ask, decision, waited_s), waited_s
 
     @staticmethod
     def _may_queue(ask: AdmitAsk, decision: AdmissionDecision) -> bool:
@@ -232,8 +232,11 @@ class QueuedAdmission:
             raise
 
     async def _answer(
-        self, ask: AdmitAsk, decision: AdmissionDecision, polled: bool
+        self, ask: AdmitAsk, decision: AdmissionDecision, waited_s: float | None
     ) -> Reservation:
+        """The reservation; else the 429 (saying how long it waited queued, if it did) or
+        the 400."""
+        polled = waited_s is not None
         tenant_id = ask.quota.tenant_id
         self.metrics.admission(tenant_id, decision.outcome.value)
         self.request_metrics.admission(tenant_id, decision.outcome.value)
@@ -253,7 +256,10 @@ class QueuedAdmission:
                     )
                 )
             retry = max(1, math.ceil(retry_after_s))  # never before it fits
-            raise throttled(tenant_id, decision.reason, retry)
+            error = throttled(tenant_id, decision.reason, retry)
+            if waited_s is not None and error.headers is not None:
+                error.headers[QUEUE_WAIT_HEADER] = f"{waited_s:.3f}"
+            raise error
         if decision.reservation is None:
             raise HTTPError(400, self._rejection(ask, decision.reason), "invalid_request")
         return decision.reservation

@@ -125,7 +125,8 @@ async def test_a_queued_request_is_refused_at_the_first_poll_that_expects_it_lat
     span = Span()
     refused, waited_s = await admit(admission, queue, clock, span)
     assert refused.status == 429
-    assert refused.headers == {"Retry-After": "13"}  # 72.4 - 60, rounded up
+    # Retry-After: 72.4 - 60, rounded up; and how long it waited before the refusal.
+    assert refused.headers == {"Retry-After": "13", "X-VToken-Queue-Wait": "15.000"}
     assert "expected to wait in its queue longer than its max_queue_wait_s" in refused.message
     assert waited_s == pytest.approx(15.0)  # not the 60 s maximum
     assert admission.asks == 1 + 3
@@ -139,7 +140,7 @@ async def test_a_request_expected_late_at_joining_is_refused_without_a_wait() ->
     queue = FakeQueue(Enqueued(False, 6, 0.0, 75.0, too_long=True), expected_back_s=None)
     span = Span()
     refused, waited_s = await admit(admission, queue, clock, span)
-    assert refused.status == 429 and refused.headers == {"Retry-After": "15"}
+    assert refused.status == 429 and refused.headers == {"Retry-After": "15"}  # no wait
     assert "expected to wait" in refused.message
     assert waited_s is None and clock.now == 1000.0 and admission.asks == 1
     assert queue.left == []  # it never joined
@@ -155,7 +156,9 @@ async def test_without_an_expected_wait_the_maximum_still_decides() -> None:
     span = Span()
     refused, waited_s = await admit(admission, queue, clock, span)
     assert refused.status == 429
-    assert "expected to wait" not in refused.message and refused.headers == {"Retry-After": "2"}
+    assert "expected to wait" not in refused.message
+    assert refused.headers is not None and refused.headers["Retry-After"] == "2"
+    assert float(refused.headers["X-VToken-Queue-Wait"]) >= MAX_WAIT_S
     assert waited_s is not None and waited_s >= MAX_WAIT_S
     assert span.attributes[telemetry.ATTR_QUEUE_OUTCOME] == "timeout"
     assert queue.left == ["r-1"]

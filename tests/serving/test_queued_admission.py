@@ -114,6 +114,7 @@ async def test_past_the_longest_wait_it_is_todays_429_with_retry_after(queued: I
     assert throttled.status_code == 429
     assert int(throttled.headers["Retry-After"]) >= 1
     assert "over its KV budget" in throttled.json()["error"]["message"]
+    assert float(throttled.headers["x-vtoken-queue-wait"]) >= 0.3  # how long it was held
     assert await depth(queued, "acme") == 0  # its ticket left with it
     [span] = queue_spans(queued)
     assert span[telemetry.ATTR_QUEUE_OUTCOME] == "timeout"
@@ -338,6 +339,7 @@ async def test_a_request_expected_to_wait_past_the_maximum_is_a_429_at_once(
     assert refused.status_code == 429, refused.text
     assert int(refused.headers["Retry-After"]) >= 1
     assert "expected to wait in its queue longer" in refused.json()["error"]["message"]
+    assert "x-vtoken-queue-wait" not in refused.headers  # it never waited
     joined_behind = len(tasks) - 3  # after the pace was known, behind the first
     assert joined_behind >= 1
     assert (joined_behind + 2) * pace > max_wait_s * 0.8  # not refused on a short queue
@@ -371,6 +373,7 @@ async def test_a_queued_request_expected_late_is_refused_before_the_maximum(
     assert shed.status_code == 429, shed.text
     assert "expected to wait in its queue longer" in shed.json()["error"]["message"]
     assert int(shed.headers["Retry-After"]) >= 1
+    assert float(shed.headers["x-vtoken-queue-wait"]) == pytest.approx(waited_s, abs=0.2)
     assert 2 * pace < waited_s < max_wait_s - 0.3, (pace, waited_s)
     first = await tasks[2]  # never admitted: the maximum bounds it, as before
     assert first.status_code == 429 and "expected to wait" not in first.text

@@ -114,6 +114,7 @@ async def test_past_the_longest_wait_it_is_todays_429_with_retry_after(queued: I
     assert throttled.status_code == 429
     assert int(throttled.headers["Retry-After"]) >= 1
     assert "over its KV budget" in throttled.json()["error"]["message"]
+    assert float(throttled.headers["x-vtoken-queue-wait"]) >= 0.3  # how long it was held
     assert await depth(queued, "acme") == 0  # its ticket left with it
     [span] = queue_spans(queued)
     assert span[telemetry.ATTR_QUEUE_OUTCOME] == "timeout"
@@ -275,3 +276,110 @@ async def test_a_ticket_whose_lease_lapsed_while_its_ingress_waits_joins_again(
     answer = await second
     assert answer.status_code == 200, answer.text
     assert float(answer.headers["x-vtoken-queue-wait"]) > 0
+
+
+async def pace_s(ingress: Ingress, tenant_id: str) -> float:
+    """The tenant's pace in its queue, as Redis holds it (measured: the test made it)."""
+    raw = await ingress.state.store.redis.hget(ingress.keys.queue_paces, tenant_id)
+    assert raw is not None
+    pace_ms = float(raw.split()[0])
+    assert pace_ms >= 0
+    return pace_ms / 1000
+
+
+async def measured_backlog(ingress: Ingress, api_key: str, permits: Permits) -> list[Any]:
+    """The tenant (one request at a time) has one running and two queued; the first ends
+    after ``FIRST_S``: the first queued one is admitted (its time first in the queue is
+    the tenant's pace), the second is first now. The three requests' tasks."""
+    tasks = [asyncio.create_task(ingress.complete(api_key))]
+    await ingress.replicas.arrived.wait()
+    for num_queued in (1, 2):
+        tasks.append(asyncio.create_task(ingress.complete(api_key)))
+        await until(lambda n=num_queued: _is(depth(ingress, "acme"), n))
+    await asyncio.sleep(FIRST_S)
+    permits.release()
+    await until(lambda: _true(len(ingress.replicas.requests) == 2))
+    return tasks
+
+
+FIRST_S = 0.3
+
+
+async def test_a_request_expected_to_wait_past_the_maximum_is_a_429_at_once(
+    queued: Ingress,
+) -> None:
+    """Once the tenant's pace is known, requests join while they are expected to be
+    admitted within ``max_queue_wait_s``; the first one expected later is refused at once
+    (not after the maximum), with ``Retry-After``, and leaves no ticket; the others are
+    served."""
+    permits = Permits()
+    queued.replicas.gate = permits  # type: ignore[assignment]
+    max_wait_s = 1.8
+    api_key = await queued.add_tenant(
+        "acme", kv_budget_blocks=2, max_queue_wait_s=max_wait_s, max_queue_depth=20
+    )
+    tasks = await measured_backlog(queued, api_key, permits)
+    pace = await pace_s(queued, "acme")
+    assert FIRST_S <= pace < max_wait_s / 3, pace
+    refused: httpx.Response | None = None
+    for num_queued in range(2, 20):  # one at a time: a tenant tokenizes at most 4 at once
+        started = time.monotonic()
+        task = asyncio.create_task(queued.complete(api_key))
+        await until(
+            lambda n=num_queued, t=task: (
+                _true(t.done()) if t.done() else _is(depth(queued, "acme"), n)
+            )
+        )
+        if task.done():
+            refused = task.result()
+            break
+        tasks.append(task)
+    assert refused is not None
+    assert time.monotonic() - started < max_wait_s / 2  # at once, not after the maximum
+    assert refused.status_code == 429, refused.text
+    assert int(refused.headers["Retry-After"]) >= 1
+    assert "expected to wait in its queue longer" in refused.json()["error"]["message"]
+    assert "x-vtoken-queue-wait" not in refused.headers  # it never waited
+    joined_behind = len(tasks) - 3  # after the pace was known, behind the first
+    assert joined_behind >= 1
+    assert (joined_behind + 2) * pace > max_wait_s * 0.8  # not refused on a short queue
+    assert [s[telemetry.ATTR_QUEUE_OUTCOME] for s in queue_spans(queued)].count("late") == 1
+    for _ in tasks:
+        permits.release()
+    results: list[httpx.Response] = await asyncio.gather(*tasks)
+    assert [r.status_code for r in results] == [200] * len(tasks)
+    assert await queued.state.queue.queues() == {}
+    await queued.state.queue.check_invariants()
+
+
+async def test_a_queued_request_expected_late_is_refused_before_the_maximum(
+    queued: Ingress,
+) -> None:
+    """The tenant's first queued request stays first (its engine slot never frees): the
+    request behind it, expected in time when it joined, is refused as soon as its wait so
+    far plus its expected wait (which the stuck first one lengthens) passes the maximum,
+    well before it; the first one, whose wait nothing predicts, waits out the maximum."""
+    permits = Permits()
+    queued.replicas.gate = permits  # type: ignore[assignment]
+    max_wait_s = 3.0
+    api_key = await queued.add_tenant("acme", kv_budget_blocks=2, max_queue_wait_s=max_wait_s)
+    tasks = await measured_backlog(queued, api_key, permits)
+    pace = await pace_s(queued, "acme")
+    started = time.monotonic()
+    behind = asyncio.create_task(queued.complete(api_key))
+    await until(lambda: _is(depth(queued, "acme"), 2))  # it joined: expected in time
+    shed = await behind
+    waited_s = time.monotonic() - started
+    assert shed.status_code == 429, shed.text
+    assert "expected to wait in its queue longer" in shed.json()["error"]["message"]
+    assert int(shed.headers["Retry-After"]) >= 1
+    assert float(shed.headers["x-vtoken-queue-wait"]) == pytest.approx(waited_s, abs=0.2)
+    assert 2 * pace < waited_s < max_wait_s - 0.3, (pace, waited_s)
+    first = await tasks[2]  # never admitted: the maximum bounds it, as before
+    assert first.status_code == 429 and "expected to wait" not in first.text
+    permits.release()
+    permits.release()
+    assert [(await tasks[0]).status_code, (await tasks[1]).status_code] == [200, 200]
+    outcomes = [s[telemetry.ATTR_QUEUE_OUTCOME] for s in queue_spans(queued)]
+    assert sorted(outcomes) == ["admitted", "shed", "timeout"]
+    assert await queued.state.queue.queues() == {}

@@ -131,7 +131,6 @@ async def send(phase: Phase, tenant: FairTenant, body: dict[str, Any], t0: float
                 if response.status_code == 429:
                     wait_s = min(float(response.headers.get("Retry-After", "1")), MAX_RETRY_WAIT_S)
                     throttles += 1
-                    Record.note_refusal(fields, response.headers.get("x-vtoken-queue-wait"))
                     if time.monotonic() - t0 + wait_s > phase.duration_s:
                         return Record(outcome="throttled", throttle_responses=throttles, **fields)
                     await response.aclose()

@@ -24,12 +24,7 @@ requests cannot vanish from its p99 (``None`` in the JSON where the percentile i
 infinite, with ``ttft_unserved`` the count). A request's client-side wait
 (``client_wait_s``) runs from its first send to its admission (the response's headers),
 over all its attempts, 429-then-retry included; ``waits_past_max`` counts the waits over
-the tenant's ``max_queue_wait_s``, a request never admitted included. Per queue stay
-instead, ``refusals_after_full_wait`` counts the 429s that came after the request waited
-its tenant's whole maximum in the queue (the ingress's ``X-VToken-Queue-Wait`` on the 429,
-within ``FULL_WAIT_SLACK_S`` of the maximum), ``refusals_early`` the other 429s (refused at
-once, or shed before the maximum): the queue's promise is that a request is served within
-the maximum or told early, whatever its client then does. ``requests`` lists
+the tenant's ``max_queue_wait_s``, a request never admitted included. ``requests`` lists
 every request's outcome (one row each, ``REQUEST_FIELDS``), to find out why a figure is
 what it is.
 """
@@ -44,7 +39,6 @@ from typing import Any, Literal
 from bench.common import percentile
 
 WINDOW_S = 10.0
-FULL_WAIT_SLACK_S = 1.0  # a wait ends at the maximum within a poll, not exactly at it
 Outcome = Literal["ok", "throttled", "failed"]
 
 
@@ -67,14 +61,6 @@ class Record:
     error: str = ""
     admitted_s: float | None = None
     chunk_times_s: tuple[float, ...] = ()
-    refused_waits_s: tuple[float, ...] = ()  # per 429: its queue wait (0: refused at once)
-
-    @staticmethod
-    def note_refusal(fields: dict[str, Any], queue_wait_header: str | None) -> None:
-        """Add a 429's queue wait (its ``X-VToken-Queue-Wait``; none: refused at once) to
-        the ``refused_waits_s`` of the record ``fields`` will make."""
-        refused = (*fields.get("refused_waits_s", ()), float(queue_wait_header or 0))
-        fields["refused_waits_s"] = refused
 
     @property
     def client_wait_s(self) -> float:
@@ -175,9 +161,6 @@ def tenant_row(
     client_waits = [r.client_wait_s for r in records if r.outcome != "failed"]
     ttfts = [r.ttft_or_inf_s for r in records if r.outcome != "failed"]
     tpots = [t for r in ok if (t := r.tpot_s) is not None]
-    refusals = [w for r in records for w in r.refused_waits_s]
-    full = math.inf if max_queue_wait_s is None else max_queue_wait_s - FULL_WAIT_SLACK_S
-    full_waits = [w for w in refusals if w >= full]
     return {
         "id": tenant_id,
         "weight": weight,
@@ -201,8 +184,6 @@ def tenant_row(
         "waits_past_max": sum(
             1 for w in client_waits if max_queue_wait_s is not None and w > max_queue_wait_s
         ),
-        "refusals_after_full_wait": len(full_waits),
-        "refusals_early": len(refusals) - len(full_waits),
         "errors": sorted({r.error for r in records if r.error})[:5],
     }
 
@@ -250,7 +231,6 @@ def mode_summary(
         "duration_s": duration_s,
         "failed": sum(r.outcome == "failed" for r in records),
         "waits_past_max": sum(row["waits_past_max"] for row in rows),
-        "refusals_after_full_wait": sum(row["refusals_after_full_wait"] for row in rows),
         "tenants": rows,
         "requests_fields": list(REQUEST_FIELDS),
         "requests": [request_row(r) for r in sorted(records, key=lambda r: r.sent_s)],
@@ -281,17 +261,14 @@ B_TTFT_X_SOLO = 1.25  # B's TTFT p99 in the mix: at most this times its p99 alon
 
 def mode_targets(result: dict[str, Any], solo: dict[str, Any] | None) -> dict[str, Any]:
     """A mode's targets judged explicitly: Jain's index (``JAIN_BOUND``), no wait past a
-    tenant's ``max_queue_wait_s`` on the client over retries (a request refused early
-    whose client retried or gave up counts too) and none held in the queue for the whole
-    maximum and then refused, and B's TTFT p99 (a request never served: infinite) within
-    ``B_TTFT_X_SOLO`` x its p99 alone (unknown without a solo run: not met)."""
+    tenant's ``max_queue_wait_s``, and B's TTFT p99 (a request never served: infinite)
+    within ``B_TTFT_X_SOLO`` x its p99 alone (unknown without a solo run: not met)."""
     b_row = next((row for row in result["tenants"] if row["id"] == "B"), None)
     solo_p99 = solo.get("ttft_p99_s") if solo else None
     b_p99 = b_row["ttft_p99_s"] if b_row and not b_row["ttft_unserved"] else None
     return {
         "jain_index": target(result["jain_index"], JAIN_BOUND, at_most=False),
         "waits_past_max": target(result["waits_past_max"], 0),
-        "refusals_after_full_wait": target(result["refusals_after_full_wait"], 0),
         "b_ttft_p99_s": target(b_p99, B_TTFT_X_SOLO * solo_p99 if solo_p99 else 0.0),
     }
 

@@ -27,6 +27,7 @@ live reservations of one tenant on a loaded 2-core machine; 30 us with the total
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -143,15 +144,13 @@ class AdmissionDecision:
     ``cluster_kv_blocks``), exceeds_max_concurrent_requests (``n`` above the
     tenant's limit), duplicate_request, max_concurrent_requests, kv_budget,
     prompt_token_rate, and for the fair queue queued, cluster_full, ticket_lost.
-    `queue_position`: for `queued`, how many of its tenant's tickets are ahead of it;
-    `queue_expected_wait_s`: a queued ticket's expected wait still (``None``: unknown)."""
+    `queue_position`: for `queued`, how many of its tenant's tickets are ahead of it."""
 
     outcome: AdmissionOutcome
     reason: str
     retry_after_s: float
     reservation: Reservation | None
     queue_position: int = 0
-    queue_expected_wait_s: float | None = None
 
     @property
     def admitted(self) -> bool:
@@ -245,8 +244,9 @@ class Admission:
                 outcome,
                 reason,
                 retry_after_ms,
-                *(int(value) for value in position),
             )
+            if position:
+                decision = dataclasses.replace(decision, queue_position=int(position[0]))
             span.set_attribute(telemetry.ATTR_ADMISSION_OUTCOME, decision.outcome.value)
             span.set_attribute(telemetry.ATTR_ADMISSION_REASON, decision.reason)
             span.set_attribute(telemetry.ATTR_RETRY_AFTER_S, decision.retry_after_s)
@@ -277,20 +277,17 @@ class Admission:
             keys.queue_counters,
             keys.queue_virtual_time,
             keys.queue_present_weights,
-            keys.queue_paces,
         ]
 
     def _decision(
-        self, reservation: Reservation, outcome: str, reason: str, ms: int, *ahead_wait_ms: int
+        self, reservation: Reservation, outcome: str, reason: str, ms: int
     ) -> AdmissionDecision:
         kind = AdmissionOutcome(outcome)
         if kind is AdmissionOutcome.ADMITTED:
             return AdmissionDecision(kind, reason, 0.0, reservation)
         if kind is AdmissionOutcome.THROTTLED:
             retry_after_s = self.config.throttle_retry_after_s if ms < 0 else ms / 1000
-            ahead, expected_ms = [*ahead_wait_ms, -1][:2] if ahead_wait_ms else (0, -1)
-            expected_s = None if expected_ms < 0 else expected_ms / 1000
-            return AdmissionDecision(kind, reason, retry_after_s, None, ahead, expected_s)
+            return AdmissionDecision(kind, reason, retry_after_s, None)
         return AdmissionDecision(kind, reason, 0.0, None)
 
     async def settle(self, reservation: Reservation) -> Reservation:

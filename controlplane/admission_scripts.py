@@ -114,15 +114,14 @@ end
 # KEYS: quotas, usage, reservations, deadlines, rate bucket, reservation starts, total,
 # sequences, lapsed, lapsed-at, cluster total, then the fair queue's (tenant's tickets,
 # their leases, active tenants, contending tenants, tenant leases, counters, virtual time,
-# admitted tenants' weights, paces).
+# admitted tenants' weights).
 # ARGV: tenant, request id, blocks, lease_ms, prompt_tokens, rate burst seconds,
 # max_tokens, steady blocks, n (sequences), ticket ('' for a request not queued),
 # cluster capacity in blocks (0: none), ticket lease_ms, the reservation totals' key prefix.
 # Returns {outcome, reason, retry_after_ms}. A request that can never be admitted as asked
 # (over its tenant's budget or the cluster's capacity, `n` over its concurrency limit) is
 # rejected before anything else. A request queued behind its tenant's tickets
-# is throttled `queued` (a fourth value: how many are ahead of it; a queued ticket's fifth:
-# how long it is expected to wait in ms, -1 when unknown); one the cluster's
+# is throttled `queued` (a fourth value: how many are ahead of it); one the cluster's
 # capacity or another tenant's turn holds back, `cluster_full` (`fair_queue_scripts`),
 # unless its tenant stays within its weighted share of the capacity (`within_share`).
 ADMIT = (
@@ -164,14 +163,9 @@ if same then
   return {'rejected', 'duplicate_request', 0}
 end
 local tenant, ticket = ARGV[1], ARGV[10]
-local queue = {KEYS[12], KEYS[13], KEYS[14], KEYS[15], KEYS[16], KEYS[20]}
-local contending = KEYS[15]
+local queue, contending = {KEYS[12], KEYS[13], KEYS[14], KEYS[15], KEYS[16]}, KEYS[15]
 purge_tickets(queue, tenant, now)
 local turn, ahead = take_turn(queue, tenant, ticket, now + tonumber(ARGV[12]))
-if turn == 'queued' and ticket ~= '' then
-  local expected = expected_wait(queue, tenant, ahead, now)
-  return {'throttled', turn, -1, ahead, string.format('%d', math.ceil(expected))}
-end
 if turn then return {'throttled', turn, -1, ahead} end
 -- A ticket held back by its tenant's own limits leaves the contention for the cluster.
 local function wait(reason, ms)
@@ -211,7 +205,7 @@ if ticket ~= '' then
     or math.max(reserved, reported) + 2 * blocks > quota['kv_budget_blocks']
     or (rate ~= cjson.null and tonumber(redis.call('HGET', KEYS[5], 'tokens') or '0')
       < math.min(tonumber(ARGV[5]), rate * tonumber(ARGV[6])))
-  served(queue, KEYS[17], KEYS[18], tenant, ticket, counter, blocks / weight, held, now)
+  served(queue, KEYS[17], KEYS[18], tenant, ticket, counter, blocks / weight, held)
 end
 if capacity > 0 then redis.call('HSET', KEYS[19], tenant, string.format('%.17g', weight)) end
 redis.call('HSET', KEYS[3], ARGV[2], blocks)

@@ -39,18 +39,6 @@ client left. The state every ingress must agree on lives in Redis (:class:`KeySp
   next one back: then it leaves the contention until its next ticket polls and passes them.
   A request that could never be admitted (over its tenant's budget or the cluster's
   capacity, ``n`` over its concurrency limit) is rejected before it queues.
-- **Waits within the maximum, or refused early**: a tenant's pace is the mean time its
-  tickets spent first in its queue before they were admitted (the first four averaged
-  alike, each later one weighing a quarter; measured afresh each time its queue fills up
-  from empty): while it is
-  backlogged, one of its tickets is admitted about every pace. A ticket with ``k`` tickets
-  ahead of it is expected to wait what is left of the pace for the first one, plus ``k``
-  paces (a first ticket there for longer than the pace counts in it as if admitted now). A
-  request expected to wait longer than its tenant's ``max_queue_wait_s`` does not join:
-  it is refused at once, with ``Retry-After`` the difference (:func:`retry_after_wait_s`);
-  a queued ticket whose wait so far plus its expected wait exceeds the maximum is refused
-  at its next poll (:func:`sheds`), not held until the maximum. A ticket that would be
-  first, or whose tenant has no pace yet, joins: the maximum still bounds its wait.
 """
 
 from __future__ import annotations
@@ -69,34 +57,14 @@ QUEUEABLE_REASONS = frozenset({"kv_budget", "max_concurrent_requests", "cluster_
 wait, so it is a 429 at once, as are requests that can never fit)."""
 
 
-def sheds(waited_s: float, expected_wait_s: float | None, max_wait_s: float) -> bool:
-    """Whether a ticket that has waited ``waited_s`` and is expected to wait
-    ``expected_wait_s`` more (``None``: unknown) will predictably not be admitted within
-    its tenant's ``max_wait_s``: refused now rather than at the maximum."""
-    return expected_wait_s is not None and waited_s + expected_wait_s > max_wait_s
-
-
-def retry_after_wait_s(expected_wait_s: float | None, max_wait_s: float) -> float:
-    """The ``Retry-After`` of a request refused for its expected wait: a request joining
-    its tenant's queue when it is expected to wait ``expected_wait_s`` (``None``: unknown,
-    or it would be first) fits ``max_wait_s`` once its tenant's tickets have been released
-    for the difference, at their pace; at least a second."""
-    return max(1.0, (expected_wait_s or 0.0) - max_wait_s)
-
-
 @dataclass(frozen=True, slots=True)
 class Enqueued:
     """``queued``: whether the ticket joined; ``depth``: the tenant's tickets after it
-    (before it, when refused); ``at_s``: Redis's clock then; ``expected_wait_s``: how long
-    it is (or would be) expected to wait (``None``: unknown, or it is first);
-    ``too_long``: refused because that is longer than the tenant's ``max_queue_wait_s``
-    (a ticket refused otherwise met a full queue)."""
+    (before it, when refused); ``at_s``: Redis's clock then."""
 
     queued: bool
     depth: int
     at_s: float
-    expected_wait_s: float | None = None
-    too_long: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,51 +90,31 @@ class FairQueue:
         self._redis = redis
         self._enqueue = redis.register_script(scripts.ENQUEUE)
         self._leave = redis.register_script(scripts.LEAVE)
-        self._expected_wait = redis.register_script(scripts.EXPECTED_WAIT)
 
     def _keys(self, tenant_id: str) -> list[str]:
         return queue_keys(self.keys, tenant_id)
 
     async def enqueue(self, quota: TenantQuota, ticket: str) -> Enqueued:
         """Add ``ticket`` at the end of the tenant's queue, unless it holds
-        ``max_queue_depth`` live tickets already or the ticket is expected to wait longer
-        than ``max_queue_wait_s`` (its tenant's pace: module docstring)."""
+        ``max_queue_depth`` live tickets already."""
         if not ticket:
             raise ValueError("ticket must be non-empty")
         tenant_id = quota.tenant_id
-        keys = self.keys
-        joined, depth, now_ms, expected_ms = await self._enqueue(
-            keys=[
-                *self._keys(tenant_id),
-                keys.queue_counters,
-                keys.queue_virtual_time,
-                keys.queue_paces,
-            ],
+        queued, depth, now_ms = await self._enqueue(
+            keys=[*self._keys(tenant_id), self.keys.queue_counters, self.keys.queue_virtual_time],
             args=[
                 tenant_id,
                 ticket,
                 quota.max_queue_depth,
                 int(self.config.queue_ticket_ttl_s * 1000),
-                int(quota.max_queue_wait_s * 1000),
             ],
         )
-        expected_s = int(expected_ms) / 1000 if int(expected_ms) >= 0 else None
-        return Enqueued(joined == 1, int(depth), int(now_ms) / 1000, expected_s, joined == 2)
-
-    async def expected_wait_s(self, tenant_id: str) -> float | None:
-        """How long a ticket joining the tenant's queue now is expected to wait (``None``:
-        it would be first, or its tenant has no pace yet); read only."""
-        _, expected_ms = await self._expected_wait(
-            keys=[*self._keys(tenant_id), self.keys.queue_paces], args=[tenant_id]
-        )
-        return int(expected_ms) / 1000 if int(expected_ms) >= 0 else None
+        return Enqueued(bool(queued), int(depth), int(now_ms) / 1000)
 
     async def leave(self, tenant_id: str, ticket: str) -> bool:
         """Take ``ticket`` out of the queue (its client left, or it waited too long);
         idempotent, True if it was queued."""
-        removed = await self._leave(
-            keys=[*self._keys(tenant_id), self.keys.queue_paces], args=[tenant_id, ticket]
-        )
+        removed = await self._leave(keys=self._keys(tenant_id), args=[tenant_id, ticket])
         return bool(removed)
 
     async def queues(self) -> dict[str, TenantQueue]:

@@ -2,14 +2,13 @@
 ticket, take one away and read the queues (:mod:`controlplane.fair_queue` states the
 contract). All on Redis's clock.
 
-A queue is the Lua table ``{tickets, leases, active, contending, tenant_leases, pace}`` of
-keys: the tenant's tickets (sorted set, ticket -> enqueued ms: its FIFO order), their
-leases (ticket -> ms after which it is dead), the active tenants (tenant -> virtual
-counter: every tenant with a ticket), the contending tenants (tenant -> virtual counter:
-those whose first ticket passed its own limits and waits for the cluster, and those just
-served whose own limits will not hold their next ticket), the tenants' leases
-(tenant -> the latest lease of its tickets) and the tenants' paces (hash: tenant ->
-``pace_ms head_ms count``, see ``expected_wait``). Scripts take the pace hash as their last key.
+A queue is the Lua table ``{tickets, leases, active, contending, tenant_leases}`` of keys:
+the tenant's tickets (sorted set, ticket -> enqueued ms: its FIFO order), their leases
+(ticket -> ms after which it is dead), the active tenants (tenant -> virtual counter:
+every tenant with a ticket), the contending tenants (tenant -> virtual counter: those whose
+first ticket passed its own limits and waits for the cluster, and those just served whose
+own limits will not hold their next ticket) and the tenants' leases
+(tenant -> the latest lease of its tickets).
 """
 
 QUEUE_FUNCTIONS = """
@@ -18,56 +17,10 @@ local function counter_of(counters, tenant)
 end
 
 -- Nobody waits for `tenant` any more: it leaves the active and contending tenants.
--- Its pace belongs to this backlog and goes with it.
 local function retire(queue, tenant)
   redis.call('ZREM', queue[3], tenant)
   redis.call('ZREM', queue[4], tenant)
   redis.call('ZREM', queue[5], tenant)
-  redis.call('HDEL', queue[6], tenant)
-end
-
--- The tenant's pace in its current backlog: the mean time (ms) a ticket of its spent first
--- in its queue before it was admitted (-1: none was admitted since its queue last
--- emptied), since when (ms) its first ticket is first (0: since it joined), and how many
--- times were measured. The first PACE_SAMPLES times are averaged alike, each later one
--- weighs 1 / PACE_SAMPLES (a moving mean that forgets: no single slow start dominates).
--- While the tenant is backlogged, a ticket is admitted about every pace: the time first
--- is the time between the tenant's releases from its queue.
-local PACE_SAMPLES = 4
-local function pace_of(queue, tenant)
-  local raw = redis.call('HGET', queue[6], tenant)
-  if not raw then return -1, 0, 0 end
-  local pace, head, count = string.match(raw, '^(%S+) (%S+) (%S+)$')
-  return tonumber(pace), tonumber(head), tonumber(count)
-end
-
-local function set_pace(queue, tenant, pace, head, count)
-  redis.call('HSET', queue[6], tenant, string.format('%.17g %.17g %d', pace, head, count))
-end
-
--- The pace once a ticket first for `first_for` ms is admitted.
-local function paced(pace, count, first_for)
-  return pace + (first_for - pace) / math.min(count + 1, PACE_SAMPLES)
-end
-
--- Another ticket became the tenant's first at `now` (the one before it left or lapsed).
-local function new_head(queue, tenant, now)
-  local pace, _, count = pace_of(queue, tenant)
-  set_pace(queue, tenant, pace, now, count)
-end
-
--- How long (ms) a ticket with `ahead` (>= 1) of its tenant's tickets before it is expected
--- to wait from `now`: what is left of the pace for the first ticket, then a pace for each
--- ticket after it, this one included. Once the first ticket has been first for longer
--- than the pace, the pace counts it as if it were admitted now (the evidence that
--- releases slowed), and nothing is left for it. -1 while no pace is measured.
-local function expected_wait(queue, tenant, ahead, now)
-  local pace, head, count = pace_of(queue, tenant)
-  if pace < 0 then return -1 end
-  local first = redis.call('ZRANGE', queue[1], 0, 0, 'WITHSCORES')[2]
-  local first_for = now - math.max(head, tonumber(first or now))
-  if first_for > pace then return ahead * paced(pace, count, first_for) end
-  return (pace - first_for) + ahead * pace
 end
 
 -- Drop the tenant's dead tickets (their ingress stopped renewing), and every tenant whose
@@ -75,12 +28,10 @@ end
 -- leaves the contention: the next one takes its place at its next poll.
 local function purge_tickets(queue, tenant, now)
   local dead = redis.call('ZRANGEBYSCORE', queue[2], '-inf', now)
-  local first = #dead > 0 and redis.call('ZRANGE', queue[1], 0, 0)[1]
   for _, ticket in ipairs(dead) do redis.call('ZREM', queue[1], ticket) end
   if #dead > 0 then
     redis.call('ZREMRANGEBYSCORE', queue[2], '-inf', now)
     redis.call('ZREM', queue[4], tenant)
-    if first and not redis.call('ZSCORE', queue[1], first) then new_head(queue, tenant, now) end
   end
   local stale = redis.call('ZRANGEBYSCORE', queue[5], '-inf', now)
   for _, name in ipairs(stale) do
@@ -171,12 +122,8 @@ end
 -- limit, or no room in its budget for another request of this size) leaves the contention
 -- and rejoins at its next ticket's poll, so it does not stall the others meanwhile; any
 -- other tenant stays in it at its new counter, so the weights hold when room frees faster
--- than tickets poll. The tenant's pace takes the time the ticket was first (`now`: when it
--- was admitted, which makes the next ticket first).
-local function served(queue, counters, vtime, tenant, ticket, counter, cost, held, now)
-  local pace, head, count = pace_of(queue, tenant)
-  local first_for = now - math.max(head, tonumber(redis.call('ZSCORE', queue[1], ticket)))
-  set_pace(queue, tenant, paced(pace, count, first_for), now, count + 1)
+-- than tickets poll.
+local function served(queue, counters, vtime, tenant, ticket, counter, cost, held)
   local after = counter + cost
   redis.call('HSET', counters, tenant, string.format('%.17g', after))
   local before = tonumber(redis.call('GET', vtime) or '0') or 0
@@ -196,11 +143,8 @@ local function served(queue, counters, vtime, tenant, ticket, counter, cost, hel
 end
 """
 
-# KEYS: tickets, leases, active, contending, tenant leases, counters, virtual time, paces.
-# ARGV: tenant, ticket, max depth, lease_ms, max wait ms (0: none). Returns {joined, depth,
-# now_ms, expected wait ms}: joined 1, or 0 when the tenant's queue holds its max depth,
-# or 2 when the ticket is expected to wait longer than the max wait (`expected_wait`; a
-# ticket that would be first, or of a tenant with no pace yet, is never expected to).
+# KEYS: tickets, leases, active, contending, tenant leases, counters, virtual time.
+# ARGV: tenant, ticket, max depth, lease_ms. Returns {1 if queued else 0, depth, now_ms}.
 # A tenant that becomes active (its first ticket) starts at the smallest counter of the
 # contending tenants: idling earns no credit (VTC). With none contending, at the smallest
 # counter of the active ones but not below the virtual time: an active tenant held back by
@@ -210,16 +154,10 @@ ENQUEUE = (
     + QUEUE_FUNCTIONS
     + """
 local now = tonumber(NOW_TIME[1]) * 1000 + math.floor(tonumber(NOW_TIME[2]) / 1000)
-local queue = {KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[8]}
-local tenant, ticket = ARGV[1], ARGV[2]
+local queue, tenant, ticket = {KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]}, ARGV[1], ARGV[2]
 purge_tickets(queue, tenant, now)
 local depth = redis.call('ZCARD', KEYS[1])
-if depth >= tonumber(ARGV[3]) then return {0, depth, now, -1} end
-local max_wait = tonumber(ARGV[5])
-local expected = depth > 0 and expected_wait(queue, tenant, depth, now) or -1
-if max_wait > 0 and expected > max_wait then
-  return {2, depth, now, string.format('%d', math.ceil(expected))}
-end
+if depth >= tonumber(ARGV[3]) then return {0, depth, now} end
 if depth == 0 then
   local floor = tonumber(redis.call('ZRANGE', KEYS[4], 0, 0, 'WITHSCORES')[2] or '')
   if floor == nil then
@@ -237,20 +175,16 @@ local last = tonumber(redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')[2] or 
 redis.call('ZADD', KEYS[1], 'NX', math.max(now, last + 0.001), ticket)
 redis.call('ZADD', KEYS[2], lease_until, ticket)
 redis.call('ZADD', KEYS[5], 'GT', lease_until, tenant)
-return {1, depth + 1, now, string.format('%d', math.ceil(expected))}
+return {1, depth + 1, now}
 """
 )
 
-# KEYS: tickets, leases, active, contending, tenant leases, paces. ARGV: tenant, ticket.
-# 1 iff the ticket was queued. A first ticket that leaves ends its tenant's contention; the
-# next one is first from now on.
+# KEYS: tickets, leases, active, contending, tenant leases. ARGV: tenant, ticket.
+# 1 iff the ticket was queued. A first ticket that leaves ends its tenant's contention.
 LEAVE = (
-    "local NOW_TIME = redis.call('TIME')\n"
-    + QUEUE_FUNCTIONS
+    QUEUE_FUNCTIONS
     + """
-local now = tonumber(NOW_TIME[1]) * 1000 + math.floor(tonumber(NOW_TIME[2]) / 1000)
-local queue = {KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]}
-local tenant, ticket = ARGV[1], ARGV[2]
+local queue, tenant, ticket = {KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]}, ARGV[1], ARGV[2]
 local first = redis.call('ZRANGE', KEYS[1], 0, 0)[1]
 local removed = redis.call('ZREM', KEYS[1], ticket)
 redis.call('ZREM', KEYS[2], ticket)
@@ -258,23 +192,7 @@ if redis.call('ZCARD', KEYS[1]) == 0 then
   retire(queue, tenant)
 elseif first == ticket then
   redis.call('ZREM', KEYS[4], tenant)
-  new_head(queue, tenant, now)
 end
 return removed
-"""
-)
-
-# KEYS: tickets, leases, active, contending, tenant leases, paces. ARGV: tenant. Read only:
-# {depth, expected wait ms of a ticket joining now (-1: it would be first, or no pace)};
-# lapsed tickets not yet purged count.
-EXPECTED_WAIT = (
-    "local NOW_TIME = redis.call('TIME')\n"
-    + QUEUE_FUNCTIONS
-    + """
-local now = tonumber(NOW_TIME[1]) * 1000 + math.floor(tonumber(NOW_TIME[2]) / 1000)
-local queue = {KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]}
-local depth = redis.call('ZCARD', KEYS[1])
-if depth == 0 then return {0, -1} end
-return {depth, string.format('%d', math.ceil(expected_wait(queue, ARGV[1], depth, now)))}
 """
 )

@@ -164,13 +164,6 @@ class KeySpace:
         return f"{self.prefix}:queue:vtime"
 
     @property
-    def queue_paces(self) -> str:
-        """Hash: tenant -> ``pace_ms head_ms count``: the mean time a ticket of its current backlog
-        spent first in its queue, and since when its first ticket is first (its expected
-        waits: ``fair_queue_scripts``)."""
-        return f"{self.prefix}:queue:paces"
-
-    @property
     def queue_present_weights(self) -> str:
         """Hash: tenant -> its weight at its latest admission while the cluster had a bound;
         present in the weighted shares while its reservation total is above 0."""

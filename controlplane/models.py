@@ -101,9 +101,7 @@ class TenantLimits(_Frozen):
     max_queue_wait_s: float = Field(
         default=DEFAULT_QUEUE_WAIT_S, ge=0, le=MAX_QUEUE_WAIT_S, allow_inf_nan=False
     )
-    """The longest a request waits in the queue; then it is a 429 with ``Retry-After``. A
-    request its tenant's pace says would wait longer is that 429 at once, or as soon as it
-    is predicted once queued (``controlplane.fair_queue``)."""
+    """The longest a request waits in the queue; then it is a 429 with ``Retry-After``."""
     prefix_group: PrefixGroup | None = None
     """Tenants naming the same group share prefix-cache blocks: their prompts are salted
     with the group's salt instead of their own, so a prompt prefix one of them computed

@@ -47,9 +47,7 @@ ATTR_QUEUE_DEPTH = "vtoken.queue.depth"
 ATTR_QUEUE_WAIT_S = "vtoken.queue.wait_s"
 ATTR_QUEUE_OUTCOME = "vtoken.queue.outcome"
 """How a queued request's wait ended: admitted, rejected, timeout, full (not queued: its
-tenant's queue was full), late (not queued: expected to wait past its tenant's maximum),
-shed (refused before the maximum: expected to wait past it), left (its client went away),
-lost (its ticket lapsed)."""
+tenant's queue was full), left (its client went away), lost (its ticket lapsed)."""
 ATTR_ERROR_KIND = "vtoken.error.kind"
 ATTR_COMPLETION_TOKENS = "vtoken.request.completion_tokens"
 

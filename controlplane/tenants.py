@@ -52,7 +52,7 @@ return {'no_key', existed}
 # starts, reservation deadlines, rate bucket, reservation total, lapsed, lapsed-at, the
 # cluster's reservation total (less the tenant's, never below 0), then the fair queue's:
 # the tenant's tickets and their leases, the active, contending and tenant-lease sets and
-# the counters and paces (the tenant leaves each). ARGV: tenant id.
+# the counters (the tenant leaves each). ARGV: tenant id.
 # Returns {quota existed (0/1), keys revoked, reservations removed}.
 # The scan of every key digest also catches keys stored before key ids existed; it runs
 # once per tenant deletion (an admin action), O(all keys).
@@ -80,7 +80,6 @@ redis.call('DEL', KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
 redis.call('DEL', KEYS[13], KEYS[14])
 for i = 15, 17 do redis.call('ZREM', KEYS[i], tenant) end
 redis.call('HDEL', KEYS[18], tenant)
-redis.call('HDEL', KEYS[19], tenant)
 local existed = redis.call('HDEL', KEYS[1], tenant)
 redis.call('INCR', KEYS[2])
 return {existed, revoked, reservations}
@@ -163,7 +162,6 @@ async def remove_tenant(redis: aioredis.Redis, keys: KeySpace, tenant_id: str) -
         keys.cluster_reservation_total,
         *queue_keys(keys, tenant_id),
         keys.queue_counters,
-        keys.queue_paces,
     ]
     existed, revoked, reservations = await script(keys=names, args=[tenant_id])
     return TenantRemoval(

@@ -6,10 +6,7 @@ ticket in its tenant's queue and asks again every ``queue_poll_s`` with it, in t
 :mod:`controlplane.fair_queue` keeps between ingresses. Past the tenant's
 ``max_queue_depth`` (at joining) or ``max_queue_wait_s`` it is today's 429, with the
 ``Retry-After`` admission computes (a ticket whose lease lapsed while its ingress still
-polls joins again at the back of its queue: a late poll loses no request). A request its
-tenant's pace says will not be admitted within ``max_queue_wait_s`` is that 429 early: at
-once instead of joining, or at the poll that finds it, ``Retry-After`` saying when a
-request would fit (:func:`controlplane.fair_queue.sheds`); a request
+polls joins again at the back of its queue: a late poll loses no request); a request
 that can never fit is a 400 at once, and a prompt-token rate throttle a 429 at once. A
 client that leaves while queued takes its ticket with it (the leave is shielded from the
 cancellation; so is the enqueue, whose ticket is taken away once it is in); an admission
@@ -22,20 +19,14 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from opentelemetry import trace
 
 from controlplane import telemetry
 from controlplane.admission import Admission, AdmissionDecision, AdmissionOutcome, Reservation
-from controlplane.fair_queue import (
-    QUEUEABLE_REASONS,
-    Enqueued,
-    FairQueue,
-    retry_after_wait_s,
-    sheds,
-)
+from controlplane.fair_queue import QUEUEABLE_REASONS, Enqueued, FairQueue
 from controlplane.metrics import IngressMetrics
 from controlplane.models import TenantQuota
 from controlplane.otel_metrics import RequestMetrics
@@ -45,8 +36,8 @@ from serving.stream_progress import TokenPace
 from serving.tenant_gate import throttled
 
 QUEUE_WAIT_HEADER = "X-VToken-Queue-Wait"
-"""Response header of an answer (or a 429) whose request waited in its tenant's queue: the
-seconds it waited (absent when it never joined the queue)."""
+"""Response header of an answer whose request waited in its tenant's queue: the seconds
+it waited (absent when it was admitted without queueing)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,8 +53,7 @@ class AdmitAsk:
 
 class QueuedAdmission:
     """Admission with the fair queue, for one ingress; ``waiting`` is what this ingress
-    holds queued (tenant -> ticket -> ``clock()`` when it joined): its metrics' view.
-    ``clock``: seconds, ``time.monotonic`` but in tests."""
+    holds queued (tenant -> ticket -> ``time.monotonic()`` when it joined): its metrics' view."""
 
     def __init__(
         self,
@@ -74,10 +64,8 @@ class QueuedAdmission:
         request_metrics: RequestMetrics,
         pace: TokenPace,
         first_token: TokenPace,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.admission, self.queue, self.releaser = admission, queue, releaser
-        self._clock = clock
         self.metrics, self.request_metrics = metrics, request_metrics
         self.pace, self.first_token = pace, first_token
         self.waiting: dict[str, dict[str, float]] = {}
@@ -95,7 +83,7 @@ class QueuedAdmission:
         decision, waited_s = await self._ask(ask, ""), None
         if decision.outcome is AdmissionOutcome.THROTTLED and self._may_queue(ask, decision):
             decision, waited_s = await self._wait(ask, decision, span)
-        return await self._answer(ask, decision, waited_s), waited_s
+        return await self._answer(ask, decision, waited_s is not None), waited_s
 
     @staticmethod
     def _may_queue(ask: AdmitAsk, decision: AdmissionDecision) -> bool:
@@ -123,24 +111,18 @@ class QueuedAdmission:
             raise
         span.set_attribute(telemetry.ATTR_QUEUE_DEPTH, joined.depth)
         if not joined.queued:
-            span.set_attribute(telemetry.ATTR_QUEUE_OUTCOME, "late" if joined.too_long else "full")
-            return (
-                self._late(quota, joined.expected_wait_s) if joined.too_long else decision
-            ), None
-        started = self._clock()
+            span.set_attribute(telemetry.ATTR_QUEUE_OUTCOME, "full")
+            return decision, None
+        started = time.monotonic()
         deadline = started + quota.max_queue_wait_s
         outcome = "timeout"
         with self._holding(quota.tenant_id, ticket, started):
             try:
-                while (left := deadline - self._clock()) > 0:
+                while (left := deadline - time.monotonic()) > 0:
                     await asyncio.sleep(min(self._pause_s(decision), left))
                     decision = await self._ask(ask, ticket)
                     if decision.outcome is not AdmissionOutcome.THROTTLED:
                         outcome = decision.outcome.value
-                        break
-                    waited_s = self._clock() - started
-                    if sheds(waited_s, decision.queue_expected_wait_s, quota.max_queue_wait_s):
-                        outcome = "shed"
                         break
                     if decision.reason == "ticket_lost" and not await self._rejoin(ask):
                         outcome = "lost"
@@ -150,23 +132,14 @@ class QueuedAdmission:
                 self._leave_soon(quota.tenant_id, ticket)
                 raise
             finally:
-                waited_s = self._clock() - started
+                waited_s = time.monotonic() - started
                 span.set_attribute(telemetry.ATTR_QUEUE_WAIT_S, waited_s)
                 span.set_attribute(telemetry.ATTR_QUEUE_OUTCOME, outcome)
                 self.metrics.queue_wait(quota.tenant_id, waited_s)
                 self.request_metrics.queue_wait(quota.tenant_id, waited_s)
         if not decision.admitted:
             await redis_or_503(self.queue.leave(quota.tenant_id, ticket))
-        if outcome == "shed":  # when a request joining behind the others would fit
-            expected_s = await redis_or_503(self.queue.expected_wait_s(quota.tenant_id))
-            decision = self._late(quota, expected_s)
         return decision, waited_s
-
-    @staticmethod
-    def _late(quota: TenantQuota, expected_wait_s: float | None) -> AdmissionDecision:
-        """The 429 of a request expected to wait longer than its tenant's maximum."""
-        retry_after_s = retry_after_wait_s(expected_wait_s, quota.max_queue_wait_s)
-        return AdmissionDecision(AdmissionOutcome.THROTTLED, "queue_wait", retry_after_s, None)
 
     async def _rejoin(self, ask: AdmitAsk) -> bool:
         """Take a new ticket for a request whose lease lapsed while this ingress still
@@ -232,11 +205,8 @@ class QueuedAdmission:
             raise
 
     async def _answer(
-        self, ask: AdmitAsk, decision: AdmissionDecision, waited_s: float | None
+        self, ask: AdmitAsk, decision: AdmissionDecision, polled: bool
     ) -> Reservation:
-        """The reservation; else the 429 (saying how long it waited queued, if it did) or
-        the 400."""
-        polled = waited_s is not None
         tenant_id = ask.quota.tenant_id
         self.metrics.admission(tenant_id, decision.outcome.value)
         self.request_metrics.admission(tenant_id, decision.outcome.value)
@@ -256,10 +226,7 @@ class QueuedAdmission:
                     )
                 )
             retry = max(1, math.ceil(retry_after_s))  # never before it fits
-            error = throttled(tenant_id, decision.reason, retry)
-            if waited_s is not None and error.headers is not None:
-                error.headers[QUEUE_WAIT_HEADER] = f"{waited_s:.3f}"
-            raise error
+            raise throttled(tenant_id, decision.reason, retry)
         if decision.reservation is None:
             raise HTTPError(400, self._rejection(ask, decision.reason), "invalid_request")
         return decision.reservation

@@ -36,7 +36,6 @@ THROTTLE_REASONS = {
     "queued": "behind as many of its own queued requests as it may queue",
     "cluster_full": "waiting for room in the cluster, which serves tenants in weighted turn",
     "ticket_lost": "waiting on a queue ticket that lapsed",
-    "queue_wait": "expected to wait in its queue longer than its max_queue_wait_s",
 }
 
 

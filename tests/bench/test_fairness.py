@@ -42,8 +42,6 @@ def test_fair_and_priority_run_on_the_real_stack_and_report_what_was_served(tmp_
         targets = result["targets"]
         assert targets["jain_index"]["met"] == (result["jain_index"] >= JAIN_BOUND)
         assert targets["waits_past_max"]["met"] == (result["waits_past_max"] == 0)
-        held_then_refused = result["refusals_after_full_wait"]
-        assert targets["refusals_after_full_wait"]["met"] == (held_then_refused == 0)
         if rows["B"]["requests_throttled"]:  # a B request never served fails its target
             assert targets["b_ttft_p99_s"]["met"] is False
         assert list(rows) == ["A", "B", "C"]
@@ -63,10 +61,7 @@ def test_fair_and_priority_run_on_the_real_stack_and_report_what_was_served(tmp_
             # requests queue in 20 s depends on the machine's speed)
             if rows["A"]["requests_queued"]:
                 assert rows["A"]["queue_wait_p99_s"] > 0
-            # Served within the maximum or told early: none held to it, then refused. (A
-            # request refused early whose client gives up at the end of the arrivals counts
-            # in waits_past_max: the queue's rule refuses what it expects past the maximum.)
-            assert result["refusals_after_full_wait"] == 0, result["tenants"][0]
+            assert result["waits_past_max"] == 0
         else:  # no queue: throttled clients retried after Retry-After
             assert all(row["requests_queued"] == 0 for row in rows.values())
     solo = summary["solo"]

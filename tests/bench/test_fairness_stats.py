@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from bench.fairness_stats import (
@@ -124,20 +122,3 @@ def test_output_tokens_are_credited_when_their_chunks_arrive() -> None:
     """4 tokens over 5 s .. 25 s, all streamed in the first window: all in window 0."""
     record = served("a", 5.0, 25.0, 0, 4, chunk_times_s=(5.0, 6.0, 7.0, 8.0))
     assert service_per_window([record], 1.0, Costs(1.0, 2.0), 3) == [8.0, 0.0, 0.0]
-
-
-def test_refusals_after_a_full_wait_are_told_apart_from_early_ones() -> None:
-    """Per queue stay: a 429 after the whole maximum in the queue (held, then refused)
-    counts apart from one refused at once or shed before the maximum."""
-    fields: dict[str, Any] = {}
-    for header in ("59.98", None, "41.5"):  # held to the maximum; at once; shed early
-        Record.note_refusal(fields, header)
-    assert fields["refused_waits_s"] == (59.98, 0.0, 41.5)
-    retried = served("A", 71.0, 72.0, 10, 2, sent=0.5, admitted_s=70.5, **fields)
-    summary = mode_summary([retried], {"A": 1.0}, [], 80.0, 0.0, Costs(), {"A": 60.0})
-    (row,) = summary["tenants"]
-    assert (row["refusals_after_full_wait"], row["refusals_early"]) == (1, 2)
-    assert summary["refusals_after_full_wait"] == 1
-    assert mode_targets(summary, None)["refusals_after_full_wait"]["met"] is False
-    unqueued = mode_summary([retried], {"A": 1.0}, [], 80.0, 0.0, Costs(), {"A": None})
-    assert unqueued["tenants"][0]["refusals_after_full_wait"] == 0  # no queue: no maximum

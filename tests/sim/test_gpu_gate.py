@@ -153,3 +153,15 @@ def test_validate_command_writes_the_gate(tmp_path) -> None:
     assert "gpu_tables: passed=" in result.output
     bad = CliRunner().invoke(app, [*args[:4], "--gpu-models", "llama-9b", "--json", str(out)])
     assert bad.exit_code == 2 and "no published row has model" in bad.output
+
+
+@pytest.mark.parametrize("option", ["--gpu-models", "--gpu-gpus", "--gpu-shapes"])
+def test_an_empty_row_filter_is_refused_not_widened(tmp_path, option) -> None:
+    # An empty value (an unset shell variable, say) must not silently select every row.
+    narrow = {"--gpu-models": "llama-3.1-8b", "--gpu-gpus": "h200", "--gpu-shapes": "2048/128"}
+    filters = [part for key, value in narrow.items() for part in (key, value * (key != option))]
+    args = ["sim", "validate", "--gates", "gpu_tables", *filters, "--gpu-requests", "2",
+            "--json", str(tmp_path / "gates.json")]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert not (tmp_path / "gates.json").exists()

@@ -254,9 +254,9 @@ def _gpu_tables(
         raise typer.BadParameter(f"--gpu-fidelity must be one of {', '.join(FIDELITIES)}")
     try:
         rows = select_rows(
-            models=csv_items(models) if models else None,
-            gpus=csv_items(gpus) if gpus else None,
-            shapes=csv_items(shapes) if shapes else None,
+            models=None if models is None else csv_items(models),
+            gpus=None if gpus is None else csv_items(gpus),
+            shapes=None if shapes is None else csv_items(shapes),
         )
     except ValueError as error:
         raise typer.BadParameter(str(error)) from None

@@ -83,9 +83,14 @@ class Device:
 # sparsity), NVLink 900 GB/s total (450 GB/s per direction).
 # NVIDIA H100 SXM datasheet (nvidia.com/en-us/data-center/h100): 80 GB HBM3, 3.35 TB/s,
 # the same BF16 / FP8 peaks and NVLink.
+# Memory is what the driver reports as the device's total (nvidia-smi: 143,771 MiB on an
+# H200, 81,559 MiB on an H100 SXM 80GB), the figure vLLM's gpu_memory_utilization
+# multiplies; the datasheets' "141 GB" and "80 GB" are about 7% less in bytes.
+H200_MEMORY_BYTES = 143_771 * 2**20
+H100_MEMORY_BYTES = 81_559 * 2**20
 DEVICES = {
-    "h200": Device("h200", 141e9, 4.8e12, 989e12, 1979e12, 450e9),
-    "h100": Device("h100", 80e9, 3.35e12, 989e12, 1979e12, 450e9),
+    "h200": Device("h200", H200_MEMORY_BYTES, 4.8e12, 989e12, 1979e12, 450e9),
+    "h100": Device("h100", H100_MEMORY_BYTES, 3.35e12, 989e12, 1979e12, 450e9),
 }
 
 

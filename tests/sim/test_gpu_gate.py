@@ -72,7 +72,8 @@ def test_within_is_fifteen_percent_of_the_published_figure() -> None:
 def test_row_settings_admit_only_what_fits_whole() -> None:
     long = select_rows(models=["llama-3.1-8b"], gpus=["h200"], shapes=["20000/2000"])[0]
     cost = gpu_cost_model("h200", "llama-3.1-8b", "fp8", 1, BLOCK_SIZE)
-    blocks = int((141e9 * 0.9 - 8.03e9) // (2 * 32 * 8 * 128 * 1 * BLOCK_SIZE))
+    memory = 143_771 * 2**20  # what the driver reports for an H200
+    blocks = int((memory * 0.9 - 8.03e9) // (2 * 32 * 8 * 128 * 1 * BLOCK_SIZE))
     settings = row_settings(long)
     assert settings.num_blocks == blocks == cost.kv_pool_blocks()
     assert settings.max_num_seqs == blocks // math.ceil(22000 / BLOCK_SIZE) < MAX_NUM_SEQS
@@ -107,10 +108,10 @@ def test_one_request_runs_its_prefill_and_decode_steps() -> None:
 
 
 def test_a_long_row_never_preempts_and_fills_its_batch() -> None:
-    # 70B on one H200: 15 whole 22k-token sequences fit; 40 requests run in three waves.
+    # 70B on one H200: 18 whole 22k-token sequences fit; 40 requests run in three waves.
     row = select_rows(models=["llama-3.1-70b"], gpus=["h200"], shapes=["20000/2000"])[0]
     measured = simulate_row(row, num_requests=40)
-    assert measured["settings"]["max_num_seqs"] == 15
+    assert measured["settings"]["max_num_seqs"] == 18
     assert measured["preemptions"] == 0
     # Three waves of 2,000 decode steps, at least, and each of the 40 prefills' chunks.
     assert measured["steps"] >= 3 * 2000
